@@ -1,0 +1,1 @@
+"""Converters between engine checkpoint formats and the universal checkpoint; and the `interop` CLI."""

@@ -1,0 +1,269 @@
+"""`interop inspect | verify | convert | diff` (and commands other packages register, such as `demo`).
+
+Exit codes: 0 success; 1 verify found problems or diff found differences; 2 the input could not be used
+(the one-line error names the file and the problem; no traceback, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib.metadata import entry_points
+from typing import Callable
+
+import os
+
+from interop import __version__
+from interop.commit import check_destination, resolve_checkpoint_dir
+from interop.errors import InteropError
+from interop.logical import LogicalCheckpoint
+from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.topology import Topology
+from interop.universal import parse_size
+
+from . import registry
+from .diff import diff_checkpoints
+
+log = logging.getLogger("interop.cli")
+
+EXIT_PROBLEMS, EXIT_ERROR = 1, 2
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _tqdm(**kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(disable=None, leave=False, **kwargs)
+
+
+def _bytes_progress(total: int, desc: str) -> tuple[Callable, Callable]:
+    bar = _tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    return (lambda entry: bar.update(entry.spec.nbytes)), bar.close
+
+
+def _iter_progress(items, **kwargs):
+    return _tqdm(iterable=items, total=len(items), **kwargs)
+
+
+def _options(args: argparse.Namespace) -> registry.Options:
+    return registry.Options(
+        trust_pickle=getattr(args, "trust_pickle", False),
+        overwrite=getattr(args, "overwrite", False),
+        max_shard_size=parse_size(getattr(args, "max_shard_size", None) or "5GiB"),
+    )
+
+
+# --- inspect -------------------------------------------------------------------------------------------
+
+
+def _print_topology(manifest: Manifest | None, ckpt: LogicalCheckpoint) -> None:
+    topo = ckpt.topology
+    if topo:
+        t = Topology.from_json(topo)
+        groups = ", ".join(f"{name}: {len(parts)} groups of {len(parts[0])}" for name, parts in t.groups.items())
+        print(f"topology:  world size {t.world_size}, {t.num_nodes} node(s)" + (f"; {groups}" if groups else ""))
+    src = {k: v for k, v in ckpt.source.items() if v is not None}
+    if src:
+        print("source:    " + ", ".join(f"{k}={v}" for k, v in src.items()))
+    if manifest is not None and manifest.sharding:
+        s = {k: v for k, v in manifest.sharding.items() if v not in (None, {}, [])}
+        print("sharding:  " + ", ".join(f"{k}={v}" for k, v in s.items()))
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    fmt, ckpt = registry.read(args.path, _options(args))
+    manifest = None
+    directory = resolve_checkpoint_dir(args.path)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        manifest = read_manifest(directory)
+    print(f"path:      {directory}")
+    print(f"format:    {fmt.name} ({fmt.description})")
+    if ckpt.step is not None:
+        print(f"step:      {ckpt.step}")
+    if ckpt.config:
+        print(f"model:     {ckpt.config.get('model_type')} ({', '.join(ckpt.config.get('architectures') or [])})")
+    _print_topology(manifest, ckpt)
+    if ckpt.tied:
+        print("tied:      " + "; ".join(" <- ".join(g) for g in ckpt.tied))
+    if ckpt.frozen:
+        print(f"frozen:    {len(ckpt.frozen)} tensors")
+    if ckpt.optimizer is not None:
+        o = ckpt.optimizer
+        print(f"optimizer: {o.cls}, {len(o.param_groups)} param group(s), state keys {', '.join(o.state_keys)}")
+    comps = dict(manifest.components) if manifest else {k: c.record for k, c in ckpt.components.items()}
+    if comps:
+        print("\ncomponents:")
+        print(f"  {'key':<20} {'pattern':<11} {'on world-size change':<21} pieces")
+        for key, rec in comps.items():
+            print(f"  {key:<20} {rec.pattern:<11} {rec.policy:<21} {len(rec.pieces)}")
+    rows = [(key, list(t.spec.shape), str(t.spec.dtype).replace("torch.", ""), t.spec.nbytes) for key, t in ckpt.tensors()]
+    if rows:
+        width = min(max(len(r[0]) for r in rows), 70)
+        print(f"\n  {'tensor':<{width}} {'shape':<18} {'dtype':<9} {'bytes':>10}")
+        for key, shape, dtype, nbytes in rows[: args.limit or None]:
+            print(f"  {key:<{width}} {str(shape):<18} {dtype:<9} {human_bytes(nbytes):>10}")
+        if args.limit and len(rows) > args.limit:
+            print(f"  ... {len(rows) - args.limit} more (use --limit 0 for all)")
+    n_model = sum(t.spec.numel for t in ckpt.model.values())
+    total = sum(r[3] for r in rows)
+    print(f"\ntotal:     {len(rows)} tensors, {human_bytes(total)}; model parameters {n_model:,}")
+    return 0
+
+
+# --- verify --------------------------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from interop.verify import verify_checkpoint
+
+    directory = resolve_checkpoint_dir(args.path)
+    progress = None if args.quiet else (lambda items, **kw: _iter_progress(items, **kw))
+    manifest, problems = verify_checkpoint(directory, digests=not args.sizes_only, progress=progress)
+    if problems:
+        print(f"{directory}: {len(problems)} problem(s)")
+        for p in problems:
+            print(f"  - {p}")
+        return EXIT_PROBLEMS
+    assert manifest is not None
+    checked = "sizes" if args.sizes_only else "sizes and digests"
+    print(f"{directory}: OK ({manifest.format}, {len(manifest.files)} files, {checked} match the manifest)")
+    return 0
+
+
+# --- convert -------------------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    options = _options(args)
+    target = registry.writer(args.to)
+    check_destination(args.dst, options.overwrite)  # refuse before reading anything
+    src_fmt, ckpt = registry.read(args.src, options)
+    total = sum(t.spec.nbytes for _, t in ckpt.tensors())
+    options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
+    try:
+        target.write(ckpt, args.dst, options)  # type: ignore[misc]
+    finally:
+        close()
+    print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): {human_bytes(total)}")
+    for note in ckpt.notes:
+        print(f"note: {note}")
+    return 0
+
+
+# --- diff ----------------------------------------------------------------------------------------------
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    options = _options(args)
+    fa, a = registry.read(args.a, options)
+    fb, b = registry.read(args.b, options)
+    report = diff_checkpoints(
+        a, b, args.atol, progress=lambda items, **kw: _iter_progress(items, **kw), model_only=args.model_only
+    )
+    sides = {"only_a": f"A ({args.a})", "only_b": f"B ({args.b})"}
+    for status, side in sides.items():
+        by_prefix: dict[str, list[str]] = {}
+        for e in report.entries:
+            if e.status == status:
+                prefix = e.key.rsplit("/", 1)[0] + "/" if e.key.startswith("optimizer/") else ""
+                by_prefix.setdefault(prefix, []).append(e.key)
+        for prefix, keys in by_prefix.items():
+            if prefix and len(keys) > 3 and not args.verbose:
+                print(f"! {prefix}*: {len(keys)} tensors only in {side}")
+            else:
+                for key in keys:
+                    print(f"! {key}: only in {side}")
+    for e in report.entries:
+        if (e.status == "exact" and not args.verbose) or e.status in sides:
+            continue
+        elif e.status in ("shape", "dtype"):
+            print(f"! {e.key}: {e.detail}" + (f", max |a-b| {e.max_abs:.3g}" if e.max_abs is not None else ""))
+        elif e.status == "differs":
+            print(f"! {e.key}: max |a-b| {e.max_abs:.6g}")
+        else:
+            print(f"{'=' if e.status == 'exact' else '~'} {e.key}: {e.status}" + (f" (max |a-b| {e.max_abs:.3g})" if e.status == "close" else ""))
+    n = len(report.entries)
+    print(
+        f"{fa.name} vs {fb.name}: {n} compared, {report.count('exact')} exact, {report.count('close')} within atol, "
+        f"{len(report.problems)} different"
+    )
+    return EXIT_PROBLEMS if report.problems else 0
+
+
+# --- wiring --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="interop", description="Inspect, verify, convert and compare training checkpoints across engines."
+    )
+    parser.add_argument("--version", action="version", version=f"interop {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("inspect", cmd_inspect, "show a checkpoint's format, topology, components and tensors")
+    p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
+    p.add_argument("--limit", type=int, default=50, help="rows of the tensor table to print (0: all; default 50)")
+    p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+
+    p = add("verify", cmd_verify, "check a committed checkpoint: every file present, sizes and digests match")
+    p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
+    p.add_argument("--sizes-only", action="store_true", help="skip digests (fast)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = add("convert", cmd_convert, "convert a checkpoint to another format; the source format is detected")
+    p.add_argument("src", help="source checkpoint or model directory")
+    p.add_argument("dst", help="output directory (built in staging, moved into place when complete)")
+    writable = [n for n, f in registry.FORMATS.items() if f.write is not None]
+    p.add_argument("--to", required=True, choices=writable, help="target format")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+    p.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file (default 5GiB)")
+
+    p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit-exact)")
+    p.add_argument("--model-only", action="store_true", help="compare model weights only, not optimizer state")
+    p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+
+    for ep in entry_points(group="interop.commands"):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the core commands
+            log.debug("command plugin %s failed to load: %s", ep.name, exc)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except InteropError as exc:
+        print(f"interop {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        print(f"interop {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"interop {args.command}: interrupted; nothing was committed", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

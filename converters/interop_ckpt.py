@@ -1,0 +1,111 @@
+"""Reader for checkpoints saved by our single-process and DDP trainers through the adapter.
+
+Their ``model`` component is the model's state dict (canonical names), their ``optimizer`` component the
+optimizer state keyed by parameter name (torch.distributed.checkpoint's get_optimizer_state_dict layout);
+every other component is carried over as saved.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from interop.errors import ConversionError, CorruptCheckpointError
+from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, Manifest, read_manifest
+from interop.commit import resolve_checkpoint_dir
+from interop.pieces import read_piece
+from interop.tensors import LazyTensor
+from interop.universal import scalar_entry
+from interop.verify import check_files
+
+from .families import tied_groups
+
+MODEL, OPTIMIZER = "model", "optimizer"
+STRATEGIES = ("single", "ddp")
+
+
+def is_interop_checkpoint(path: str) -> bool:
+    try:
+        path = resolve_checkpoint_dir(path)
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            return False
+        m = read_manifest(path)
+    except Exception:  # detection never raises; reading does
+        return False
+    return m.format == CHECKPOINT_FORMAT and (m.sharding or {}).get("strategy", "single") in STRATEGIES
+
+
+def _global_piece(directory: str, manifest: Manifest, key: str) -> str:
+    record = manifest.components[key]
+    if record.pattern not in ("GLOBAL", "REPLICATED"):
+        raise ConversionError(f"{directory}: component {key!r} is {record.pattern}; this reader expects one global copy")
+    return record.pieces["global"]
+
+
+def _optimizer(directory: str, manifest: Manifest) -> OptimizerState:
+    state = read_piece(directory, _global_piece(directory, manifest, OPTIMIZER), lazy=True)
+    try:
+        per_param: dict[str, dict[str, Any]] = state["state"]
+        groups: list[dict[str, Any]] = state["param_groups"]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(directory, "optimizer component lacks 'state'/'param_groups'") from None
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, entries in per_param.items():
+        for key, value in entries.items():
+            if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
+                tensors.setdefault(key, {})[name] = value
+            elif isinstance(value, LazyTensor):
+                scalars.setdefault(key, {})[name] = scalar_entry(value.load())
+            elif isinstance(value, (int, float)):
+                scalars.setdefault(key, {})[name] = scalar_entry(torch.tensor(value))
+            else:
+                raise ConversionError(f"{directory}: optimizer state {key!r} of {name!r} is a {type(value).__name__}")
+    cls = (manifest.optimizer or {}).get("class", "AdamW")
+    return OptimizerState(cls, groups, tensors, scalars)
+
+
+def read_interop_checkpoint(path: str, verify_digests: bool = False) -> LogicalCheckpoint:
+    directory = resolve_checkpoint_dir(path)
+    manifest = read_manifest(directory)
+    if manifest.format != CHECKPOINT_FORMAT:
+        raise CorruptCheckpointError(directory, f"is {manifest.format}, not {CHECKPOINT_FORMAT}")
+    check_files(directory, manifest, manifest.files, digest=verify_digests)
+    if MODEL not in manifest.components:
+        raise CorruptCheckpointError(directory, "checkpoint has no 'model' component")
+    model_state = read_piece(directory, _global_piece(directory, manifest, MODEL), lazy=True)
+    model_info = dict(manifest.model or {})
+    config = model_info.get("config")
+    tied = model_info.get("tied") or tied_groups(config)
+    optimizer = _optimizer(directory, manifest) if OPTIMIZER in manifest.components else None
+    others = {
+        key: ComponentSource(
+            rec,
+            directory,
+            {f: manifest.files[f] for b in rec.pieces.values() for f in (b + ".json", b + ".safetensors") if f in manifest.files},
+        )
+        for key, rec in manifest.components.items()
+        if key not in (MODEL, OPTIMIZER)
+    }
+    sharding = manifest.sharding or {}
+    return LogicalCheckpoint(
+        model=dict(model_state),
+        config=config,
+        optimizer=optimizer,
+        components=others,
+        source={
+            "format": CHECKPOINT_FORMAT,
+            "strategy": sharding.get("strategy", "single"),
+            "world_size": manifest.topology.get("world_size", 1),
+            "dtype": sharding.get("precision"),
+            "master_dtype": sharding.get("master_precision"),
+            "step": manifest.step,
+        },
+        topology=manifest.topology,
+        tied=tied,
+        frozen=model_info.get("frozen", []),
+        step=manifest.step,
+    )

@@ -1,0 +1,117 @@
+"""Format name -> reader / writer, and detection of which format a directory holds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from interop.errors import MissingFileError, UncommittedCheckpointError, UnknownFormatError
+from interop.logical import LogicalCheckpoint
+from interop.manifest import MANIFEST, UNIVERSAL_FORMAT, read_manifest
+from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
+
+from . import hf, interop_ckpt
+
+
+@dataclass
+class Options:
+    """Everything a reader or writer may need from the command line."""
+
+    trust_pickle: bool = False
+    overwrite: bool = False
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    verify_digests: bool = False
+    progress: Callable | None = None
+    extra: dict = field(default_factory=dict)  # target-specific flags (world size, stage, ...) for later formats
+
+
+@dataclass
+class Format:
+    name: str
+    description: str
+    detect: Callable[[str], bool]
+    read: Callable[[str, Options], LogicalCheckpoint] | None = None
+    write: Callable[[LogicalCheckpoint, str, Options], None] | None = None
+
+
+FORMATS: dict[str, Format] = {}
+_CHECKPOINT_SUBDIRS = ("components", "ranks", "groups", "nodes", "model", "optimizer")
+
+
+def register(fmt: Format) -> Format:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def _is_universal(path: str) -> bool:
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return False
+    try:
+        return read_manifest(path).format == UNIVERSAL_FORMAT
+    except Exception:  # detection never raises; reading does
+        return False
+
+
+register(
+    Format(
+        "universal",
+        "interop universal checkpoint (safetensors + JSON, no pickle)",
+        _is_universal,
+        lambda p, o: read_universal(p, o.verify_digests),
+        lambda c, d, o: write_universal(c, d, o.max_shard_size, o.overwrite, o.progress),
+    )
+)
+register(
+    Format(
+        "interop",
+        "checkpoint saved by an interop trainer (single process or DDP)",
+        interop_ckpt.is_interop_checkpoint,
+        lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
+    )
+)
+register(
+    Format(
+        "hf",
+        "Hugging Face model directory (config.json + safetensors or pytorch_model.bin)",
+        hf.is_hf_dir,
+        lambda p, o: hf.read_hf(p, o.trust_pickle),
+        lambda c, d, o: hf.write_hf(c, d, o.overwrite, o.max_shard_size, o.progress),
+    )
+)
+
+
+def detect(path: str) -> Format:
+    if not os.path.exists(path):
+        raise MissingFileError(path, "no such file or directory")
+    if not os.path.isdir(path):
+        raise UnknownFormatError(path, "is a file; point at a checkpoint directory")
+    for fmt in FORMATS.values():
+        if fmt.detect(path):
+            return fmt
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        read_manifest(path)  # raises naming what is wrong with the manifest
+    if os.path.normpath(path).endswith(".staging"):
+        raise UncommittedCheckpointError(path, "is the staging directory of a save that never committed")
+    if any(os.path.isdir(os.path.join(path, d)) for d in _CHECKPOINT_SUBDIRS):
+        raise UncommittedCheckpointError(
+            path, f"has no {MANIFEST}: the save never committed, or the manifest was removed; it will not be loaded"
+        )
+    raise UnknownFormatError(
+        path, f"not a checkpoint this tool recognises (known formats: {', '.join(FORMATS)}); is the path right?"
+    )
+
+
+def writer(name: str) -> Format:
+    fmt = FORMATS.get(name)
+    if fmt is None or fmt.write is None:
+        writable = [n for n, f in FORMATS.items() if f.write is not None]
+        raise UnknownFormatError(None, f"cannot write format {name!r} (writable: {', '.join(writable)})")
+    return fmt
+
+
+def read(path: str, options: Options | None = None) -> tuple[Format, LogicalCheckpoint]:
+    fmt = detect(path)
+    if fmt.read is None:
+        raise UnknownFormatError(path, f"format {fmt.name!r} can be written but not read")
+    return fmt, fmt.read(path, options or Options())

@@ -1,0 +1,254 @@
+"""CheckpointManager: saves and loads a provider's state components with the commit protocol.
+
+Every rank calls ``save``/``load`` together. Each phase ends with one all-gather of every rank's outcome, so
+a failure anywhere becomes the same error everywhere and no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
+from .dist import Collective, default_collective, runtime_topology
+from .errors import ComponentError, InteropError, ReplicationError, SaveFailedError
+from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from .pieces import read_piece, state_fingerprint, write_piece
+from .planner import files_of, pieces_for, plan_save, resolve_load
+from .replication import find_mismatches
+from .state import ComponentSpec, SharingPattern, StateComponent, WorldSizePolicy, components_of
+from .topology import Topology
+from .verify import check_files
+
+log = logging.getLogger(__name__)
+
+_METADATA_FIELDS = ("source", "sharding", "model", "optimizer", "notes")
+
+
+class LoadFailedError(InteropError):
+    """Loading failed on another rank; raised on the ranks that did not fail themselves."""
+
+
+@dataclass
+class LoadResult:
+    path: str
+    manifest: Manifest
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _replication_domains(spec: ComponentSpec, topology: Topology) -> list[tuple[int, ...]]:
+    return [piece.readers for piece in pieces_for(spec, topology)]
+
+
+class CheckpointManager:
+    """Saves ``provider``'s components under ``root/<name_format>`` and loads them back.
+
+    The provider implements ``get_state_components()`` (and ``get_process_groups()`` for PER_GROUP), or the
+    legacy ``get_statefuls_for_save()/get_statefuls_for_load()``. An optional ``get_checkpoint_metadata()``
+    returns manifest sections (model, sharding, source, optimizer, notes).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        provider: Any,
+        collective: Collective | None = None,
+        keep_last: int | None = None,
+        name_format: str = "checkpoint-{step}",
+    ):
+        self.root = os.path.abspath(root)
+        self.provider = provider
+        self.collective = collective or default_collective()
+        self.keep_last = keep_last
+        self.name_format = name_format
+
+    # ------------------------------------------------------------------------------------------------
+    def topology(self) -> Topology:
+        groups_of = getattr(self.provider, "get_process_groups", None)
+        return runtime_topology(self.collective, groups_of() if groups_of else None)
+
+    def _agree(self, error: str | None, payload: Any = None, failure=SaveFailedError, what: str = "save") -> list[Any]:
+        """All-gather (error, payload); raise the same error on every rank if any rank failed."""
+        gathered = self.collective.all_gather_object((error, payload))
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failed:
+            rank, message = failed[0]
+            raise failure(f"{what} failed on rank {rank}: {message}")
+        return [p for _, p in gathered]
+
+    # ------------------------------------------------------------------------------------------------
+    def save(self, step: int, metadata: dict[str, Any] | None = None) -> str:
+        """Save every component as checkpoint ``step``; returns the committed directory on every rank."""
+        rank = self.collective.rank
+        name = self.name_format.format(step=step)
+        final = os.path.join(self.root, name)
+        staging = final + STAGING_SUFFIX
+        what = f"save of {name}"
+
+        # 1. declare, plan, and capture the state each rank needs (to write or to validate)
+        error, components, specs, states, prints = None, [], [], {}, {}
+        topology = self.topology()
+        try:
+            components = components_of(self.provider)
+            specs = [c.resolve() for c in components]
+            plan = plan_save(specs, topology)
+            writes = {p.component for p in plan.writes_of(rank)}
+            for comp, spec in zip(components, specs):
+                if spec.validate_replication or comp.key in writes:
+                    states[comp.key] = comp.stateful.state_dict()
+                if spec.validate_replication:
+                    prints[comp.key] = state_fingerprint(states[comp.key])
+        except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+            error = _describe(exc)
+        gathered = self._agree(error, prints, what=what)
+        for spec in specs:
+            if spec.validate_replication:
+                message = find_mismatches(
+                    spec.key, {r: g[spec.key] for r, g in enumerate(gathered)}, _replication_domains(spec, topology)
+                )
+                if message:
+                    raise ReplicationError(message)
+
+        # 2. every rank writes its pieces into the shared staging directory
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        self.collective.barrier()
+        error, records = None, {}
+        try:
+            for piece in plan.writes_of(rank):
+                records.update(write_piece(staging, piece.base, states[piece.component], writer=rank))
+            for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
+                fsync_path(d)
+        except Exception as exc:  # noqa: BLE001
+            error = _describe(exc)
+        try:
+            all_records = self._agree(error, records, what=what)
+        except SaveFailedError:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+        # 3. rank 0 commits: manifest, publish, latest, retention
+        error = None
+        if rank == 0:
+            try:
+                manifest = self._manifest(step, specs, topology, plan, all_records, metadata)
+                write_manifest(staging, manifest)
+                publish(staging, final)
+                write_latest(self.root, name)
+                if self.keep_last:
+                    prune(self.root, self.keep_last)
+            except Exception as exc:  # noqa: BLE001
+                error = _describe(exc)
+                shutil.rmtree(staging, ignore_errors=True)
+        self._agree(error, what=what)
+        log.info("saved %s (%d files)", final, sum(len(r) for r in all_records))
+        return final
+
+    def _manifest(self, step, specs, topology, plan, all_records, metadata) -> Manifest:
+        meta = dict(metadata or {})
+        extra = getattr(self.provider, "get_checkpoint_metadata", None)
+        if extra is not None:
+            meta = {**(extra() or {}), **meta}
+        unknown = set(meta) - set(_METADATA_FIELDS)
+        if unknown:
+            raise ComponentError(f"checkpoint metadata has unknown sections {sorted(unknown)}; allowed: {_METADATA_FIELDS}")
+        files: dict[str, FileRecord] = {}
+        for records in all_records:
+            files.update(records)
+        components = {
+            spec.key: ComponentRecord(
+                pattern=spec.pattern.value,
+                policy=spec.policy.value,
+                required=spec.required,
+                group=spec.group,
+                pieces={p.owner: p.base for p in plan.pieces if p.component == spec.key},
+            )
+            for spec in specs
+        }
+        return Manifest(
+            format=CHECKPOINT_FORMAT,
+            topology=topology.to_json(),
+            committed_at=now_iso(),
+            producer=producer_versions(),
+            step=step,
+            components=components,
+            files=dict(sorted(files.items())),
+            **meta,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    def load(self, path: str | None = None, verify: bool = False) -> LoadResult:
+        """Load the checkpoint at ``path`` (or ``root``'s ``latest``) into the provider's components.
+
+        Refuses an uncommitted directory; checks each file's size (and digest with ``verify``) first.
+        """
+        rank = self.collective.rank
+        topology = self.topology()
+        error, notes, result = None, [], None
+        own_exc: BaseException | None = None
+        try:
+            directory = resolve_checkpoint_dir(os.path.abspath(path or self.root))
+            manifest = read_manifest(directory)
+            saved = Topology.from_json(manifest.topology)
+            for comp in components_of(self.provider, for_load=True):
+                note = self._load_component(directory, manifest, comp, saved, topology, rank, verify)
+                if note:
+                    notes.append(note)
+            result = LoadResult(directory, manifest, notes)
+        except Exception as exc:  # noqa: BLE001
+            error, own_exc = _describe(exc), exc
+        if self.collective.world_size == 1 and own_exc is not None:
+            raise own_exc
+        try:
+            self._agree(error, failure=LoadFailedError, what="load")
+        except LoadFailedError as agreed:
+            if own_exc is not None:
+                raise own_exc from agreed
+            raise
+        for note in notes:
+            log.warning("%s", note)
+        return result  # type: ignore[return-value]
+
+    def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, verify) -> str | None:
+        record = manifest.components.get(comp.key)
+        if record is None:
+            if comp.required:
+                raise ComponentError(
+                    f"{directory}: checkpoint has no component {comp.key!r} (it has {sorted(manifest.components)})"
+                )
+            log.info("component %r not in %s; not required, skipped", comp.key, directory)
+            return None
+        policy = comp.on_world_size_change or WorldSizePolicy(record.policy)
+        spec = ComponentSpec(comp.key, SharingPattern(record.pattern), record.group, policy, record.required)
+        action = resolve_load(spec, saved, current, rank)
+        rels = [f for f in files_of(action.bases) if f in manifest.files or f.endswith(".json")]
+        check_files(directory, manifest, rels, digest=verify)
+        stateful = comp.stateful
+        if action.kind == "load":
+            stateful.load_state_dict(read_piece(directory, action.bases[0]))
+        elif action.kind == "reshard":
+            reshard = getattr(stateful, "load_resharded", None)
+            if reshard is None:
+                raise ComponentError(f"component {comp.key!r} has policy 'reshard' but its stateful has no load_resharded()")
+            reshard([read_piece(directory, b) for b in action.bases], saved.world_size, current.world_size)
+        elif action.kind == "reseed":
+            reseed = getattr(stateful, "reseed", None)
+            if reseed is None:
+                raise ComponentError(f"component {comp.key!r} has policy 'reseed' but its stateful has no reseed()")
+            seed = int.from_bytes(hashlib.sha256(f"{manifest.step}:{rank}".encode()).digest()[:7], "little")
+            reseed(seed)
+        return action.note or None

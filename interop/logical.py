@@ -1,0 +1,68 @@
+"""The logical checkpoint: what every reader produces and every writer consumes.
+
+Every conversion is reader -> LogicalCheckpoint -> writer. Tensors are lazy, so a conversion holds one
+tensor at a time. Names are canonical (Hugging Face names of the model family).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .manifest import ComponentRecord, FileRecord
+from .tensors import LazyTensor
+
+OPTIM_PREFIX = "optimizer/"
+
+
+def optim_key(state_key: str, name: str) -> str:
+    """Logical key of an optimizer tensor, as used by the manifest, ``inspect`` and ``diff``."""
+    return f"{OPTIM_PREFIX}{state_key}/{name}"
+
+
+@dataclass
+class OptimizerState:
+    cls: str  # "AdamW"
+    param_groups: list[dict[str, Any]]  # hyper-parameters, with "params": [canonical names]
+    tensors: dict[str, dict[str, LazyTensor]] = field(default_factory=dict)  # state key -> name -> tensor
+    scalars: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # key -> name -> {value, dtype}
+
+    @property
+    def state_keys(self) -> list[str]:
+        return sorted(set(self.tensors) | set(self.scalars))
+
+
+@dataclass
+class ComponentSource:
+    """A non-model component copied verbatim between checkpoints: its record and where its files are."""
+
+    record: ComponentRecord
+    directory: str
+    files: dict[str, FileRecord]
+
+    def paths(self) -> Iterator[tuple[str, str, FileRecord]]:
+        for rel, rec in self.files.items():
+            yield rel, os.path.join(self.directory, rel), rec
+
+
+@dataclass
+class LogicalCheckpoint:
+    model: dict[str, LazyTensor]
+    config: dict[str, Any] | None = None
+    optimizer: OptimizerState | None = None
+    components: dict[str, ComponentSource] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)  # format, world_size, tp, pp, zero_stage, dtype, ...
+    topology: dict[str, Any] | None = None  # the saved topology that PER_RANK/GROUP/NODE pieces refer to
+    tied: list[list[str]] = field(default_factory=list)  # [[target, source], ...] e.g. lm_head -> embeddings
+    frozen: list[str] = field(default_factory=list)
+    step: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
+        """Every logical tensor with its logical key: model names, then optimizer/<key>/<name>."""
+        yield from self.model.items()
+        if self.optimizer is not None:
+            for key in sorted(self.optimizer.tensors):
+                for name, t in self.optimizer.tensors[key].items():
+                    yield optim_key(key, name), t

@@ -1,0 +1,87 @@
+"""One piece of one component on disk: ``<base>.json`` (skeleton) and ``<base>.safetensors`` (tensors)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from . import codec
+from .errors import CorruptCheckpointError, MissingFileError
+from .manifest import FileRecord
+from .safetensors_io import SafetensorsFile, save_tensors
+from .tensors import DIGEST_ALGO, tensor_digest
+
+
+def write_piece(directory: str, base: str, state: Any, writer: int | None = None) -> dict[str, FileRecord]:
+    """Encode ``state`` without pickle and write it under ``directory``; returns the files written."""
+    skeleton, tensors = codec.encode(state)
+    os.makedirs(os.path.dirname(os.path.join(directory, base)), exist_ok=True)
+    records: dict[str, FileRecord] = {}
+    if tensors:
+        written = save_tensors(os.path.join(directory, base + ".safetensors"), tensors)
+        records[base + ".safetensors"] = FileRecord(written.nbytes, written.digest, writer)
+    text = json.dumps({"state": skeleton}, allow_nan=False).encode()
+    path = os.path.join(directory, base + ".json")
+    with open(path, "wb") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    records[base + ".json"] = FileRecord(len(text), f"{DIGEST_ALGO}:" + hashlib.sha256(text).hexdigest(), writer)
+    return records
+
+
+def read_piece(directory: str, base: str, lazy: bool = False) -> Any:
+    """Decode a piece; with ``lazy`` its tensors come back as LazyTensors (for converters)."""
+    path = os.path.join(directory, base + ".json")
+    if not os.path.isfile(path):
+        raise MissingFileError(path, "component file missing")
+    try:
+        with open(path, encoding="utf-8") as f:
+            skeleton = json.load(f)["state"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(path, f"component file is not valid: {exc}") from None
+    tensor_path = os.path.join(directory, base + ".safetensors")
+    st = SafetensorsFile(tensor_path) if os.path.exists(tensor_path) else None
+
+    def tensor(name: str) -> Any:
+        if st is None or name not in st:
+            raise CorruptCheckpointError(tensor_path, f"tensor {name!r} named by {base}.json is missing")
+        return st.lazy(name) if lazy else st.read(name)
+
+    return codec.decode(skeleton, tensor)
+
+
+def state_fingerprint(state: Any) -> dict[str, str]:
+    """Per-key digests of a state dict: raw bytes for tensors (bf16/fp16 exact), repr for scalars.
+
+    Keys are dotted paths into the state, so a mismatch can be reported as 'key model.layers.0.weight'.
+    """
+    skeleton, tensors = codec.encode(state)
+    prints: dict[str, str] = {}
+
+    def join(path: str, key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, join(path, i))
+        elif not isinstance(node, dict):
+            prints[path or "<value>"] = repr(node)
+        elif "__tensor__" in node or "__ndarray__" in node:
+            prints[path or "<value>"] = tensor_digest(tensors[node.get("__tensor__", node.get("__ndarray__"))])
+        elif "__tuple__" in node:
+            walk(node["__tuple__"], path)
+        elif "__dict__" in node:
+            for k, v in node["__dict__"]:
+                walk(v, join(path, k if isinstance(k, (str, int)) else json.dumps(k)))
+        elif any(tag in node for tag in ("__float__", "__bytes__", "__dtype__")):
+            prints[path or "<value>"] = json.dumps(node, sort_keys=True)
+        else:
+            for k, v in node.items():
+                walk(v, join(path, k))
+
+    walk(skeleton, "")
+    return prints

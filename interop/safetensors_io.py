@@ -1,0 +1,182 @@
+"""safetensors files read and written by hand.
+
+Why not ``safetensors.torch``: writing must stream tensor by tensor (the header is planned from specs, then
+each tensor is fetched, written, hashed and dropped), and reading must validate the header against the file
+size so a truncated or corrupt file gives an error naming the file instead of a crash. The byte layout is the
+standard one, so transformers and safetensors read what we write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from .dtypes import from_st_code, st_code
+from .errors import CorruptCheckpointError, MissingFileError
+from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, raw_bytes, tensor_from_bytes
+
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass
+class TensorEntry:
+    """One tensor to write: its name and spec up front (for the header), its bytes fetched when written."""
+
+    name: str
+    spec: TensorSpec
+    fetch: Callable[[], torch.Tensor]
+
+
+@dataclass
+class WrittenFile:
+    path: str
+    nbytes: int
+    digest: str
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+
+
+def _header(entries: list[TensorEntry], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for entry in entries:
+        if entry.name in header or entry.name == "__metadata__":
+            raise ValueError(f"duplicate tensor name {entry.name!r}")
+        size = entry.spec.nbytes
+        header[entry.name] = {
+            "dtype": st_code(entry.spec.dtype),
+            "shape": list(entry.spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the reference implementation aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    entries: Iterable[TensorEntry],
+    metadata: dict[str, str] | None = None,
+    on_tensor: Callable[[TensorEntry], None] | None = None,
+) -> WrittenFile:
+    """Write ``entries`` to ``path``, one tensor in memory at a time; fsync before returning."""
+    entries = list(entries)
+    path = os.fspath(path)
+    file_hash = hashlib.sha256()
+    digests: dict[str, str] = {}
+    total = 0
+    with open(path, "wb") as f:
+        head = _header(entries, metadata)
+        f.write(head)
+        file_hash.update(head)
+        total += len(head)
+        for entry in entries:
+            tensor = entry.fetch()
+            if tuple(tensor.shape) != entry.spec.shape or tensor.dtype != entry.spec.dtype:
+                raise ValueError(
+                    f"{entry.name}: source gave {tensor.dtype}{list(tensor.shape)}, "
+                    f"expected {entry.spec.describe()}"
+                )
+            data = raw_bytes(tensor)
+            f.write(data)
+            file_hash.update(data)
+            digests[entry.name] = f"{DIGEST_ALGO}:" + hashlib.sha256(data).hexdigest()
+            total += len(data)
+            del tensor, data
+            if on_tensor is not None:
+                on_tensor(entry)
+        f.flush()
+        os.fsync(f.fileno())
+    return WrittenFile(path, total, f"{DIGEST_ALGO}:" + file_hash.hexdigest(), digests)
+
+
+class SafetensorsFile:
+    """A validated safetensors file; tensors are read one by one, never the whole file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise MissingFileError(self.path, "file not found")
+        self.file_size = os.path.getsize(self.path)
+        if self.file_size < 8:
+            raise CorruptCheckpointError(self.path, f"truncated safetensors file ({self.file_size} bytes, no header)")
+        with open(self.path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > _MAX_HEADER or 8 + header_len > self.file_size:
+                raise CorruptCheckpointError(
+                    self.path, f"truncated or corrupt safetensors header (claims {header_len} bytes)"
+                )
+            raw = f.read(header_len)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(self.path, f"corrupt safetensors header: {exc}") from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(self.path, "corrupt safetensors header: not a JSON object")
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + header_len
+        data_len = self.file_size - self.data_start
+        self._entries: dict[str, tuple[TensorSpec, int, int]] = {}
+        end_max = 0
+        for name, info in header.items():
+            try:
+                dtype = from_st_code(info["dtype"])
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CorruptCheckpointError(self.path, f"bad header entry for tensor {name!r}: {exc}") from None
+            spec = TensorSpec(shape, dtype)
+            if any(d < 0 for d in shape) or end - begin != spec.nbytes or begin < 0:
+                raise CorruptCheckpointError(
+                    self.path, f"tensor {name!r}: offsets {begin}..{end} do not fit {spec.describe()}"
+                )
+            self._entries[name] = (spec, begin, end)
+            end_max = max(end_max, end)
+        if end_max > data_len:
+            raise CorruptCheckpointError(
+                self.path,
+                f"truncated: header describes {end_max} bytes of tensor data, file holds {data_len}",
+            )
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._entries[name][0]
+
+    def read(self, name: str) -> torch.Tensor:
+        try:
+            spec, begin, end = self._entries[name]
+        except KeyError:
+            raise CorruptCheckpointError(self.path, f"no tensor named {name!r}") from None
+        buffer = bytearray(end - begin)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(buffer) != len(buffer):
+                raise CorruptCheckpointError(self.path, f"truncated while reading tensor {name!r}")
+        return tensor_from_bytes(buffer, spec)
+
+    def lazy(self, name: str) -> LazyTensor:
+        return LazyTensor(self.spec(name), lambda: self.read(name), f"{self.path}:{name}")
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        return {name: self.read(name) for name in self._entries}
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> WrittenFile:
+    """Write in-memory tensors (small files: components, tests)."""
+    entries = [
+        TensorEntry(name, TensorSpec(tuple(t.shape), t.dtype), (lambda t=t: t)) for name, t in tensors.items()
+    ]
+    return write_safetensors(path, entries, metadata)

@@ -1,0 +1,67 @@
+"""Checks of a committed checkpoint against its manifest: presence, sizes, digests, readable headers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable
+
+from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
+from .manifest import FileRecord, Manifest, read_manifest
+from .safetensors_io import SafetensorsFile
+from .tensors import DIGEST_ALGO
+
+_CHUNK = 8 << 20
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return f"{DIGEST_ALGO}:{h.hexdigest()}"
+
+
+def check_file(directory: str, rel: str, record: FileRecord, digest: bool = False) -> None:
+    """Raise naming the file when it is missing, of the wrong size, or (with ``digest``) altered."""
+    path = os.path.join(directory, rel)
+    if not os.path.isfile(path):
+        raise MissingFileError(path, "listed in the manifest but missing")
+    size = os.path.getsize(path)
+    if size != record.bytes:
+        raise CorruptCheckpointError(path, f"size {size} bytes, manifest says {record.bytes} (truncated or replaced)")
+    if digest and file_digest(path) != record.digest:
+        raise CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
+
+
+def check_files(directory: str, manifest: Manifest, rels: Iterable[str], digest: bool = False) -> None:
+    for rel in rels:
+        record = manifest.files.get(rel)
+        if record is None:
+            raise CorruptCheckpointError(os.path.join(directory, rel), "not listed in the manifest")
+        check_file(directory, rel, record, digest)
+
+
+def verify_checkpoint(directory: str, digests: bool = True, progress=None) -> tuple[Manifest | None, list[str]]:
+    """Every problem found, one line each; an empty list means the checkpoint is complete and intact."""
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        return None, [str(exc)]
+    problems: list[str] = []
+    items = list(manifest.files.items())
+    for rel, record in progress(items, desc="verify", unit="file") if progress else items:
+        try:
+            check_file(directory, rel, record, digests)
+            if rel.endswith(".safetensors"):
+                SafetensorsFile(os.path.join(directory, rel))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    for name, tensor in manifest.tensors.items():
+        if tensor.file not in manifest.files:
+            problems.append(f"{os.path.join(directory, tensor.file)}: holds tensor {name!r} but is not listed in the manifest")
+    for key, comp in manifest.components.items():
+        for base in comp.pieces.values():
+            if base + ".json" not in manifest.files:
+                problems.append(f"{os.path.join(directory, base)}.json: piece of component {key!r} not listed in the manifest")
+    return manifest, problems

@@ -1,0 +1,1 @@
+"""Reference trainers: each declares its state through the interop adapter."""

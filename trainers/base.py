@@ -1,0 +1,233 @@
+"""The base trainer: one process, a tiny Hugging Face causal LM, and every piece of state as a component.
+
+    python -m trainers.base --steps 8 --save-every 4 --output-dir out/base
+    python -m trainers.base --steps 8 --resume --output-dir out/base      # continue from 'latest'
+    python -m trainers.base --init-from path/to/hf_model ...
+
+Resume is exact: N steps, save, resume, N more steps gives the same losses, bit for bit, as 2N steps.
+The engine trainers subclass it and change how the model is wrapped and which components are declared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from converters.families import tied_groups
+from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
+from interop.sharding import LocalModel
+
+from .state import VOCAB_SIZE, DataPosition, OptimizerStateful, TokenDataset, TrainerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerConfig:
+    model: str = "llama"  # llama | gpt2 (tiny, built from a config)
+    tied: bool = False  # tie input embeddings and output layer
+    init_from: str | None = None  # a Hugging Face model directory instead of a fresh model
+    steps: int = 8  # length of the run (the schedule's horizon)
+    stop_at: int | None = None  # stop early at this step, as an interrupted run would
+    batch_size: int = 4
+    seq_len: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 2
+    seed: int = 1234
+    output_dir: str = "out/base"
+    save_every: int = 0
+    keep_last: int | None = 3
+    resume: str | None = None  # a checkpoint directory, or "latest" for output_dir's latest
+    backend: str = "auto"  # process-group backend for multi-process trainers: auto | gloo | nccl | mpi
+    activation_checkpointing: bool = False
+    dtype: str = "float32"
+
+
+def tiny_config(kind: str, tied: bool = False):
+    """Small, deliberately odd sizes (hidden 48, intermediate 100) so padding and tie bugs show."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        )
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB_SIZE, n_positions=128, n_embd=48, n_layer=2, n_head=4,
+            tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        )
+    raise ValueError(f"unknown tiny model {kind!r} (llama or gpt2)")
+
+
+def build_model(cfg: TrainerConfig) -> torch.nn.Module:
+    import transformers
+
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.init_from:
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay for matrices, none for biases, norms and embeddings' 1-D parameters (the usual convention)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def resolve_backend(name: str) -> str:
+    if name != "auto":
+        return name
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str = "auto") -> tuple[int, int]:
+    """Start the default process group when launched by torchrun/deepspeed/accelerate with >1 process."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=resolve_backend(backend))
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class BaseTrainer:
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        self.rank, self.world_size = init_distributed(cfg.backend)
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+        from transformers import get_linear_schedule_with_warmup
+
+        self.scheduler = get_linear_schedule_with_warmup(self.optimizer, cfg.warmup_steps, max(cfg.steps, 1))
+        self.dataset = TokenDataset(cfg.seq_len)
+        self.data = DataPosition(seed=cfg.seed)
+        self.state = TrainerState()
+        self.rng = RNGState()
+        self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
+
+    # --- the adapter's view ------------------------------------------------------------------------
+    def get_state_components(self) -> list[StateComponent]:
+        return [
+            StateComponent("model", LocalModel(self.model), SharingPattern.GLOBAL),
+            StateComponent("optimizer", OptimizerStateful(self.model, self.optimizer), SharingPattern.GLOBAL),
+            StateComponent("scheduler", self.scheduler, SharingPattern.GLOBAL),
+            StateComponent("data", self.data, SharingPattern.GLOBAL),
+            StateComponent("trainer", self.state, SharingPattern.GLOBAL),
+            StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
+        ]
+
+    def get_checkpoint_metadata(self) -> dict[str, Any]:
+        config = self.model.config.to_dict()
+        config["architectures"] = [type(self.model).__name__]
+        return {
+            "model": {
+                "family": config.get("model_type"),
+                "config": config,
+                "tied": tied_groups(config),
+                "frozen": [n for n, p in self.model.named_parameters() if not p.requires_grad],
+            },
+            "sharding": LocalModel(self.model, self.rank, self.world_size).sharding_metadata().to_json(),
+            "optimizer": {"class": type(self.optimizer).__name__},
+        }
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def next_batch(self) -> torch.Tensor:
+        return self.data.next_batch(self.dataset, self.cfg.batch_size)
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        self.model.train()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def train(self, until: int | None = None) -> list[float]:
+        """Train to step ``until`` (default cfg.steps); returns the losses of the steps run by this call."""
+        until = self.cfg.steps if until is None else until
+        losses = []
+        while self.state.step < until:
+            batch = self.next_batch()
+            loss = self.train_step(batch)
+            self.state.step += 1
+            self.state.tokens_seen += batch.numel() * self.world_size
+            self.state.losses.append(loss)
+            losses.append(loss)
+            log.info("step %d loss %.6f lr %.3g", self.state.step, loss, self.scheduler.get_last_lr()[0])
+            if self.cfg.save_every and self.state.step % self.cfg.save_every == 0:
+                self.save()
+        return losses
+
+    def save(self) -> str:
+        return self.checkpoints.save(self.state.step)
+
+    def resume(self, path: str | None = None) -> int:
+        target = None if path in (None, "latest") else path
+        result = self.checkpoints.load(target)
+        log.info("resumed from %s at step %d", result.path, self.state.step)
+        return self.state.step
+
+
+def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse.ArgumentParser:
+    """Flags for every TrainerConfig field (``--save-every``), so the engines' launchers can pass them."""
+    parser = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = cls()
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name == "resume":
+            parser.add_argument(flag, nargs="?", const="latest", default=None, help="resume from a checkpoint (default: latest)")
+        else:
+            kind = type(default) if default is not None else str
+            parser.add_argument(flag, type=int if f.name in ("keep_last", "stop_at") else kind, default=default)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, cls=TrainerConfig) -> TrainerConfig:
+    args = vars(config_parser(cls).parse_args(argv))
+    return cls(**{f.name: args[f.name] for f in fields(cls)})
+
+
+def run(trainer: BaseTrainer) -> None:
+    """Shared __main__ body: resume if asked, train, save at the end, print one JSON summary line."""
+    cfg = trainer.cfg
+    if cfg.resume:
+        trainer.resume(cfg.resume)
+    losses = trainer.train(cfg.stop_at)
+    path = trainer.save() if cfg.save_every == 0 or trainer.state.step % cfg.save_every else os.path.join(
+        cfg.output_dir, trainer.checkpoints.name_format.format(step=trainer.state.step)
+    )
+    if trainer.rank == 0:
+        print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run(BaseTrainer(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()
