@@ -16,12 +16,11 @@ import shutil
 from typing import Iterator
 
 from .errors import DestinationExistsError, MissingFileError
-from .manifest import MANIFEST, Manifest, read_manifest
+from .manifest import MANIFEST, STAGING_SUFFIX, Manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-STAGING_SUFFIX = ".staging"
 
 
 def fsync_path(path: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 
 MANIFEST = "manifest.json"
+STAGING_SUFFIX = ".staging"  # a directory being written; never loaded, even once its manifest exists
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT = "interop-checkpoint"
 UNIVERSAL_FORMAT = "interop-universal"
@@ -104,6 +105,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
         raise UncommittedCheckpointError(directory, "no such checkpoint directory")
+    if os.path.normpath(directory).endswith(STAGING_SUFFIX):
+        raise UncommittedCheckpointError(
+            directory, "is the staging directory of an unfinished save; only the published directory is committed"
+        )
     if not os.path.isfile(path):
         raise UncommittedCheckpointError(
             directory, f"no {MANIFEST}: the save never committed (or this is not an interop checkpoint)"

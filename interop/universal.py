@@ -87,6 +87,11 @@ def write_sharded(
         written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress)
         result.files[rel] = FileRecord(written.nbytes, written.digest)
         for entry in shard:
+            expected = tensors[entry.name].digest
+            if expected is not None and expected != written.tensor_digests[entry.name]:
+                raise CorruptCheckpointError(
+                    tensors[entry.name].origin, "tensor bytes differ from the digest in the source manifest (corrupted)"
+                )
             weight_map[entry.name] = fname
             result.tensors[key_of(entry.name)] = TensorRecord(
                 list(entry.spec.shape), dtype_name(entry.spec.dtype), rel, written.tensor_digests[entry.name]
