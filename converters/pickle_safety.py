@@ -33,8 +33,8 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
         with torch.serialization.safe_globals(ALLOWLIST + list(allow or [])):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"(?:Unsupported global|Unsupported operand|GLOBAL)[^\n.]*", str(exc))
-        detail = found.group(0).strip() if found else str(exc).splitlines()[0]
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f"it references {found.group(1)}" if found else str(exc).strip().splitlines()[-1]
         raise UnsafePickleError(
             path,
             f"pickle holds objects beyond tensors and plain containers ({detail}); it was not loaded. "

@@ -1,0 +1,207 @@
+"""The `interop` CLI: the happy paths, and bad input giving one clear line, a non-zero exit, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from converters.cli import main
+from trainers.base import BaseTrainer, TrainerConfig
+
+from .conftest import ROOT, worker_env
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A trained checkpoint, its universal conversion and an HF export, made once for the module."""
+    root = tmp_path_factory.mktemp("cli")
+    trainer = BaseTrainer(TrainerConfig(steps=2, output_dir=str(root / "run"), tied=True))
+    trainer.train()
+    trainer.save()
+    assert main(["convert", str(root / "run"), str(root / "uni"), "--to", "universal", "--max-shard-size", "100KB"]) == 0
+    assert main(["convert", str(root / "uni"), str(root / "hf"), "--to", "hf"]) == 0
+    return root
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_inspect_shows_format_topology_components_and_tensors(sources, capsys):
+    code, out, _ = run_cli(capsys, "inspect", sources / "uni", "--limit", "0")
+    assert code == 0
+    assert "format:    universal" in out and "step:      2" in out and "world size 1, 1 node(s)" in out
+    assert "rng                  PER_RANK    reseed" in out
+    assert "model.embed_tokens.weight" in out and "optimizer/exp_avg/model.norm.weight" in out
+    assert "tied:      lm_head.weight <- model.embed_tokens.weight" in out
+    assert "total:     60 tensors" in out  # 20 weights + 2 x 20 moments: the tied head is one parameter
+
+
+def test_sharded_universal_verifies_and_diffs_exactly(sources, capsys):
+    assert (sources / "uni" / "model" / "model.safetensors.index.json").exists()
+    code, out, _ = run_cli(capsys, "verify", sources / "uni", "-q")
+    assert code == 0 and "OK (interop-universal" in out
+    code, out, _ = run_cli(capsys, "diff", sources / "run", sources / "uni")
+    assert code == 0 and "0 different" in out
+    code, out, _ = run_cli(capsys, "diff", sources / "uni", sources / "hf", "--model-only")
+    assert code == 0 and "20 compared, 20 exact" in out
+
+
+def test_diff_reports_a_changed_tensor_and_honours_atol(sources, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    other = copy(sources / "hf", tmp_path / "hf2")
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-4
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    code, out, _ = run_cli(capsys, "diff", sources / "hf", other)
+    assert code == 1 and "! model.norm.weight: max |a-b| 0.0001" in out
+    code, out, _ = run_cli(capsys, "diff", sources / "hf", other, "--atol", "1e-3")
+    assert code == 0 and "1 within atol" in out
+
+
+def test_non_empty_destination_needs_overwrite(sources, tmp_path, capsys):
+    dst = tmp_path / "taken"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "convert", sources / "uni", dst, "--to", "hf")
+    assert_one_line_error(code, err, str(dst), "--overwrite")
+    assert os.listdir(dst) == ["keep.txt"]
+    assert run_cli(capsys, "convert", sources / "uni", dst, "--to", "hf", "--overwrite")[0] == 0
+    assert "keep.txt" not in os.listdir(dst) and (dst / "model.safetensors").exists()
+
+
+def _assert_nothing_written(tmp_path):
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".staging")]
+
+
+def test_truncated_safetensors(sources, tmp_path, capsys):
+    src = copy(sources / "hf", tmp_path / "src")
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, str(f), "truncated")
+    _assert_nothing_written(tmp_path)
+
+
+def test_truncated_file_in_a_universal_checkpoint(sources, tmp_path, capsys):
+    src = copy(sources / "uni", tmp_path / "src")
+    f = src / "optimizer" / "state.json"
+    f.write_bytes(f.read_bytes()[:-5])
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
+    assert_one_line_error(code, err, str(f), "manifest says")
+    _assert_nothing_written(tmp_path)
+
+
+def test_flipped_byte_in_tensor_data(sources, tmp_path, capsys):
+    src = copy(sources / "uni", tmp_path / "src")
+    shard = sorted((src / "model").glob("model-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    code, out, _ = run_cli(capsys, "verify", src, "-q")
+    assert code == 1 and str(shard) in out and "digest differs" in out
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
+    assert_one_line_error(code, err, shard.name, "differ from the digest")
+    _assert_nothing_written(tmp_path)
+
+
+def test_missing_manifest(sources, tmp_path, capsys):
+    src = copy(sources / "uni", tmp_path / "src")
+    os.remove(src / "manifest.json")
+    for argv in (("convert", src, tmp_path / "out", "--to", "hf"), ("inspect", src)):
+        code, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(code, err, str(src), "no manifest.json")
+    code, out, _ = run_cli(capsys, "verify", src)
+    assert code == 1 and "no manifest.json" in out
+    _assert_nothing_written(tmp_path)
+
+
+def test_manifest_naming_a_missing_file(sources, tmp_path, capsys):
+    src = copy(sources / "uni", tmp_path / "src")
+    gone = sorted((src / "optimizer").glob("exp_avg_sq*.safetensors"))[0]
+    os.remove(gone)
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, str(gone), "missing")
+    code, out, _ = run_cli(capsys, "verify", src, "-q")
+    assert code == 1 and f"{gone}: listed in the manifest but missing" in out
+    _assert_nothing_written(tmp_path)
+
+
+def test_unknown_directory(tmp_path, capsys):
+    (tmp_path / "stuff").mkdir()
+    (tmp_path / "stuff" / "notes.txt").write_text("hello")
+    code, _, err = run_cli(capsys, "convert", tmp_path / "stuff", tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, str(tmp_path / "stuff"), "not a checkpoint this tool recognises")
+    code, _, err = run_cli(capsys, "inspect", tmp_path / "nowhere")
+    assert_one_line_error(code, err, "nowhere", "no such file or directory")
+    _assert_nothing_written(tmp_path)
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_crafted_to_run_code_is_refused_and_never_executed(sources, tmp_path, capsys):
+    src = tmp_path / "evil"
+    src.mkdir()
+    shutil.copy(sources / "hf" / "config.json", src / "config.json")
+    marker = tmp_path / "pwned"
+    torch.save({"model.norm.weight": torch.zeros(48), "payload": _Exploit(marker)}, src / "pytorch_model.bin")
+    for argv in (("convert", src, tmp_path / "out", "--to", "universal"), ("inspect", src)):
+        code, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(code, err, str(src / "pytorch_model.bin"), "--trust-pickle", "posix.system")
+    assert not marker.exists(), "the pickle's payload ran"
+    _assert_nothing_written(tmp_path)
+
+
+def test_plain_pickled_weights_load_without_trust(sources, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    shutil.copy(sources / "hf" / "config.json", src / "config.json")
+    torch.save(load_file(str(sources / "hf" / "model.safetensors")), src / "pytorch_model.bin")
+    assert run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")[0] == 0
+    code, out, _ = run_cli(capsys, "diff", sources / "hf", tmp_path / "out")
+    assert code == 0 and "0 different" in out
+
+
+def test_console_script_help_and_demo(tmp_path):
+    env = worker_env()
+    exe = shutil.which("interop") or pytest.fail("console script 'interop' is not installed")
+    for cmd in ("inspect", "verify", "convert", "diff", "demo"):
+        proc = subprocess.run([exe, cmd, "--help"], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0 and "usage: interop" in proc.stdout, (cmd, proc.stderr)
+    proc = subprocess.run([exe, "demo", "--out", str(tmp_path / "demo")], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "logits match exactly" in proc.stdout and "demo OK" in proc.stdout
+    assert "84/84 tensors bit-identical" in proc.stdout
+    manifest = json.loads((tmp_path / "demo" / "universal" / "manifest.json").read_text())
+    assert manifest["format"] == "interop-universal" and manifest["step"] == 6
