@@ -82,12 +82,8 @@ def read_interop_checkpoint(path: str, verify_digests: bool = False) -> LogicalC
     tied = model_info.get("tied") or tied_groups(config)
     optimizer = _optimizer(directory, manifest) if OPTIMIZER in manifest.components else None
     others = {
-        key: ComponentSource(
-            rec,
-            directory,
-            {f: manifest.files[f] for b in rec.pieces.values() for f in (b + ".json", b + ".safetensors") if f in manifest.files},
-        )
-        for key, rec in manifest.components.items()
+        key: ComponentSource.from_manifest(directory, manifest, key)
+        for key in manifest.components
         if key not in (MODEL, OPTIMIZER)
     }
     sharding = manifest.sharding or {}

@@ -15,10 +15,10 @@ from typing import Any
 
 from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
-from .errors import ComponentError, InteropError, ReplicationError, SaveFailedError
+from .errors import ComponentError, CorruptCheckpointError, InteropError, ReplicationError, SaveFailedError
 from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
-from .pieces import read_piece, state_fingerprint, write_piece
-from .planner import files_of, pieces_for, plan_save, resolve_load
+from .pieces import piece_files, read_piece, state_fingerprint, write_piece
+from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
 from .state import ComponentSpec, SharingPattern, StateComponent, WorldSizePolicy, components_of
 from .topology import Topology
@@ -235,8 +235,10 @@ class CheckpointManager:
         policy = comp.on_world_size_change or WorldSizePolicy(record.policy)
         spec = ComponentSpec(comp.key, SharingPattern(record.pattern), record.group, policy, record.required)
         action = resolve_load(spec, saved, current, rank)
-        rels = [f for f in files_of(action.bases) if f in manifest.files or f.endswith(".json")]
-        check_files(directory, manifest, rels, digest=verify)
+        missing = [f"{b}.json" for b in action.bases if f"{b}.json" not in manifest.files]
+        if missing:
+            raise CorruptCheckpointError(os.path.join(directory, missing[0]), f"piece of component {comp.key!r} is not in the manifest")
+        check_files(directory, manifest, piece_files(action.bases, manifest.files), digest=verify)
         stateful = comp.stateful
         if action.kind == "load":
             stateful.load_state_dict(read_piece(directory, action.bases[0]))

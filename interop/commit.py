@@ -9,6 +9,7 @@ either the previous state or a committed, verifiable new checkpoint; a staging d
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -16,7 +17,8 @@ import shutil
 from typing import Iterator
 
 from .errors import DestinationExistsError, MissingFileError
-from .manifest import MANIFEST, STAGING_SUFFIX, Manifest, read_manifest
+from .manifest import MANIFEST, STAGING_SUFFIX, FileRecord, Manifest, read_manifest
+from .tensors import DIGEST_ALGO
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,15 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def durable_write(path: str, data: bytes) -> FileRecord:
+    """Write a new file and fsync it; returns its size and digest for the manifest."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(len(data), f"{DIGEST_ALGO}:" + hashlib.sha256(data).hexdigest())
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .manifest import ComponentRecord, FileRecord
+from .manifest import ComponentRecord, FileRecord, Manifest
 from .tensors import LazyTensor
 
 OPTIM_PREFIX = "optimizer/"
@@ -40,6 +40,13 @@ class ComponentSource:
     record: ComponentRecord
     directory: str
     files: dict[str, FileRecord]
+
+    @classmethod
+    def from_manifest(cls, directory: str, manifest: Manifest, key: str) -> "ComponentSource":
+        from .pieces import piece_files
+
+        record = manifest.components[key]
+        return cls(record, directory, {f: manifest.files[f] for f in piece_files(record.pieces.values(), manifest.files)})
 
     def paths(self) -> Iterator[tuple[str, str, FileRecord]]:
         for rel, rec in self.files.items():

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Container, Iterable
 
 from . import codec
+from .commit import durable_write
 from .errors import CorruptCheckpointError, MissingFileError
 from .manifest import FileRecord
 from .safetensors_io import SafetensorsFile, save_tensors
-from .tensors import DIGEST_ALGO, tensor_digest
+from .tensors import tensor_digest
 
 
 def write_piece(directory: str, base: str, state: Any, writer: int | None = None) -> dict[str, FileRecord]:
@@ -22,14 +22,15 @@ def write_piece(directory: str, base: str, state: Any, writer: int | None = None
     if tensors:
         written = save_tensors(os.path.join(directory, base + ".safetensors"), tensors)
         records[base + ".safetensors"] = FileRecord(written.nbytes, written.digest, writer)
-    text = json.dumps({"state": skeleton}, allow_nan=False).encode()
-    path = os.path.join(directory, base + ".json")
-    with open(path, "wb") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    records[base + ".json"] = FileRecord(len(text), f"{DIGEST_ALGO}:" + hashlib.sha256(text).hexdigest(), writer)
+    record = durable_write(os.path.join(directory, base + ".json"), json.dumps({"state": skeleton}, allow_nan=False).encode())
+    record.writer = writer
+    records[base + ".json"] = record
     return records
+
+
+def piece_files(bases: Iterable[str], listed: Container[str]) -> list[str]:
+    """The files of these pieces that exist in a manifest's file list (the .safetensors part is optional)."""
+    return [f"{b}{ext}" for b in bases for ext in (".json", ".safetensors") if f"{b}{ext}" in listed]
 
 
 def read_piece(directory: str, base: str, lazy: bool = False) -> Any:

@@ -7,7 +7,7 @@ A *piece* is one owner's copy of one component, stored as ``<base>.json`` (+ ``<
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from .errors import ComponentError, TopologyError
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
@@ -150,7 +150,3 @@ def resolve_load(spec: ComponentSpec, saved: Topology, current: Topology, rank: 
     if policy is WorldSizePolicy.RESEED:
         return LoadAction(spec.key, "reseed", (), f"{change}: not restored, reseeded per rank")
     return LoadAction(spec.key, "drop", (), f"{change}: dropped")
-
-
-def files_of(bases: Iterable[str]) -> list[str]:
-    return [f"{b}{ext}" for b in bases for ext in (".json", ".safetensors")]

@@ -15,12 +15,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
 from . import codec
-from .commit import fsync_path, staged_output, write_manifest
+from .commit import durable_write, fsync_path, staged_output, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError, MissingFileError
 from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
@@ -106,12 +106,7 @@ def write_sharded(
 def _write_json(root: str, rel: str, data: Any) -> FileRecord:
     path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    text = json.dumps(data, indent=2, sort_keys=False, allow_nan=False).encode()
-    with open(path, "wb") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileRecord(len(text), file_digest(path))
+    return durable_write(path, json.dumps(data, indent=2, allow_nan=False).encode())
 
 
 def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
@@ -259,10 +254,7 @@ def read_universal(directory: str, verify_digests: bool = False) -> LogicalCheck
                     t.digest = record.digest if record else None
                 tensors[key] = found
         optimizer = OptimizerState(state["class"], codec.decode(state["param_groups"], _no_tensor), tensors, state["scalars"])
-    components = {
-        key: ComponentSource(rec, directory, {rel: manifest.files[rel] for rel in _piece_files(rec, manifest)})
-        for key, rec in manifest.components.items()
-    }
+    components = {key: ComponentSource.from_manifest(directory, manifest, key) for key in manifest.components}
     model_meta = manifest.model or {}
     return LogicalCheckpoint(
         model=model,
@@ -280,13 +272,6 @@ def read_universal(directory: str, verify_digests: bool = False) -> LogicalCheck
 
 def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(STATE_JSON, f"unexpected tensor reference {name!r}")
-
-
-def _piece_files(record, manifest: Manifest) -> Iterable[str]:
-    for base in record.pieces.values():
-        for ext in (".json", ".safetensors"):
-            if base + ext in manifest.files:
-                yield base + ext
 
 
 def scalar_value(entry: dict[str, Any]) -> torch.Tensor:

@@ -205,3 +205,17 @@ def test_console_script_help_and_demo(tmp_path):
     assert "84/84 tensors bit-identical" in proc.stdout
     manifest = json.loads((tmp_path / "demo" / "universal" / "manifest.json").read_text())
     assert manifest["format"] == "interop-universal" and manifest["step"] == 6
+
+
+def test_trust_pickle_is_the_explicit_opt_in(tmp_path):
+    import argparse
+
+    from converters.pickle_safety import load_torch_file
+    from interop.errors import UnsafePickleError
+
+    path = tmp_path / "args.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}, path)
+    with pytest.raises(UnsafePickleError, match=r"it references argparse.Namespace"):
+        load_torch_file(str(path))
+    loaded = load_torch_file(str(path), trust_pickle=True)
+    assert loaded["args"].lr == 0.1 and torch.equal(loaded["w"], torch.ones(2))

@@ -84,3 +84,19 @@ def test_trainer_cli_resumes_exactly_as_a_launcher_would_start_it(tmp_path):
     head = run("split", "--stop-at", "3")
     tail = run("split", "--resume")
     assert head + tail == full and len(full) == 6
+
+
+def test_manifest_records_model_and_sharding_metadata(tmp_path):
+    from interop.manifest import read_manifest
+    from interop.sharding import DistributedModel, LocalModel, ShardingMetadata, Strategy
+
+    trainer = BaseTrainer(TrainerConfig(steps=1, output_dir=str(tmp_path), tied=True))
+    trainer.train()
+    manifest = read_manifest(trainer.save())
+    sharding = ShardingMetadata.from_json(manifest.sharding)
+    assert sharding.strategy is Strategy.SINGLE and sharding.world_size == 1 and sharding.precision == "float32"
+    assert ShardingMetadata.from_json(sharding.to_json()) == sharding
+    assert manifest.model["config"]["architectures"] == ["LlamaForCausalLM"]
+    assert manifest.model["tied"] == [["lm_head.weight", "model.embed_tokens.weight"]]
+    assert manifest.optimizer == {"class": "AdamW"}
+    assert isinstance(LocalModel(trainer.model), DistributedModel)

@@ -1,0 +1,85 @@
+"""HF import/export: interop's streaming converters against transformers' own load + save_pretrained.
+
+    python benchmarks/hf_roundtrip.py [--hidden 1024 --layers 16] [--workdir DIR]
+
+Builds a Llama from a config (about 270M parameters at the defaults), saves it with save_pretrained, then
+runs each step in its own process and reports wall time and that process's peak RSS:
+
+  interop convert SRC UNI --to universal      vs  from_pretrained(SRC) + save_pretrained(REF)
+  interop convert UNI OUT --to hf             (the same reference: transformers has no other re-export)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+REFERENCE = """
+import sys, transformers
+m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+m.save_pretrained(sys.argv[2])
+"""
+
+
+def measure(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-3000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def build(src: str, hidden: int, layers: int) -> int:
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(src, max_shard_size="1GB")
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-")
+    src, uni, out, ref = (os.path.join(work, d) for d in ("src_hf", "universal", "out_hf", "ref_hf"))
+    for d in (uni, out, ref):
+        shutil.rmtree(d, ignore_errors=True)
+    if not os.path.isdir(src):
+        n = build(src, args.hidden, args.layers)
+        print(f"model: Llama, {n / 1e6:.0f}M parameters, fp32, {sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)) / 2**30:.2f} GiB")
+    cli = [sys.executable, "-m", "converters.cli"]
+    rows = [
+        ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"])),
+        ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"])),
+        ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref])),
+    ]
+    ref_wall, ref_rss = rows[-1][1]
+    print(f"\n{'step':<50} {'wall s':>8} {'peak RSS':>10} {'time vs ref':>12} {'RSS vs ref':>11}")
+    for name, (wall, rss) in rows:
+        print(f"{name:<50} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {ref_wall / wall:>11.2f}x {rss / ref_rss:>10.2f}x")
+    print(f"\nfiles under {work}")
+
+
+if __name__ == "__main__":
+    main()
