@@ -60,16 +60,23 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--build", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.build:
+        build(args.build, args.hidden, args.layers)
+        return
     work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-")
     src, uni, out, ref = (os.path.join(work, d) for d in ("src_hf", "universal", "out_hf", "ref_hf"))
     for d in (uni, out, ref):
         shutil.rmtree(d, ignore_errors=True)
     if not os.path.isdir(src):
-        n = build(src, args.hidden, args.layers)
-        print(f"model: Llama, {n / 1e6:.0f}M parameters, fp32, {sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)) / 2**30:.2f} GiB")
+        # in a child process: a child forked from a parent holding the model would inherit its resident pages
+        measure([sys.executable, os.path.abspath(__file__), "--build", src, "--hidden", str(args.hidden), "--layers", str(args.layers)])
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, fp32 safetensors {size / 2**30:.2f} GiB")
     cli = [sys.executable, "-m", "converters.cli"]
     rows = [
+        ("import torch + transformers (baseline)", measure([sys.executable, "-c", "import torch, transformers"])),
         ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"])),
         ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"])),
         ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref])),

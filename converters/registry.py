@@ -8,7 +8,8 @@ from typing import Callable
 
 from interop.errors import MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from interop.logical import LogicalCheckpoint
-from interop.manifest import MANIFEST, UNIVERSAL_FORMAT, read_manifest
+from interop.commit import resolve_checkpoint_dir
+from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from . import hf, interop_ckpt
@@ -89,10 +90,15 @@ def detect(path: str) -> Format:
     for fmt in FORMATS.values():
         if fmt.detect(path):
             return fmt
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        read_manifest(path)  # raises naming what is wrong with the manifest
-    if os.path.normpath(path).endswith(".staging"):
-        raise UncommittedCheckpointError(path, "is the staging directory of a save that never committed")
+    directory = resolve_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        manifest = read_manifest(directory)  # raises naming what is wrong with it
+        strategy = (manifest.sharding or {}).get("strategy")
+        raise UnknownFormatError(
+            directory, f"{manifest.format} checkpoint" + (f" of strategy {strategy!r}" if strategy else "") + " has no registered reader"
+        )
+    if os.path.normpath(path).endswith(STAGING_SUFFIX):
+        read_manifest(path)  # refuses staging directories with the reason
     if any(os.path.isdir(os.path.join(path, d)) for d in _CHECKPOINT_SUBDIRS):
         raise UncommittedCheckpointError(
             path, f"has no {MANIFEST}: the save never committed, or the manifest was removed; it will not be loaded"

@@ -76,8 +76,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------
     def topology(self) -> Topology:
-        groups_of = getattr(self.provider, "get_process_groups", None)
-        return runtime_topology(self.collective, groups_of() if groups_of else None)
+        return runtime_topology(self.collective, getattr(self.provider, "get_process_groups", None))
 
     def _agree(self, error: str | None, payload: Any = None, failure=SaveFailedError, what: str = "save") -> list[Any]:
         """All-gather (error, payload); raise the same error on every rank if any rank failed."""

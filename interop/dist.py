@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
+from .errors import ComponentError
 from .topology import Topology
 
 
@@ -66,21 +67,33 @@ def node_id() -> str:
     return f"node-rank:{int(group_rank):08d}" if group_rank is not None else f"host:{socket.gethostname()}"
 
 
-def runtime_topology(collective: Collective, process_groups: Mapping[str, Any] | None = None) -> Topology:
-    """Gather every rank's node and group memberships into one Topology (identical on all ranks)."""
-    memberships: dict[str, tuple[int, ...]] = {}
-    if process_groups:
-        import torch.distributed as dist
+def runtime_topology(collective: Collective, process_groups: Callable[[], Mapping[str, Any] | None] | None = None) -> Topology:
+    """Gather every rank's node and group memberships into one Topology (identical on all ranks).
 
-        for name, group in process_groups.items():
-            if group is None:
-                continue
-            memberships[name] = tuple(sorted(dist.get_process_group_ranks(group)))
-    gathered = collective.all_gather_object((node_id(), memberships))
-    node_names = sorted({n for n, _ in gathered}, key=lambda n: min(r for r, (m, _) in enumerate(gathered) if m == n))
-    node_of_rank = tuple(node_names.index(n) for n, _ in gathered)
+    ``process_groups`` (the provider's get_process_groups) is called inside the exchange, so a rank whose
+    call fails still takes part and every rank raises the same error instead of waiting forever.
+    """
+    memberships: dict[str, tuple[int, ...]] = {}
+    error = None
+    try:
+        groups_here = process_groups() if process_groups else None
+        if groups_here:
+            import torch.distributed as dist
+
+            for name, group in groups_here.items():
+                if group is not None:
+                    memberships[name] = tuple(sorted(dist.get_process_group_ranks(group)))
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    gathered = collective.all_gather_object((node_id(), memberships, error))
+    failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e is not None]
+    if failed:
+        raise ComponentError(f"get_process_groups() failed on rank {failed[0][0]}: {failed[0][1]}")
+    nodes = [n for n, _, _ in gathered]
+    node_names = sorted(set(nodes), key=nodes.index)
+    node_of_rank = tuple(node_names.index(n) for n in nodes)
     groups: dict[str, set[tuple[int, ...]]] = {}
-    for _, member in gathered:
+    for _, member, _ in gathered:
         for name, ranks in member.items():
             groups.setdefault(name, set()).add(ranks)
     return Topology(collective.world_size, node_of_rank, {k: tuple(v) for k, v in groups.items()})

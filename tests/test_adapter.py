@@ -283,3 +283,12 @@ def test_world_size_change_policies_in_one_process(tmp_path):
 
     with pytest.raises(TopologyError, match="'data' was saved with 2 ranks, now 1; its policy is 'refuse'"):
         manager.load()
+
+
+def test_failing_get_process_groups_is_reported_not_hung(tmp_path):
+    class Broken(Provider):
+        def get_process_groups(self):
+            raise RuntimeError("no mesh yet")
+
+    with pytest.raises(ComponentError, match=r"get_process_groups\(\) failed on rank 0: RuntimeError: no mesh yet"):
+        CheckpointManager(str(tmp_path), Broken([StateComponent("a", Box(1.0), SharingPattern.GLOBAL)])).save(1)

@@ -219,3 +219,15 @@ def test_trust_pickle_is_the_explicit_opt_in(tmp_path):
         load_torch_file(str(path))
     loaded = load_torch_file(str(path), trust_pickle=True)
     assert loaded["args"].lr == 0.1 and torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_committed_checkpoint_without_a_reader_says_so(sources, tmp_path, capsys):
+    import json as _json
+
+    src = copy(sources / "run", tmp_path / "run")
+    ckpt = sorted(p for p in src.iterdir() if p.name.startswith("checkpoint-"))[-1]
+    manifest = _json.loads((ckpt / "manifest.json").read_text())
+    manifest["sharding"]["strategy"] = "pipeline_parallel"
+    (ckpt / "manifest.json").write_text(_json.dumps(manifest))
+    code, _, err = run_cli(capsys, "inspect", src)
+    assert_one_line_error(code, err, str(ckpt), "interop-checkpoint checkpoint of strategy 'pipeline_parallel' has no registered reader")
