@@ -15,7 +15,7 @@ from typing import Any
 
 from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
-from .errors import ComponentError, CorruptCheckpointError, InteropError, ReplicationError, SaveFailedError
+from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError
 from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from .pieces import piece_files, read_piece, state_fingerprint, write_piece
 from .planner import pieces_for, plan_save, resolve_load
@@ -27,10 +27,6 @@ from .verify import check_files
 log = logging.getLogger(__name__)
 
 _METADATA_FIELDS = ("source", "sharding", "model", "optimizer", "notes")
-
-
-class LoadFailedError(InteropError):
-    """Loading failed on another rank; raised on the ranks that did not fail themselves."""
 
 
 @dataclass
@@ -75,6 +71,10 @@ class CheckpointManager:
         self.name_format = name_format
 
     # ------------------------------------------------------------------------------------------------
+    def path_for(self, step: int) -> str:
+        """Where checkpoint ``step`` is (or will be) committed."""
+        return os.path.join(self.root, self.name_format.format(step=step))
+
     def topology(self) -> Topology:
         return runtime_topology(self.collective, getattr(self.provider, "get_process_groups", None))
 
@@ -91,8 +91,8 @@ class CheckpointManager:
     def save(self, step: int, metadata: dict[str, Any] | None = None) -> str:
         """Save every component as checkpoint ``step``; returns the committed directory on every rank."""
         rank = self.collective.rank
-        name = self.name_format.format(step=step)
-        final = os.path.join(self.root, name)
+        final = self.path_for(step)
+        name = os.path.basename(final)
         staging = final + STAGING_SUFFIX
         what = f"save of {name}"
 

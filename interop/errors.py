@@ -61,6 +61,10 @@ class SaveFailedError(InteropError):
     """A save failed on at least one rank; raised on every rank with the same message."""
 
 
+class LoadFailedError(InteropError):
+    """Loading failed on another rank; raised on the ranks that did not fail themselves."""
+
+
 class DestinationExistsError(InteropError):
     """A conversion target exists and is not empty; pass --overwrite to replace it."""
 

@@ -96,21 +96,20 @@ def _assert_nothing_written(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".staging")]
 
 
-def test_truncated_safetensors(sources, tmp_path, capsys):
-    src = copy(sources / "hf", tmp_path / "src")
-    f = src / "model.safetensors"
+@pytest.mark.parametrize(
+    "source,victim,target,needle",
+    [
+        ("hf", "model.safetensors", "universal", "truncated"),  # no manifest: the safetensors header check
+        ("uni", "optimizer/state.json", "hf", "manifest says"),  # universal: the manifest's size check
+    ],
+    ids=["hf-safetensors", "universal-file"],
+)
+def test_truncated_file(sources, tmp_path, capsys, source, victim, target, needle):
+    src = copy(sources / source, tmp_path / "src")
+    f = src / victim
     f.write_bytes(f.read_bytes()[:-100])
-    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
-    assert_one_line_error(code, err, str(f), "truncated")
-    _assert_nothing_written(tmp_path)
-
-
-def test_truncated_file_in_a_universal_checkpoint(sources, tmp_path, capsys):
-    src = copy(sources / "uni", tmp_path / "src")
-    f = src / "optimizer" / "state.json"
-    f.write_bytes(f.read_bytes()[:-5])
-    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
-    assert_one_line_error(code, err, str(f), "manifest says")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", target)
+    assert_one_line_error(code, err, str(f), needle)
     _assert_nothing_written(tmp_path)
 
 

@@ -217,9 +217,8 @@ def run(trainer: BaseTrainer) -> None:
     if cfg.resume:
         trainer.resume(cfg.resume)
     losses = trainer.train(cfg.stop_at)
-    path = trainer.save() if cfg.save_every == 0 or trainer.state.step % cfg.save_every else os.path.join(
-        cfg.output_dir, trainer.checkpoints.name_format.format(step=trainer.state.step)
-    )
+    saved_by_loop = cfg.save_every and trainer.state.step % cfg.save_every == 0
+    path = trainer.checkpoints.path_for(trainer.state.step) if saved_by_loop else trainer.save()
     if trainer.rank == 0:
         print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}))
 
