@@ -17,12 +17,13 @@ from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoi
 from .dist import Collective, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError
 from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
-from .pieces import piece_files, read_piece, state_fingerprint, write_piece
+from .errors import TopologyError
+from .pieces import component_files, piece_files, read_piece, state_fingerprint, write_piece
 from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
-from .state import ComponentSpec, SharingPattern, StateComponent, WorldSizePolicy, components_of
+from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native
 from .topology import Topology
-from .verify import check_files
+from .verify import check_files, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,17 @@ class CheckpointManager:
         what = f"save of {name}"
 
         # 1. declare, plan, and capture the state each rank needs (to write or to validate)
-        error, components, specs, states, prints = None, [], [], {}, {}
+        error, components, specs, states, prints, native = None, [], [], {}, {}, []
         topology = self.topology()
         try:
             components = components_of(self.provider)
             specs = [c.resolve() for c in components]
-            plan = plan_save(specs, topology)
+            native = [c for c in components if is_native(c.stateful)]
+            plan = plan_save([s for c, s in zip(components, specs) if c not in native], topology)
             writes = {p.component for p in plan.writes_of(rank)}
             for comp, spec in zip(components, specs):
+                if comp in native:
+                    continue
                 if spec.validate_replication or comp.key in writes:
                     states[comp.key] = comp.stateful.state_dict()
                 if spec.validate_replication:
@@ -129,12 +133,16 @@ class CheckpointManager:
         try:
             for piece in plan.writes_of(rank):
                 records.update(write_piece(staging, piece.base, states[piece.component], writer=rank))
+            for comp in native:  # collective: the engine's own save, on every rank
+                comp.stateful.save_native(os.path.join(staging, comp.key))
             for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
                 fsync_path(d)
         except Exception as exc:  # noqa: BLE001
             error = _describe(exc)
         try:
             all_records = self._agree(error, records, what=what)
+            if native:
+                all_records.extend(self._agree(*self._native_records(staging, native), what=what))
         except SaveFailedError:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -144,7 +152,7 @@ class CheckpointManager:
         error = None
         if rank == 0:
             try:
-                manifest = self._manifest(step, specs, topology, plan, all_records, metadata)
+                manifest = self._manifest(step, specs, topology, plan, all_records, metadata, {c.key for c in native})
                 write_manifest(staging, manifest)
                 publish(staging, final)
                 write_latest(self.root, name)
@@ -157,7 +165,29 @@ class CheckpointManager:
         log.info("saved %s (%d files)", final, sum(len(r) for r in all_records))
         return final
 
-    def _manifest(self, step, specs, topology, plan, all_records, metadata) -> Manifest:
+    def _native_records(self, staging: str, native: list[StateComponent]) -> tuple[str | None, dict[str, FileRecord]]:
+        """List what the engines wrote and digest it, each rank a share of the files (after every rank wrote)."""
+        rank, world = self.collective.rank, self.collective.world_size
+        records: dict[str, FileRecord] = {}
+        try:
+            rels = []
+            for comp in native:
+                top = os.path.join(staging, comp.key)
+                if not os.path.isdir(top):
+                    raise ComponentError(f"native component {comp.key!r} wrote nothing into {top}")
+                for dirpath, _, names in os.walk(top):
+                    rels += [os.path.relpath(os.path.join(dirpath, n), staging) for n in names]
+            for rel in sorted(rels)[rank::world]:
+                path = os.path.join(staging, rel)
+                fsync_path(path)
+                records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
+            for d in {os.path.dirname(os.path.join(staging, rel)) for rel in rels}:
+                fsync_path(d)
+        except Exception as exc:  # noqa: BLE001
+            return _describe(exc), records
+        return None, records
+
+    def _manifest(self, step, specs, topology, plan, all_records, metadata, native: set[str]) -> Manifest:
         meta = dict(metadata or {})
         extra = getattr(self.provider, "get_checkpoint_metadata", None)
         if extra is not None:
@@ -174,7 +204,8 @@ class CheckpointManager:
                 policy=spec.policy.value,
                 required=spec.required,
                 group=spec.group,
-                pieces={p.owner: p.base for p in plan.pieces if p.component == spec.key},
+                pieces={"native": spec.key} if spec.key in native else {p.owner: p.base for p in plan.pieces if p.component == spec.key},
+                native=spec.key in native,
             )
             for spec in specs
         }
@@ -197,32 +228,41 @@ class CheckpointManager:
         """
         rank = self.collective.rank
         topology = self.topology()
-        error, notes, result = None, [], None
+        error, notes, result, scratch = None, [], None, None
         own_exc: BaseException | None = None
         try:
             directory = resolve_checkpoint_dir(os.path.abspath(path or self.root))
             manifest = read_manifest(directory)
             saved = Topology.from_json(manifest.topology)
+            scratch = self._scratch(directory)
             for comp in components_of(self.provider, for_load=True):
-                note = self._load_component(directory, manifest, comp, saved, topology, rank, verify)
+                note = self._load_component(directory, manifest, comp, saved, topology, rank, verify, scratch)
                 if note:
                     notes.append(note)
             result = LoadResult(directory, manifest, notes)
         except Exception as exc:  # noqa: BLE001
             error, own_exc = _describe(exc), exc
-        if self.collective.world_size == 1 and own_exc is not None:
-            raise own_exc
+
         try:
-            self._agree(error, failure=LoadFailedError, what="load")
+            if self.collective.world_size == 1 and own_exc is not None:
+                raise own_exc
+            self._agree(error, failure=LoadFailedError, what="load")  # every rank is done with the scratch space
         except LoadFailedError as agreed:
             if own_exc is not None:
                 raise own_exc from agreed
             raise
+        finally:
+            if rank == 0 and scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         for note in notes:
             log.warning("%s", note)
         return result  # type: ignore[return-value]
 
-    def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, verify) -> str | None:
+    def _scratch(self, directory: str) -> str:
+        """Where a native load may write a converted copy: beside the checkpoints, removed after the load."""
+        return os.path.join(self.root, f".{os.path.basename(directory)}.load")
+
+    def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, verify, scratch) -> str | None:
         record = manifest.components.get(comp.key)
         if record is None:
             if comp.required:
@@ -232,6 +272,10 @@ class CheckpointManager:
             log.info("component %r not in %s; not required, skipped", comp.key, directory)
             return None
         policy = comp.on_world_size_change or WorldSizePolicy(record.policy)
+        if record.native:
+            return self._load_native(directory, manifest, comp, record, policy, saved, current, rank, verify, scratch)
+        if is_native(comp.stateful):
+            raise ComponentError(f"{directory}: component {comp.key!r} was not saved by the engine itself; load it with the trainer that wrote it")
         spec = ComponentSpec(comp.key, SharingPattern(record.pattern), record.group, policy, record.required)
         action = resolve_load(spec, saved, current, rank)
         missing = [f"{b}.json" for b in action.bases if f"{b}.json" not in manifest.files]
@@ -253,3 +297,25 @@ class CheckpointManager:
             seed = int.from_bytes(hashlib.sha256(f"{manifest.step}:{rank}".encode()).digest()[:7], "little")
             reseed(seed)
         return action.note or None
+
+    def _load_native(self, directory, manifest, comp, record, policy, saved, current, rank, verify, scratch) -> str | None:
+        if not is_native(comp.stateful):
+            raise ComponentError(
+                f"{directory}: component {comp.key!r} holds the engine's own files; this trainer's stateful has no load_native()"
+            )
+        files = component_files(record, manifest.files)
+        if not files:
+            raise CorruptCheckpointError(os.path.join(directory, comp.key), f"native component {comp.key!r} lists no files")
+        check_files(directory, manifest, files, digest=verify)
+        note = None
+        if saved.world_size != current.world_size:
+            if policy is WorldSizePolicy.REFUSE:
+                raise TopologyError(
+                    f"{directory}: component {comp.key!r} was saved by {saved.world_size} ranks and its policy is 'refuse'; "
+                    f"this run has {current.world_size}. Convert it first: interop convert {directory} --to <format> --world-size {current.world_size}"
+                )
+            if policy is WorldSizePolicy.DROP:
+                return f"component {comp.key!r}: saved by {saved.world_size} ranks, now {current.world_size}; not loaded (policy 'drop')"
+            note = f"component {comp.key!r}: saved by {saved.world_size} ranks, loaded onto {current.world_size} (policy '{policy.value}')"
+        comp.stateful.load_native(NativeLoad(os.path.join(directory, comp.key), saved, current, rank, manifest, scratch))
+        return note

@@ -43,10 +43,10 @@ class ComponentSource:
 
     @classmethod
     def from_manifest(cls, directory: str, manifest: Manifest, key: str) -> "ComponentSource":
-        from .pieces import piece_files
+        from .pieces import component_files
 
         record = manifest.components[key]
-        return cls(record, directory, {f: manifest.files[f] for f in piece_files(record.pieces.values(), manifest.files)})
+        return cls(record, directory, {f: manifest.files[f] for f in component_files(record, manifest.files)})
 
     def paths(self) -> Iterator[tuple[str, str, FileRecord]]:
         for rel, rec in self.files.items():
@@ -65,6 +65,9 @@ class LogicalCheckpoint:
     frozen: list[str] = field(default_factory=list)
     step: int | None = None
     notes: list[str] = field(default_factory=list)
+    # State a reader found in memory rather than in files (a DeepSpeed checkpoint's client state): written as
+    # GLOBAL components, encoded without pickle.
+    extra_state: dict[str, Any] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
         """Every logical tensor with its logical key: model names, then optimizer/<key>/<name>."""

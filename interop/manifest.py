@@ -44,6 +44,7 @@ class ComponentRecord:
     required: bool = True
     group: str | None = None
     pieces: dict[str, str] = field(default_factory=dict)  # owner -> base path (files: base.json, base.safetensors)
+    native: bool = False  # written by the engine itself: every file under pieces["native"] + "/" belongs to it
 
 
 @dataclass

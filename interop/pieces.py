@@ -9,7 +9,7 @@ from typing import Any, Container, Iterable
 from . import codec
 from .commit import durable_write
 from .errors import CorruptCheckpointError, MissingFileError
-from .manifest import FileRecord
+from .manifest import ComponentRecord, FileRecord
 from .safetensors_io import SafetensorsFile, save_tensors
 from .tensors import tensor_digest
 
@@ -31,6 +31,15 @@ def write_piece(directory: str, base: str, state: Any, writer: int | None = None
 def piece_files(bases: Iterable[str], listed: Container[str]) -> list[str]:
     """The files of these pieces that exist in a manifest's file list (the .safetensors part is optional)."""
     return [f"{b}{ext}" for b in bases for ext in (".json", ".safetensors") if f"{b}{ext}" in listed]
+
+
+def component_files(record: ComponentRecord, listed: Iterable[str]) -> list[str]:
+    """Every listed file of one component: its pieces' files, or for a native component its whole directory."""
+    if record.native:
+        prefixes = tuple(base + "/" for base in record.pieces.values())
+        return [f for f in listed if f.startswith(prefixes)]
+    listed = set(listed)
+    return piece_files(record.pieces.values(), listed)
 
 
 def read_piece(directory: str, base: str, lazy: bool = False) -> Any:

@@ -58,6 +58,40 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+@runtime_checkable
+class NativeStateful(Protocol):
+    """State an engine writes in its own format (DeepSpeed's ``save_checkpoint``, accelerate's ``save_state``).
+
+    Every rank calls both methods together, as the engines require. ``save_native`` writes into a directory
+    the adapter owns (inside the staging directory, so the commit protocol still decides what is committed);
+    the adapter then lists and digests every file it finds there. ``load_native`` gets a :class:`NativeLoad`.
+    """
+
+    def save_native(self, directory: str) -> None: ...
+
+    def load_native(self, load: "NativeLoad") -> None: ...
+
+
+@dataclass
+class NativeLoad:
+    """What a native component's loader needs: its directory and both topologies (they may differ)."""
+
+    directory: str
+    saved: Any  # Topology at save time
+    current: Any  # Topology now
+    rank: int
+    manifest: Any  # the checkpoint's Manifest (sharding, model, step sections)
+    scratch: str  # a directory this load may use for a converted copy; the adapter removes it afterwards
+
+    @property
+    def world_size_changed(self) -> bool:
+        return self.saved.world_size != self.current.world_size
+
+
+def is_native(stateful: Any) -> bool:
+    return callable(getattr(stateful, "save_native", None)) and callable(getattr(stateful, "load_native", None))
+
+
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 

@@ -24,7 +24,8 @@ from .commit import durable_write, fsync_path, staged_output, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError, MissingFileError
 from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
-from .manifest import UNIVERSAL_FORMAT, FileRecord, Manifest, TensorRecord, now_iso, producer_versions, read_manifest
+from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions, read_manifest
+from .pieces import write_piece
 from .safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from .tensors import LazyTensor, tensor_digest
 from .topology import Topology
@@ -172,6 +173,12 @@ def write_universal(
                 if result.files[rel].digest != rec.digest:
                     raise CorruptCheckpointError(src, "content digest differs from its manifest")
             components[key] = comp.record
+        for key, state in ckpt.extra_state.items():
+            if key in components:
+                raise ConversionError(f"component {key!r} comes both from files and from the reader's in-memory state")
+            base = f"components/{key}"
+            result.files.update(write_piece(out, base, state))
+            components[key] = ComponentRecord(pattern="GLOBAL", policy="keep", pieces={"global": base})
         for d in {os.path.dirname(os.path.join(out, rel)) for rel in result.files}:
             fsync_path(d)
         manifest = Manifest(

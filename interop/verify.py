@@ -61,6 +61,10 @@ def verify_checkpoint(directory: str, digests: bool = True, progress=None) -> tu
         if tensor.file not in manifest.files:
             problems.append(f"{os.path.join(directory, tensor.file)}: holds tensor {name!r} but is not listed in the manifest")
     for key, comp in manifest.components.items():
+        if comp.native:
+            if not any(rel.startswith(tuple(b + "/" for b in comp.pieces.values())) for rel in manifest.files):
+                problems.append(f"{directory}: native component {key!r} has no files listed in the manifest")
+            continue
         for base in comp.pieces.values():
             if base + ".json" not in manifest.files:
                 problems.append(f"{os.path.join(directory, base)}.json: piece of component {key!r} not listed in the manifest")

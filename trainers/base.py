@@ -21,11 +21,13 @@ import torch
 
 from converters.families import tied_groups
 from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
-from interop.sharding import LocalModel
+from interop.sharding import LocalModel, ShardingMetadata
 
 from .state import VOCAB_SIZE, DataPosition, OptimizerStateful, TokenDataset, TrainerState
 
 log = logging.getLogger(__name__)
+
+BETAS = (0.9, 0.95)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TrainerConfig:
     backend: str = "auto"  # process-group backend for multi-process trainers: auto | gloo | nccl | mpi
     activation_checkpointing: bool = False
     dtype: str = "float32"
+    freeze: str = ""  # comma-separated parameter-name prefixes to freeze, e.g. "model.layers.0.mlp"
 
 
 def tiny_config(kind: str, tied: bool = False):
@@ -78,6 +81,14 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prefixes = tuple(p.strip() for p in cfg.freeze.split(",") if p.strip())
+    if prefixes:
+        frozen = [n for n, p in model.named_parameters() if n.startswith(prefixes)]
+        if not frozen:
+            raise ValueError(f"--freeze {cfg.freeze!r} matches no parameter of {type(model).__name__}")
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
     return model
 
 
@@ -111,18 +122,31 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
 class BaseTrainer:
     def __init__(self, cfg: TrainerConfig):
         self.cfg = cfg
-        self.rank, self.world_size = init_distributed(cfg.backend)
+        self.rank, self.world_size = self.init_distributed()
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
-        from transformers import get_linear_schedule_with_warmup
-
-        self.scheduler = get_linear_schedule_with_warmup(self.optimizer, cfg.warmup_steps, max(cfg.steps, 1))
+        self.model = self.build_model()
+        self.optimizer = self.build_optimizer(param_groups(self.model, cfg.weight_decay))
+        self.scheduler = self.build_scheduler()
         self.dataset = TokenDataset(cfg.seq_len)
         self.data = DataPosition(seed=cfg.seed)
         self.state = TrainerState()
         self.rng = RNGState()
         self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
+
+    # --- construction hooks the engine trainers override ----------------------------------------------
+    def init_distributed(self) -> tuple[int, int]:
+        return init_distributed(self.cfg.backend)
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg)
+
+    def build_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=BETAS)
+
+    def build_scheduler(self):
+        from transformers import get_linear_schedule_with_warmup
+
+        return get_linear_schedule_with_warmup(self.optimizer, self.cfg.warmup_steps, max(self.cfg.steps, 1))
 
     # --- the adapter's view ------------------------------------------------------------------------
     def get_state_components(self) -> list[StateComponent]:
@@ -145,9 +169,12 @@ class BaseTrainer:
                 "tied": tied_groups(config),
                 "frozen": [n for n, p in self.model.named_parameters() if not p.requires_grad],
             },
-            "sharding": LocalModel(self.model, self.rank, self.world_size).sharding_metadata().to_json(),
+            "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__},
         }
+
+    def sharding_metadata(self) -> ShardingMetadata:
+        return LocalModel(self.model, self.rank, self.world_size).sharding_metadata()
 
     # --- the loop ----------------------------------------------------------------------------------
     def next_batch(self) -> torch.Tensor:

@@ -1,0 +1,588 @@
+"""DeepSpeed ZeRO-1/2/3 checkpoints: read any world size into logical tensors, write any world size and stage.
+
+A ZeRO checkpoint directory (``<dir>/latest`` names the tag; ``<dir>/<tag>/`` holds the files) keeps the fp32
+master weights and the optimizer state as flat per-rank partitions; the model-states file says how to cut them:
+
+- ZeRO-1/2: each param group is one flat vector, padded at its end to a multiple of 2 x world size, split into
+  equal partitions. ``single_partition_of_fp32_groups`` is a rank's part with its tail padding stripped;
+  optimizer state (exp_avg, ...) is kept unstripped. Concatenating the ranks' parts and cutting in
+  ``param_shapes`` order (skipping ``param_alignment_paddings``) gives the parameters.
+- ZeRO-3: every parameter is split on its own, ``ceil(numel / world)`` elements per rank, and a rank's flat
+  sub-group vectors are its pieces back to back.
+
+Frozen parameters are not in the flat vectors: ZeRO-2 keeps them whole and ZeRO-3 in pieces in
+``frozen_param_fragments``; ZeRO-1 saves none there, so they come from ``module`` (DeepSpeed's own
+zero_to_fp32 drops them). Buffers come from ``module``; tied parameters from ``shared_params``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from interop.commit import resolve_checkpoint_dir
+from interop.errors import (
+    ConversionError,
+    CorruptCheckpointError,
+    MissingFileError,
+    TopologyError,
+    UnknownFormatError,
+    UnsupportedStateError,
+)
+from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, read_manifest
+from interop.tensors import LazyTensor, TensorSpec
+from interop.universal import scalar_entry
+from interop.verify import check_files
+
+from .families import tied_groups
+from .pickle_safety import load_torch_file
+
+log = logging.getLogger(__name__)
+
+NATIVE_KEY = "deepspeed"  # the native component of our DeepSpeed trainer's checkpoints
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+# --- DeepSpeed's pickled objects, allowlisted without importing DeepSpeed -----------------------------------
+class _PickledObject:
+    """Stands in for a DeepSpeed object (a loss scaler) inside a checkpoint: its attributes, nothing runnable."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class LossScaler(_PickledObject):
+    pass
+
+
+class DynamicLossScaler(_PickledObject):
+    pass
+
+
+class FragmentAddress(_PickledObject):
+    pass
+
+
+def _zero_stage_enum(value: int) -> int:
+    return int(value)
+
+
+DEEPSPEED_ALLOWLIST: list[Any] = [
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (_zero_stage_enum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+]
+
+
+def load_ds_file(path: str, trust_pickle: bool = False) -> Any:
+    return load_torch_file(path, trust_pickle, allow=DEEPSPEED_ALLOWLIST)
+
+
+# --- where the files are ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeLayout:
+    """What decides whether DeepSpeed can load a checkpoint as it is: world size, stage family, precision."""
+
+    world_size: int
+    zero_stage: int
+    precision: str = "float32"
+
+    def describe(self) -> str:
+        return f"ZeRO-{self.zero_stage}, {self.world_size} rank(s), {self.precision}"
+
+    def loads_as(self, other: "NativeLayout") -> bool:
+        """ZeRO-1 and -2 share a partitioning, so either loads into the other; stage 3 does not."""
+        return (
+            self.world_size == other.world_size
+            and self.precision == other.precision
+            and (self.zero_stage == 3) == (other.zero_stage == 3)
+        )
+
+
+@dataclass
+class NativeFiles:
+    tag_dir: str
+    optim: list[str]  # by dp rank
+    model: list[str]  # ZeRO-3: by dp rank; ZeRO-1/2: the one file
+    bf16_prefix: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.optim)
+
+
+def locate(path: str) -> str:
+    """The tag directory holding the ZeRO files, from any of: the tag directory, a directory with ``latest``,
+    one of our trainer's checkpoints (``<ckpt>/deepspeed``), or a root of such checkpoints."""
+    if not os.path.exists(path):
+        raise MissingFileError(path, "no such file or directory")
+    if not os.path.isdir(path):
+        raise UnknownFormatError(path, "is a file; point at a DeepSpeed checkpoint directory")
+    if any(OPTIM_FILE.match(n) for n in os.listdir(path)):
+        return path
+    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, NATIVE_KEY)):
+        return locate(os.path.join(path, NATIVE_KEY))
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        target = os.path.join(path, tag)
+        if not os.path.isdir(target):
+            raise MissingFileError(target, f"named by {latest} but missing (a stale 'latest'?)")
+        return locate(target)
+    if os.path.isdir(os.path.join(path, "pytorch_model")):  # accelerate's save_state without 'latest'
+        return locate(os.path.join(path, "pytorch_model"))
+    raise UnknownFormatError(path, "holds no DeepSpeed ZeRO files (*_optim_states.pt) and no 'latest' naming a tag")
+
+
+def native_files(tag_dir: str) -> NativeFiles:
+    """The per-rank files, checked for completeness: every rank 0..N-1 once, one kind, one model parallel rank."""
+    optim: dict[int, str] = {}
+    kinds, mp_ranks = set(), set()
+    for name in sorted(os.listdir(tag_dir)):
+        m = OPTIM_FILE.match(name)
+        if m:
+            rank = int(m.group(2))
+            kinds.add(bool(m.group(1)))
+            mp_ranks.add(int(m.group(3)))
+            if rank in optim:
+                raise CorruptCheckpointError(os.path.join(tag_dir, name), f"a second optimizer file for rank {rank}")
+            optim[rank] = os.path.join(tag_dir, name)
+    if not optim:
+        raise UnknownFormatError(tag_dir, "no ZeRO optimizer files (*_optim_states.pt)")
+    if len(kinds) > 1:
+        raise CorruptCheckpointError(tag_dir, "holds both bf16_ and plain ZeRO optimizer files (two saves mixed)")
+    if mp_ranks != {0}:
+        raise UnsupportedStateError(f"{tag_dir}: model-parallel ZeRO checkpoints (mp_rank {sorted(mp_ranks)}) are not supported")
+    world = max(optim) + 1
+    missing = [r for r in range(world) if r not in optim]
+    if missing:
+        prefix = "bf16_" if kinds.pop() else ""
+        path = os.path.join(tag_dir, f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt")
+        raise MissingFileError(path, f"missing: the checkpoint has optimizer files for ranks up to {world - 1}")
+    zero3 = sorted(n for n in os.listdir(tag_dir) if ZERO3_MODEL_FILE.match(n))
+    if zero3:
+        model = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
+        for p in model:
+            if not os.path.isfile(p):
+                raise MissingFileError(p, f"missing: ZeRO-3 keeps one model-states file per rank ({world} ranks)")
+        extra = [n for n in zero3 if int(ZERO3_MODEL_FILE.match(n).group(1)) >= world]
+        if extra:
+            raise TopologyError(f"{os.path.join(tag_dir, extra[0])}: model states for a rank beyond the {world} optimizer files (two world sizes mixed)")
+    else:
+        model = [os.path.join(tag_dir, ZERO12_MODEL_FILE)]
+        if not os.path.isfile(model[0]):
+            raise MissingFileError(model[0], "missing: the model-states file of a ZeRO-1/2 checkpoint")
+    return NativeFiles(tag_dir, [optim[r] for r in range(world)], model, bool(kinds.pop()))
+
+
+def _precision_of_config(ds_config: dict[str, Any] | None) -> str:
+    cfg = ds_config or {}
+    if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
+        return "bfloat16"
+    if (cfg.get("fp16") or {}).get("enabled"):
+        return "float16"
+    return "float32"
+
+
+@dataclass
+class NativeInfo:
+    files: NativeFiles
+    layout: NativeLayout
+    ds_version: str | None
+
+
+def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
+    """Stage, world size and precision of the checkpoint at ``path`` (reads only the rank-0 model states)."""
+    files = native_files(locate(path))
+    states = load_ds_file(files.model[0], trust_pickle)
+    ds_config = states.get("ds_config") if isinstance(states, dict) else None
+    stage = int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 3 if len(files.model) > 1 else 2))
+    if len(files.model) > 1 or ZERO3_MODEL_FILE.match(os.path.basename(files.model[0])):
+        stage = 3
+    precision = _precision_of_config(ds_config)
+    if files.bf16_prefix:
+        precision = "bfloat16"
+    return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version"))
+
+
+# --- flat partitions -----------------------------------------------------------------------------------------
+class FlatView:
+    """Several 1-D tensors seen as one vector; slices copy only the pieces they touch."""
+
+    def __init__(self, parts: list[torch.Tensor], origin: str):
+        self.parts = [p.reshape(-1) for p in parts]
+        self.origin = origin
+        self.starts = [0]
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + p.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def slice(self, offset: int, numel: int) -> torch.Tensor:
+        if offset + numel > self.numel:
+            raise CorruptCheckpointError(
+                self.origin, f"flat partition holds {self.numel} elements; need {offset + numel} (truncated or wrong shapes)"
+            )
+        pieces = []
+        for part, start in zip(self.parts, self.starts):
+            lo, hi = max(offset, start), min(offset + numel, start + part.numel())
+            if lo < hi:
+                pieces.append(part[lo - start : hi - start])
+        if not pieces:
+            return self.parts[0].new_empty(0) if self.parts else torch.empty(0)
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+
+
+@dataclass
+class _Param:
+    name: str
+    shape: tuple[int, ...]
+    group: int  # optimizer param group
+    flat: int  # ZeRO-1/2: param group; ZeRO-3: sub-group
+    offset: int  # ZeRO-1/2: offset in the group's full flat vector; ZeRO-3: offset in each rank's flat vector
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _shape(s: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in s)
+
+
+@dataclass
+class _Optim:
+    """One rank's ZeRO optimizer file, normalised across ZeRO-1/2, BF16_Optimizer and ZeRO-3."""
+
+    path: str
+    fp32: list[torch.Tensor]  # per flat group
+    state: list[dict[str, Any]]  # per flat group: state key -> tensor / scalar
+    param_groups: list[dict[str, Any]]  # torch optimizer param groups (hyper-parameters, "params": flat indices)
+    partition_count: int
+    alignment_paddings: list[list[int]] | None = None  # ZeRO-1/2 parameter_alignment: padding after each param
+
+
+def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
+    sd = load_ds_file(path, trust_pickle)
+    try:
+        osd = sd["optimizer_state_dict"]
+        if zero3:
+            fp32 = list(osd["fp32_flat_groups"])
+            base = osd["optimizer_state_dict"]
+        else:
+            fp32 = list(osd["single_partition_of_fp32_groups"])
+            base = osd["base_optimizer_state"]
+        count = osd["partition_count"]
+    except (KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(path, f"not a ZeRO optimizer file: missing {exc}") from None
+    count = max(count) if isinstance(count, (list, tuple)) else int(count)
+    if isinstance(base, dict):  # a torch optimizer state dict (the default, "rigid" layout)
+        groups = base.get("param_groups", [])
+        per_flat = [dict(base.get("state", {}).get(i, {})) for i in range(len(fp32))]
+    else:  # elastic layout: a list of per-group states, stripped, and one step for all groups
+        groups = []
+        per_flat = [dict(s) for s in base]
+        step = osd.get("base_optimizer_state_step")
+        if step is not None:
+            for s in per_flat:
+                s.setdefault("step", step)
+    return _Optim(path, fp32, per_flat, groups, count, osd.get("param_alignment_paddings"))
+
+
+# --- reading -------------------------------------------------------------------------------------------------
+_DS_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """A parsed ZeRO checkpoint: enough to produce every logical tensor lazily."""
+
+    info: NativeInfo
+    model_states: list[dict[str, Any]]
+    optims: list[_Optim]
+    params: list[_Param] = field(default_factory=list)
+    frozen: dict[str, LazyTensor] = field(default_factory=dict)
+    buffers: dict[str, LazyTensor] = field(default_factory=dict)
+
+
+def _params_zero12(ms: dict[str, Any], optims: list[_Optim], path: str) -> list[_Param]:
+    shapes = ms["param_shapes"]
+    paddings = optims[0].alignment_paddings
+    params = []
+    for g, group in enumerate(shapes):
+        offset = 0
+        pads = paddings[g] if paddings else [0] * len(group)
+        for i, (name, shape) in enumerate(group.items()):
+            p = _Param(name, _shape(shape), g, g, offset)
+            params.append(p)
+            offset += p.numel + (pads[i] if i < len(pads) else 0)
+        have = sum(o.fp32[g].numel() for o in optims) if g < len(optims[0].fp32) else 0
+        if offset - (pads[-1] if pads else 0) > have:
+            raise CorruptCheckpointError(path, f"param group {g} needs {offset} fp32 elements; the {len(optims)} rank files hold {have}")
+    return params
+
+
+def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[_Param]:
+    group_of_flat = {}
+    for g, group in enumerate(optims[0].param_groups):
+        for flat in group.get("params", []):
+            group_of_flat[int(flat)] = g
+    params, offset = [], 0  # offsets run on across sub-groups: a rank's sub-group vectors are read as one
+    for sub, group in enumerate(ms["param_shapes"]):
+        start = offset
+        for name, shape in group.items():
+            p = _Param(name, _shape(shape), group_of_flat.get(sub, 0), sub, offset)
+            params.append(p)
+            offset += math.ceil(p.numel / world)
+        have = optims[0].fp32[sub].numel() if sub < len(optims[0].fp32) else 0
+        if offset - start != have:
+            raise CorruptCheckpointError(
+                optims[0].path, f"sub-group {sub} holds {have} fp32 elements per rank; its parameters need {offset - start}"
+            )
+    return params
+
+
+def _lazy(spec: TensorSpec, loader, origin: str) -> LazyTensor:
+    return LazyTensor(spec, loader, origin)
+
+
+def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
+    info = describe(path, trust_pickle)
+    files, world, zero3 = info.files, info.layout.world_size, info.layout.zero_stage == 3
+    model_states = []
+    for p in files.model:
+        ms = load_ds_file(p, trust_pickle)
+        if not isinstance(ms, dict) or "param_shapes" not in ms:
+            raise CorruptCheckpointError(p, "not a DeepSpeed model-states file (no param_shapes)")
+        saved_world = ms.get("dp_world_size")
+        if saved_world is not None and int(saved_world) != world:
+            raise TopologyError(f"{p}: saved by {saved_world} ranks, but the directory holds {world} optimizer files (two world sizes mixed)")
+        model_states.append(ms)
+    optims = [_parse_optim(p, trust_pickle, zero3) for p in files.optim]
+    for o in optims:
+        if o.partition_count != world:
+            raise TopologyError(f"{o.path}: written by a run of {o.partition_count} ranks; the directory has {world} optimizer files (two world sizes mixed)")
+        if len(o.fp32) != len(optims[0].fp32):
+            raise CorruptCheckpointError(o.path, f"{len(o.fp32)} flat groups; rank 0 has {len(optims[0].fp32)}")
+    ms0 = model_states[0]
+    ckpt = DeepSpeedCheckpoint(info, model_states, optims)
+    ckpt.params = _params_zero3(ms0, optims, world) if zero3 else _params_zero12(ms0, optims, files.model[0])
+    trainable = {p.name for p in ckpt.params}
+    module = ms0.get("module") or {}
+    shared = dict(ms0.get("shared_params") or {})
+    buffer_names = list(ms0.get("buffer_names") or [])
+    for name in buffer_names:
+        if name in module:
+            ckpt.buffers[name] = LazyTensor.of(module[name], f"{files.model[0]}:module.{name}")
+    frozen_shapes = ms0.get("frozen_param_shapes")
+    if frozen_shapes:
+        for name, shape in frozen_shapes.items():
+            shape = _shape(shape)
+            frags = [ms.get("frozen_param_fragments", {}).get(name) for ms in model_states]
+            if any(f is None for f in frags):
+                raise CorruptCheckpointError(files.model[0], f"frozen parameter {name!r} has no saved fragment")
+            numel = math.prod(shape)
+            if zero3:
+                def load(frags=frags, numel=numel, shape=shape):
+                    return torch.cat([f.reshape(-1) for f in frags])[:numel].reshape(shape).clone()
+            else:
+                def load(frag=frags[0], shape=shape):
+                    return frag.reshape(shape)
+            ckpt.frozen[name] = LazyTensor(TensorSpec(shape, frags[0].dtype), load, f"{files.model[0]}:frozen_param_fragments.{name}")
+    elif not zero3:  # ZeRO-1 saves no fragments: frozen parameters are whole in `module`
+        for name, t in module.items():
+            if name not in trainable and name not in shared and name not in buffer_names:
+                ckpt.frozen[name] = LazyTensor.of(t, f"{files.model[0]}:module.{name}")
+    return ckpt
+
+
+def _param_tensor(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> torch.Tensor:
+    """``flats``: per rank (ZeRO-3) or one concatenation over ranks (ZeRO-1/2) of the vectors holding ``p``."""
+    if ckpt.info.layout.zero_stage == 3:
+        world = len(flats)
+        per_rank = math.ceil(p.numel / world)
+        return torch.cat([f.slice(p.offset, per_rank) for f in flats])[: p.numel].reshape(p.shape)
+    return flats[0].slice(p.offset, p.numel).reshape(p.shape)
+
+
+def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatView]:
+    """The vectors holding ``p``'s fp32 weights (key None) or optimizer state ``key``."""
+    zero3 = ckpt.info.layout.zero_stage == 3
+
+    def vector(o: _Optim, flat: int) -> torch.Tensor:
+        if key is None:
+            return o.fp32[flat]
+        t = o.state[flat][key]
+        return t.reshape(-1)[: o.fp32[flat].numel()]  # ZeRO-1/2 keep state unstripped: trim to the fp32 part
+
+    if zero3:
+        return [FlatView([vector(o, f) for f in range(len(o.fp32))], o.path) for o in ckpt.optims]
+    return [FlatView([vector(o, p.flat) for o in ckpt.optims], ckpt.optims[0].path)]
+
+
+def _state_layout(ckpt: DeepSpeedCheckpoint) -> tuple[list[str], dict[int, dict[str, Any]]]:
+    """Tensor state keys sliced per parameter, and per flat group the scalar state (step, ...)."""
+    tensor_keys: set[str] = set()
+    scalars: dict[int, dict[str, Any]] = {}
+    for o in ckpt.optims:
+        for flat, state in enumerate(o.state):
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.numel() < o.fp32[flat].numel():
+                        raise UnsupportedStateError(
+                            f"{o.path}: optimizer state {key!r} of group {flat} has {value.numel()} elements, "
+                            f"not one per parameter element ({o.fp32[flat].numel()}); interop does not know how to split it"
+                        )
+                    tensor_keys.add(key)
+                elif torch.is_tensor(value) or isinstance(value, (int, float)):
+                    scalars.setdefault(flat, {})[key] = value
+                else:
+                    raise UnsupportedStateError(
+                        f"{o.path}: optimizer state {key!r} of group {flat} is a {type(value).__name__}; "
+                        "only tensors and numbers are supported"
+                    )
+    for o in ckpt.optims:
+        for flat, state in enumerate(o.state):
+            absent = tensor_keys - set(state)
+            if state and absent:
+                raise CorruptCheckpointError(o.path, f"group {flat} lacks optimizer state {sorted(absent)} that other groups have")
+    return sorted(tensor_keys), scalars
+
+
+def _optimizer(ckpt: DeepSpeedCheckpoint) -> OptimizerState:
+    tensor_keys, scalars = _state_layout(ckpt)
+    o0 = ckpt.optims[0]
+    by_group: dict[int, list[str]] = {}
+    for p in ckpt.params:
+        by_group.setdefault(p.group, []).append(p.name)
+    groups = []
+    for g, group in enumerate(o0.param_groups or [{}] * (max(by_group, default=-1) + 1)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": by_group.get(g, [])})
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    for key in tensor_keys:
+        tensors[key] = {}
+        for p in ckpt.params:
+            if key not in o0.state[p.flat]:
+                continue  # this group has not stepped yet
+            tensors[key][p.name] = LazyTensor(
+                TensorSpec(p.shape, o0.state[p.flat][key].dtype),
+                lambda p=p, key=key: _param_tensor(ckpt, p, _flats(ckpt, p, key)),
+                f"{o0.path}:{key}",
+            )
+    scalar_out: dict[str, dict[str, dict[str, Any]]] = {}
+    for p in ckpt.params:
+        for key, value in scalars.get(p.flat, {}).items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            scalar_out.setdefault(key, {})[p.name] = scalar_entry(t)
+    return OptimizerState("AdamW", groups, tensors, scalar_out)
+
+
+def _client_state(ms: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in ms.items() if k not in _DS_KEYS}
+
+
+def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
+    """A ZeRO checkpoint (DeepSpeed's, accelerate's ``pytorch_model`` tag, or our trainer's) as a logical one."""
+    manifest, directory = None, None
+    try:
+        directory = resolve_checkpoint_dir(path)
+        if os.path.isfile(os.path.join(directory, MANIFEST)):
+            manifest = read_manifest(directory)
+    except Exception:  # a plain DeepSpeed directory has no manifest
+        manifest = None
+    if manifest is not None:
+        check_files(directory, manifest, manifest.files, digest=verify_digests)
+        path = os.path.join(directory, NATIVE_KEY)
+    ckpt = read_native(path, trust_pickle)
+    ms0 = ckpt.model_states[0]
+    model: dict[str, LazyTensor] = {}
+    for p in ckpt.params:
+        model[p.name] = LazyTensor(
+            TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)), f"{ckpt.optims[0].path}:fp32"
+        )
+    model.update(ckpt.frozen)
+    model.update(ckpt.buffers)
+    shared = dict(ms0.get("shared_params") or {})
+    for alias, source in shared.items():
+        if source in model:
+            model[alias] = model[source]
+    layout = ckpt.info.layout
+    model_info = (manifest.model if manifest is not None else None) or {}
+    config = model_info.get("config") or _nearby_config(ckpt.info.files.tag_dir)
+    tied = [[alias, source] for alias, source in shared.items()] or tied_groups(config)
+    components: dict[str, ComponentSource] = {}
+    if manifest is not None:
+        components = {k: ComponentSource.from_manifest(directory, manifest, k) for k in manifest.components if k != NATIVE_KEY}
+    step = manifest.step if manifest is not None else ms0.get("global_steps")
+    notes = []
+    client = _client_state(ms0)
+    if client:
+        notes.append(f"DeepSpeed client state keys {sorted(client)} are carried as component 'client_state'")
+    ckpt_out = LogicalCheckpoint(
+        model=model,
+        config=config,
+        optimizer=_optimizer(ckpt),
+        components=components,
+        source={
+            "format": "deepspeed",
+            "zero_stage": layout.zero_stage,
+            "world_size": layout.world_size,
+            "dtype": layout.precision,
+            "master_dtype": "float32",
+            "ds_version": ckpt.info.ds_version,
+            "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
+        },
+        topology=manifest.topology if manifest is not None else None,
+        tied=tied,
+        frozen=sorted(ckpt.frozen),
+        step=int(step) if step is not None else None,
+        notes=notes,
+    )
+    extra = {}
+    if client:
+        extra["client_state"] = client
+    if ms0.get("lr_scheduler") is not None and "scheduler" not in components:
+        extra["lr_scheduler"] = ms0["lr_scheduler"]
+    ckpt_out.extra_state.update(extra)
+    return ckpt_out
+
+
+def _nearby_config(tag_dir: str) -> dict[str, Any] | None:
+    """config.json beside the checkpoint (HF Trainer and accelerate users keep it there), if any."""
+    import json
+
+    for d in (tag_dir, os.path.dirname(tag_dir), os.path.dirname(os.path.dirname(tag_dir))):
+        p = os.path.join(d, "config.json")
+        if os.path.isfile(p):
+            with open(p, encoding="utf-8") as f:
+                return json.load(f)
+    return None
+
+
+def is_deepspeed_checkpoint(path: str) -> bool:
+    try:
+        locate(path)
+        return True
+    except Exception:  # detection never raises; reading does
+        return False

@@ -1,0 +1,208 @@
+"""The reference DeepSpeed trainer: the base trainer's loop on ``deepspeed.initialize``, ZeRO stage 1, 2 or 3.
+
+    deepspeed --num_gpus 2 examples/train_deepspeed.py --deepspeed_config examples/ds_zero2.json --steps 8
+    torchrun --nproc_per_node 2 -m trainers.deepspeed --zero-stage 3 --dtype bfloat16 --steps 8
+
+The DeepSpeed config is the user's own JSON (``--deepspeed_config``); without one, ``--zero-stage`` and
+``--dtype`` build a minimal one. ``train_batch_size`` is the global batch, so the data order and the losses do
+not depend on the number of ranks. On a machine without a GPU the trainer selects DeepSpeed's CPU accelerator
+and gloo, and asks for torch's Adam instead of the fused one that would need compiling.
+
+Model and optimizer are saved by DeepSpeed's own ``save_checkpoint`` into ``<checkpoint>/deepspeed`` inside the
+commit protocol, so ``zero_to_fp32.py`` and ``engine.load_checkpoint`` work on it directly. Resuming on another
+world size, ZeRO stage or precision converts that directory in-process through ``converters.deepspeed``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from converters import deepspeed as deepspeed_zero
+from interop import SharingPattern, StateComponent, WorldSizePolicy
+from interop.sharding import ShardingMetadata, Strategy
+from interop.state import NativeLoad
+
+from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeepSpeedTrainerConfig(TrainerConfig):
+    deepspeed_config: str | None = None  # the user's DeepSpeed JSON; flags below only fill what it leaves out
+    zero_stage: int = 2
+    output_dir: str = "out/deepspeed"
+
+
+def _prepare_cpu() -> None:
+    """DeepSpeed on a machine without CUDA: its CPU accelerator, and a process-group env for a bare launch."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # started as plain `python`: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+
+
+def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
+    """The user's config, completed: batch size, ZeRO stage and precision from flags where it has none."""
+    if cfg.deepspeed_config:
+        with open(cfg.deepspeed_config, encoding="utf-8") as f:
+            config = json.load(f)
+    else:
+        config = {"zero_optimization": {"stage": cfg.zero_stage}}
+        if cfg.dtype in ("bfloat16", "bf16"):
+            config["bf16"] = {"enabled": True}
+        elif cfg.dtype in ("float16", "fp16"):
+            config["fp16"] = {"enabled": True}
+    if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
+        config["train_batch_size"] = cfg.batch_size
+    config.setdefault("steps_per_print", 1 << 30)
+    config.setdefault("zero_optimization", {"stage": 0})
+    optimizer = config.get("optimizer")
+    if optimizer and not torch.cuda.is_available() and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return config
+
+
+def precision_of(config: dict[str, Any]) -> str:
+    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
+        return "bfloat16"
+    if (config.get("fp16") or {}).get("enabled"):
+        return "float16"
+    return "float32"
+
+
+class DeepSpeedEngineState:
+    """The engine's model and optimizer, saved and loaded by DeepSpeed itself (a native component)."""
+
+    def __init__(self, trainer: "DeepSpeedTrainer"):
+        self.trainer = trainer
+
+    def save_native(self, directory: str) -> None:
+        engine = self.trainer.engine
+        engine.save_checkpoint(directory, tag=f"global_step{self.trainer.state.step}")
+
+    def load_native(self, load: NativeLoad) -> None:
+        import torch.distributed as dist
+
+        trainer = self.trainer
+        info = deepspeed_zero.describe(load.directory)
+        target = deepspeed_zero.NativeLayout(trainer.world_size, trainer.zero_stage, trainer.precision)
+        source = load.directory
+        if info.layout != target:
+            log.warning("converting %s (%s) to %s for this run", load.directory, info.layout.describe(), target.describe())
+            if trainer.rank == 0:
+                deepspeed_zero.write_native(deepspeed_zero.read_deepspeed(load.directory), load.scratch, target,
+                                            ds_config=trainer.engine.config, step=load.manifest.step)
+            dist.barrier()
+            source = load.scratch
+        path, _ = trainer.engine.load_checkpoint(source, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"deepspeed found no checkpoint to load in {source}")
+
+
+class DeepSpeedTrainer(BaseTrainer):
+    def init_distributed(self) -> tuple[int, int]:
+        _prepare_cpu()
+        import deepspeed
+
+        backend = self.cfg.backend if self.cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend=backend)
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
+
+    def build_model(self) -> torch.nn.Module:
+        from dataclasses import replace
+
+        from .base import build_model
+
+        return build_model(replace(self.cfg, dtype="float32"))  # DeepSpeed casts to its configured precision
+
+    def build_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        import deepspeed
+
+        self.ds_config = deepspeed_config(self.cfg)
+        client = None
+        if "optimizer" not in self.ds_config:
+            client = torch.optim.AdamW(groups, lr=self.cfg.lr, betas=BETAS)
+        self.engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+            model=self.model, optimizer=client, model_parameters=groups, config=self.ds_config
+        )
+        self.zero_stage = int(self.engine.zero_optimization_stage())
+        self.precision = precision_of(self.ds_config)
+        self.engine_scheduler = lr_scheduler
+        return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the ZeRO wrapper
+
+    def build_scheduler(self):
+        if self.engine_scheduler is not None:  # the config declares one; the engine steps it
+            return self.engine_scheduler
+        return super().build_scheduler()
+
+    # --- the adapter's view ------------------------------------------------------------------------
+    def get_state_components(self) -> list[StateComponent]:
+        return [
+            StateComponent("deepspeed", DeepSpeedEngineState(self), SharingPattern.PER_RANK,
+                           on_world_size_change=WorldSizePolicy.RESHARD),
+            StateComponent("scheduler", self.scheduler, SharingPattern.GLOBAL),
+            StateComponent("data", self.data, SharingPattern.GLOBAL),
+            StateComponent("trainer", self.state, SharingPattern.GLOBAL),
+            StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
+        ]
+
+    def sharding_metadata(self) -> ShardingMetadata:
+        return ShardingMetadata(
+            strategy=Strategy.ZERO,
+            world_size=self.world_size,
+            dp=self.world_size,
+            precision=self.precision,
+            master_precision="float32",
+            zero_stage=self.zero_stage,
+        )
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def next_batch(self) -> torch.Tensor:
+        per_rank = self.engine.train_micro_batch_size_per_gpu() * self.engine.gradient_accumulation_steps()
+        return self.data.next_batch(self.dataset, per_rank, replica=self.rank, num_replicas=self.world_size)
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        import torch.distributed as dist
+
+        self.engine.train()
+        losses = []
+        for micro in batch.split(self.engine.train_micro_batch_size_per_gpu()):
+            micro = micro.to(self.engine.device)
+            loss = self.engine(input_ids=micro, labels=micro).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float().cpu())
+        if self.engine_scheduler is None:
+            self.scheduler.step()
+        mean = torch.stack(losses).mean()
+        dist.all_reduce(mean)  # the global batch's loss, whatever the number of ranks
+        return float(mean) / self.world_size
+
+
+def parse_config(argv: list[str] | None = None) -> DeepSpeedTrainerConfig:
+    from dataclasses import fields
+
+    parser = config_parser(DeepSpeedTrainerConfig, __doc__)
+    parser.add_argument("--deepspeed_config", dest="deepspeed_config", help="DeepSpeed JSON config, as for any DeepSpeed script")
+    parser.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launcher compatibility")
+    args = vars(parser.parse_args(argv))
+    return DeepSpeedTrainerConfig(**{f.name: args[f.name] for f in fields(DeepSpeedTrainerConfig)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run(DeepSpeedTrainer(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()
