@@ -17,7 +17,6 @@ zero_to_fp32 drops them). Buffers come from ``module``; tied parameters from ``s
 
 from __future__ import annotations
 
-import glob
 import logging
 import math
 import os
@@ -29,7 +28,6 @@ import torch
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import (
-    ConversionError,
     CorruptCheckpointError,
     MissingFileError,
     TopologyError,
@@ -37,7 +35,7 @@ from interop.errors import (
     UnsupportedStateError,
 )
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, read_manifest
+from interop.manifest import MANIFEST, read_manifest
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 from interop.verify import check_files
@@ -414,6 +412,13 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
             if name not in trainable and name not in shared and name not in buffer_names:
                 ckpt.frozen[name] = LazyTensor.of(t, f"{files.model[0]}:module.{name}")
     return ckpt
+
+
+def param_shapes(path: str, trust_pickle: bool = False) -> list[dict[str, tuple[int, ...]]]:
+    """The flat groups' parameter names and shapes, in order: what must match the engine that loads it."""
+    files = native_files(locate(path))
+    ms = load_ds_file(files.model[0], trust_pickle)
+    return [{n: _shape(s) for n, s in g.items()} for g in ms["param_shapes"]]
 
 
 def _param_tensor(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> torch.Tensor:

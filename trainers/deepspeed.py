@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from converters import deepspeed as deepspeed_zero
+from converters.deepspeed_writer import write_native
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
+from interop.errors import TopologyError
 from interop.state import NativeLoad
 
 from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, run
@@ -95,13 +97,20 @@ class DeepSpeedEngineState:
         info = deepspeed_zero.describe(load.directory)
         target = deepspeed_zero.NativeLayout(trainer.world_size, trainer.zero_stage, trainer.precision)
         source = load.directory
-        if info.layout != target:
+        if not info.layout.loads_as(target):
             log.warning("converting %s (%s) to %s for this run", load.directory, info.layout.describe(), target.describe())
             if trainer.rank == 0:
-                deepspeed_zero.write_native(deepspeed_zero.read_deepspeed(load.directory), load.scratch, target,
-                                            ds_config=trainer.engine.config, step=load.manifest.step)
+                ckpt = deepspeed_zero.read_deepspeed(load.directory)
+                write_native(ckpt, load.scratch, target, ds_config=trainer.engine.config, step=load.manifest.step)
             dist.barrier()
             source = load.scratch
+        saved_shapes = deepspeed_zero.param_shapes(source)
+        engine_shapes = [{n: tuple(s) for n, s in g.items()} for g in trainer.engine._get_zero_param_shapes()]
+        if [list(g.items()) for g in saved_shapes] != [list(g.items()) for g in engine_shapes]:
+            raise TopologyError(
+                f"{source}: the checkpoint's parameter groups ({[len(g) for g in saved_shapes]} parameters) do not "
+                f"match this engine's ({[len(g) for g in engine_shapes]}): different model, frozen set or grouping"
+            )
         path, _ = trainer.engine.load_checkpoint(source, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"deepspeed found no checkpoint to load in {source}")

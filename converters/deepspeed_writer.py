@@ -1,0 +1,380 @@
+"""Writing native ZeRO-1/2/3 checkpoints for any world size, stage and precision.
+
+The files are what DeepSpeed's own ``save_checkpoint`` would have written from a run with that layout, so
+``engine.load_checkpoint`` takes them with no special flag, and ``zero_to_fp32.py``/``ds_to_universal`` read
+them. A ZeRO checkpoint stores flat vectors without names, so their order must be the engine's: parameters
+in module order within each optimizer param group (the order the optimizer was given them). Module order
+comes from the model built on the meta device from its config; groups from the optimizer state, or, for a
+model without one (a Hugging Face import), the usual decay / no-decay split with torch's AdamW defaults.
+
+Writing holds the fp32 weights and each optimizer state once in memory (DeepSpeed's ranks hold the same
+together), and writes one rank's files at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from interop.dtypes import dtype_from_name
+from interop.errors import ConversionError
+from interop.logical import LogicalCheckpoint
+from interop.universal import scalar_value
+
+from .deepspeed import NativeLayout
+
+log = logging.getLogger(__name__)
+
+ADAMW_DEFAULTS = {
+    "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
+    "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+}
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def _deepspeed():
+    try:
+        import deepspeed  # noqa: F401 - the classes inside the files must be DeepSpeed's own
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError as exc:
+        raise ConversionError(
+            f"writing a DeepSpeed checkpoint needs deepspeed installed (pip install 'interop[deepspeed]'): {exc}"
+        ) from None
+    return deepspeed, LossScaler, ZeroStageEnum, fragment_address
+
+
+@dataclass
+class EngineOrder:
+    """The engine's view of the model: trainable groups in flat order, frozen parameters, buffers, aliases."""
+
+    groups: list[list[str]]
+    hyper: list[dict[str, Any]]
+    frozen: list[str]
+    buffers: list[str]
+    aliases: dict[str, str]  # tied target -> source
+    module_keys: list[str]
+
+
+def _meta_model(config: dict[str, Any] | None):
+    if not config or "model_type" not in config:
+        return None
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
+    aliases = {t: s for t, *sources in ckpt.tied for s in sources[:1] if s in ckpt.model}
+    model = _meta_model(ckpt.config)
+    if model is not None:
+        params = [n for n, _ in model.named_parameters()]  # a tied alias appears once, under its source
+        buffers = [n for n, _ in model.state_dict().items() if n not in dict(model.named_parameters(remove_duplicate=False))]
+    else:
+        params, buffers = [n for n in ckpt.model if n not in aliases], []
+    known = set(params) | set(buffers) | set(aliases)
+    extra = [n for n in ckpt.model if n not in known]  # tensors the config's model lacks (custom buffers)
+    missing = [n for n in params if n not in ckpt.model and n not in aliases]
+    if missing:
+        raise ConversionError(f"the checkpoint lacks parameters its config's model has: {missing[:5]}")
+    frozen = [n for n in params if n in set(ckpt.frozen)]
+    opt = ckpt.optimizer
+    if opt is not None and opt.param_groups:
+        members = [set(g.get("params", [])) for g in opt.param_groups]
+        grouped = set().union(*members)
+        buffers += [n for n in extra if n not in grouped and n not in ckpt.frozen]
+        params += [n for n in extra if n in grouped or n in ckpt.frozen]
+        order = [n for n in params if n not in ckpt.frozen]
+        groups = [[n for n in order if n in m] for m in members]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        stray = [n for n in order if n not in grouped]
+        if stray:
+            raise ConversionError(f"trainable parameters in no optimizer param group: {stray[:5]}")
+    else:
+        buffers += extra
+        order = [n for n in params if n not in ckpt.frozen]
+        shapes = {n: ckpt.model[n].spec.shape for n in order}
+        groups = [[n for n in order if len(shapes[n]) >= 2], [n for n in order if len(shapes[n]) < 2]]
+        hyper = [{**ADAMW_DEFAULTS, "weight_decay": 0.01}, {**ADAMW_DEFAULTS, "weight_decay": 0.0}]
+    return EngineOrder(groups, hyper, frozen, buffers, aliases, params + buffers + list(aliases))
+
+
+def _numel(ckpt: LogicalCheckpoint, name: str) -> int:
+    return math.prod(ckpt.model[name].spec.shape)
+
+
+def _state_tensor(ckpt: LogicalCheckpoint, key: str | None, name: str) -> torch.Tensor | None:
+    if key is None:
+        return ckpt.model[name].load().reshape(-1).to(torch.float32)
+    t = ckpt.optimizer.tensors.get(key, {}).get(name)
+    return None if t is None else t.load().reshape(-1).to(torch.float32)
+
+
+def _group_scalars(ckpt: LogicalCheckpoint, names: list[str]) -> dict[str, torch.Tensor]:
+    """Per-group scalar state (AdamW's step): one value for the group, as DeepSpeed keeps it."""
+    out = {}
+    if ckpt.optimizer is None or not names:
+        return out
+    for key, per_param in ckpt.optimizer.scalars.items():
+        values = {scalar_value(per_param[n]).item() for n in names if n in per_param}
+        if len(values) > 1:
+            raise ConversionError(f"optimizer state {key!r} differs between parameters of one group ({sorted(values)}); ZeRO keeps one per group")
+        if values:
+            out[key] = scalar_value(per_param[next(n for n in names if n in per_param)])
+    return out
+
+
+def _tensor_keys(ckpt: LogicalCheckpoint) -> list[str]:
+    return sorted(ckpt.optimizer.tensors) if ckpt.optimizer is not None else []
+
+
+# --- partitioning ----------------------------------------------------------------------------------------
+def zero12_partition(total: int, world: int) -> int:
+    """Partition size of a ZeRO-1/2 flat group: padded to a multiple of 2 x world size, split evenly."""
+    return math.ceil(total / (2 * world)) * 2 * world // world
+
+
+def zero12_padding(total: int, world: int, rank: int) -> int:
+    size = zero12_partition(total, world)
+    left = rank * size
+    return size if total <= left else max(0, left + size - total)
+
+
+def _zero12_buffers(ckpt, order: EngineOrder, world: int, key: str | None) -> list[list[torch.Tensor]]:
+    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``."""
+    out = [[] for _ in range(world)]
+    for names in order.groups:
+        total = sum(_numel(ckpt, n) for n in names)
+        size = zero12_partition(total, world)
+        flat = torch.zeros(size * world, dtype=torch.float32)
+        offset = 0
+        for n in names:
+            t = _state_tensor(ckpt, key, n)
+            if t is not None:
+                flat[offset : offset + t.numel()] = t
+            offset += _numel(ckpt, n)
+        for r in range(world):
+            out[r].append(flat[r * size : (r + 1) * size].clone())
+    return out
+
+
+def _sub_groups(ckpt, names: list[str], world: int, sub_group_size: int) -> list[list[str]]:
+    """Stage 3 splits a param group into sub-groups of ``sub_group_size`` partitioned elements."""
+    total = sum(math.ceil(_numel(ckpt, n) / world) for n in names)
+    if sub_group_size >= total:
+        return [names]
+    subs, current, size = [], [], 0
+    for n in names:
+        current.append(n)
+        size += math.ceil(_numel(ckpt, n) / world)
+        if size >= sub_group_size or n == names[-1]:
+            subs.append(current)
+            current, size = [], 0
+    return subs
+
+
+def _zero3_buffers(ckpt, subs: list[list[str]], world: int, key: str | None) -> list[list[torch.Tensor]]:
+    out = [[] for _ in range(world)]
+    for names in subs:
+        per_rank = sum(math.ceil(_numel(ckpt, n) / world) for n in names)
+        flats = [torch.zeros(per_rank, dtype=torch.float32) for _ in range(world)]
+        offset = 0
+        for n in names:
+            numel = _numel(ckpt, n)
+            c = math.ceil(numel / world)
+            t = _state_tensor(ckpt, key, n)
+            if t is not None:
+                padded = torch.zeros(c * world, dtype=torch.float32)
+                padded[:numel] = t
+                for r in range(world):
+                    flats[r][offset : offset + c] = padded[r * c : (r + 1) * c]
+            offset += c
+        for r in range(world):
+            out[r].append(flats[r])
+    return out
+
+
+def _zero3_fragment(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    flat = t.reshape(-1)
+    c = math.ceil(flat.numel() / world)
+    padded = torch.zeros(c * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    return padded[rank * c : (rank + 1) * c].clone()
+
+
+# --- files ---------------------------------------------------------------------------------------------------
+def _optimizer_state_dict(state: dict[int, dict[str, Any]], hyper: list[dict], flats_of_group: list[list[int]]) -> dict:
+    return {
+        "state": state,
+        "param_groups": [{**h, "params": list(ids)} for h, ids in zip(hyper, flats_of_group)],
+    }
+
+
+def write_native(
+    ckpt: LogicalCheckpoint,
+    directory: str,
+    layout: NativeLayout,
+    ds_config: dict[str, Any] | None = None,
+    step: int | None = None,
+) -> str:
+    """Write ``ckpt`` as DeepSpeed would save it from a run of ``layout``; returns the tag directory."""
+    deepspeed, LossScaler, ZeroStageEnum, fragment_address = _deepspeed()
+    world, stage = layout.world_size, layout.zero_stage
+    if stage not in (1, 2, 3):
+        raise ConversionError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+    if world < 1:
+        raise ConversionError(f"world size must be at least 1, not {world}")
+    dtype = dtype_from_name(layout.precision)
+    step = ckpt.step if step is None else step
+    step = int(step or 0)
+    order = engine_order(ckpt)
+    ds_config = dict(ds_config or {})
+    ds_config.setdefault("zero_optimization", {})
+    ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": stage}
+    if layout.precision == "bfloat16":
+        ds_config["bf16"] = {**(ds_config.get("bf16") or {}), "enabled": True}
+    version = deepspeed.__version__
+    tag = f"global_step{step}"
+    tag_dir = os.path.join(directory, tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    keys = _tensor_keys(ckpt)
+    prefix = "bf16_" if layout.precision == "bfloat16" else ""
+
+    if stage == 3:
+        sub_group_size = int((ds_config["zero_optimization"]).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+        subs, group_of_sub = [], []
+        for g, names in enumerate(order.groups):
+            for sub in _sub_groups(ckpt, names, world, sub_group_size) if names else []:
+                subs.append(sub)
+                group_of_sub.append(g)
+        flat_ids = [[i for i, g2 in enumerate(group_of_sub) if g2 == g] for g in range(len(order.groups))]
+        fp32 = _zero3_buffers(ckpt, subs, world, None)
+        states = {k: _zero3_buffers(ckpt, subs, world, k) for k in keys}
+        scalars = [_group_scalars(ckpt, sub) for sub in subs]
+        param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in sub) for sub in subs]
+    else:
+        flat_ids = [[g] for g in range(len(order.groups))]
+        fp32 = _zero12_buffers(ckpt, order, world, None)
+        states = {k: _zero12_buffers(ckpt, order, world, k) for k in keys}
+        scalars = [_group_scalars(ckpt, names) for names in order.groups]
+        param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names) for names in order.groups]
+        subs = order.groups
+
+    module = _module(ckpt, order, dtype, placeholders=stage == 3)
+    frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
+    for r in range(world):
+        state = {}
+        for i in range(len(subs)):
+            entry = {k: states[k][r][i] for k in keys if _has_state(ckpt, k, subs[i])}
+            if entry or scalars[i]:
+                state[i] = {**{k: v.clone() for k, v in scalars[i].items()}, **entry}
+        base = _optimizer_state_dict(state, order.hyper, flat_ids)
+        if stage == 3:
+            osd = {
+                "zero_stage": ZeroStageEnum.weights,
+                "loss_scaler": LossScaler(1.0),
+                "dynamic_loss_scale": False,
+                "overflow": False,
+                "partition_count": world,
+                "optimizer_state_dict": base,
+                "fp32_flat_groups": fp32[r],
+            }
+        else:
+            paddings = [zero12_padding(sum(_numel(ckpt, n) for n in names), world, r) for names in order.groups]
+            osd = {
+                "loss_scaler": LossScaler(1.0),
+                "dynamic_loss_scale": False,
+                "overflow": False,
+                "base_optimizer_state": base,
+                "single_partition_of_fp32_groups": [t[: t.numel() - p] for t, p in zip(fp32[r], paddings)],
+                "zero_stage": ZeroStageEnum(stage),
+                "group_paddings": paddings,
+                "param_alignment_paddings": [[0] * len(names) for names in order.groups],
+                "partition_count": [world] * len(order.groups),
+                "ds_version": version,
+                "param_slice_mappings": _slice_mappings(ckpt, order, world, r, fragment_address),
+            }
+        torch.save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": version},
+                   os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        if stage == 3 or r == 0:
+            states_dict = {
+                "module": module,
+                "buffer_names": list(order.buffers),
+                "optimizer": None,
+                "param_shapes": param_shapes,
+                "frozen_param_shapes": OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen) if stage >= 2 else None,
+                "shared_params": dict(order.aliases),
+                "frozen_param_fragments": (
+                    OrderedDict((n, _zero3_fragment(t, world, r) if stage == 3 else t) for n, t in frozen.items()) if stage >= 2 else None
+                ),
+                "lr_scheduler": None,
+                "data_sampler": None,
+                "random_ltd": None,
+                "skipped_steps": 0,
+                "global_steps": step,
+                "global_samples": step * int(ds_config.get("train_batch_size", 1) or 1),
+                "dp_world_size": world,
+                "mp_world_size": 1,
+                "ds_config": ds_config,
+                "ds_version": version,
+            }
+            name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+            torch.save(states_dict, os.path.join(tag_dir, name))
+    with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
+        f.write(tag)
+    script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
+    if os.path.isfile(script):
+        shutil.copyfile(script, os.path.join(directory, "zero_to_fp32.py"))
+    log.info("wrote DeepSpeed %s checkpoint %s", layout.describe(), tag_dir)
+    return tag_dir
+
+
+def _has_state(ckpt: LogicalCheckpoint, key: str, names: list[str]) -> bool:
+    per = ckpt.optimizer.tensors.get(key, {}) if ckpt.optimizer is not None else {}
+    return any(n in per for n in names)
+
+
+def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, placeholders: bool) -> OrderedDict:
+    """``module`` as the engine saves it: the model in its training dtype (ZeRO-3: empty parameters)."""
+    out = OrderedDict()
+    buffers = set(order.buffers)
+    for name in order.module_keys:
+        source = order.aliases.get(name, name)
+        if name in buffers:
+            t = ckpt.model[name].load()
+            out[name] = t.to(dtype) if t.is_floating_point() else t
+        elif placeholders:
+            out[name] = torch.empty(0, dtype=dtype)
+        else:
+            out[name] = ckpt.model[source].load().to(dtype)
+    if not placeholders:  # a tied alias is the same tensor as its source, as in the engine's state dict
+        for alias, source in order.aliases.items():
+            out[alias] = out[source]
+    return out
+
+
+def _slice_mappings(ckpt, order: EngineOrder, world: int, rank: int, fragment_address) -> list[OrderedDict]:
+    """Where each parameter's piece sits in this rank's partition (what ds_to_universal reads)."""
+    out = []
+    for names in order.groups:
+        size = zero12_partition(sum(_numel(ckpt, n) for n in names), world)
+        lo, hi = rank * size, (rank + 1) * size
+        mapping, offset = OrderedDict(), 0
+        for n in names:
+            numel = _numel(ckpt, n)
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if start < end:
+                mapping[n] = fragment_address(numel=end - start, start=start - lo)
+            offset += numel
+        out.append(mapping)
+    return out
