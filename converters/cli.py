@@ -58,6 +58,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or "5GiB"),
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config")},
     )
 
 
@@ -232,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
     p.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file (default 5GiB)")
+    g = p.add_argument_group("engine layout (native targets; default: the source's)")
+    g.add_argument("--world-size", type=int, help="number of data-parallel ranks the output is for")
+    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
+    g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

@@ -23,12 +23,18 @@ from typing import Any
 
 import torch
 
+from interop.commit import fsync_path, staged_output, write_manifest
 from interop.dtypes import dtype_from_name
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
-from interop.universal import scalar_value
+from interop.manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
+from interop.sharding import ShardingMetadata, Strategy
+from interop.state import SharingPattern, WorldSizePolicy
+from interop.topology import Topology
+from interop.universal import copy_components, scalar_value
+from interop.verify import file_digest
 
-from .deepspeed import NativeLayout
+from .deepspeed import NATIVE_KEY, NativeLayout
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +86,11 @@ def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
     if model is not None:
         params = [n for n, _ in model.named_parameters()]  # a tied alias appears once, under its source
         buffers = [n for n, _ in model.state_dict().items() if n not in dict(model.named_parameters(remove_duplicate=False))]
-    else:
-        params, buffers = [n for n in ckpt.model if n not in aliases], []
+    else:  # no config: optimizer groups and the frozen list say which tensors are parameters
+        grouped = {n for g in (ckpt.optimizer.param_groups if ckpt.optimizer else []) for n in g.get("params", [])}
+        named = [n for n in ckpt.model if n not in aliases]
+        params = [n for n in named if not grouped or n in grouped or n in ckpt.frozen]
+        buffers = [n for n in named if n not in params]
     known = set(params) | set(buffers) | set(aliases)
     extra = [n for n in ckpt.model if n not in known]  # tensors the config's model lacks (custom buffers)
     missing = [n for n in params if n not in ckpt.model and n not in aliases]
@@ -350,9 +359,8 @@ def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, pla
     buffers = set(order.buffers)
     for name in order.module_keys:
         source = order.aliases.get(name, name)
-        if name in buffers:
-            t = ckpt.model[name].load()
-            out[name] = t.to(dtype) if t.is_floating_point() else t
+        if name in buffers:  # DeepSpeed casts parameters to the training dtype, never buffers
+            out[name] = ckpt.model[name].load()
         elif placeholders:
             out[name] = torch.empty(0, dtype=dtype)
         else:
@@ -378,3 +386,50 @@ def _slice_mappings(ckpt, order: EngineOrder, world: int, rank: int, fragment_ad
             offset += numel
         out.append(mapping)
     return out
+
+
+def write_deepspeed(
+    ckpt: LogicalCheckpoint,
+    dst: str,
+    layout: NativeLayout,
+    ds_config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Manifest:
+    """An interop checkpoint whose ``deepspeed/`` is a native ZeRO checkpoint of ``layout``, with the source's
+    other components (scheduler, data position, RNG, ...) beside it: our DeepSpeed trainer resumes from it,
+    and ``engine.load_checkpoint(dst + "/deepspeed")`` and ``zero_to_fp32.py`` work on it directly."""
+    with staged_output(dst, overwrite) as out:
+        native_dir = os.path.join(out, NATIVE_KEY)
+        write_native(ckpt, native_dir, layout, ds_config)
+        files: dict[str, FileRecord] = {}
+        for dirpath, _, names in os.walk(native_dir):
+            for n in names:
+                path = os.path.join(dirpath, n)
+                fsync_path(path)
+                files[os.path.relpath(path, out)] = FileRecord(os.path.getsize(path), file_digest(path))
+        components = copy_components(ckpt, out, files)
+        components[NATIVE_KEY] = ComponentRecord(
+            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_KEY}, native=True
+        )
+        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
+            fsync_path(d)
+        sharding = ShardingMetadata(
+            strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
+            master_precision="float32", zero_stage=layout.zero_stage,
+        )
+        manifest = Manifest(
+            format=CHECKPOINT_FORMAT,
+            topology=ckpt.topology or Topology.uniform(layout.world_size).to_json(),
+            committed_at=now_iso(),
+            producer=producer_versions(deepspeed=_deepspeed()[0].__version__),
+            step=ckpt.step,
+            source=ckpt.source,
+            sharding=sharding.to_json(),
+            model={"family": (ckpt.config or {}).get("model_type"), "config": ckpt.config, "tied": ckpt.tied, "frozen": ckpt.frozen},
+            optimizer={"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None,
+            components=components,
+            files=dict(sorted(files.items())),
+            notes=list(ckpt.notes),
+        )
+        write_manifest(out, manifest)
+    return manifest

@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import hf, interop_ckpt
+from . import deepspeed, hf, interop_ckpt
 
 
 @dataclass
@@ -69,6 +69,32 @@ register(
         "checkpoint saved by an interop trainer (single process or DDP)",
         interop_ckpt.is_interop_checkpoint,
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
+    )
+)
+def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    import json
+
+    from .deepspeed import NativeLayout
+    from .deepspeed_writer import write_deepspeed
+
+    extra = o.extra
+    config = None
+    if extra.get("deepspeed_config"):
+        with open(extra["deepspeed_config"], encoding="utf-8") as f:
+            config = json.load(f)
+    world = extra.get("world_size") or ckpt.source.get("world_size") or 1
+    stage = extra.get("zero_stage") or ckpt.source.get("zero_stage") or 2
+    dtype = extra.get("dtype") or ckpt.source.get("dtype") or "float32"
+    write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype), config, o.overwrite)
+
+
+register(
+    Format(
+        "deepspeed",
+        "DeepSpeed ZeRO-1/2/3 checkpoint (DeepSpeed's own, accelerate's, or an interop DeepSpeed trainer's)",
+        deepspeed.is_deepspeed_checkpoint,
+        lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests),
+        _write_deepspeed,
     )
 )
 register(

@@ -142,6 +142,27 @@ def _optimizer_json(opt: OptimizerState) -> dict[str, Any]:
     return {"class": opt.cls, "state_keys": opt.state_keys, "param_groups": skeleton, "scalars": opt.scalars}
 
 
+def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileRecord]) -> dict[str, ComponentRecord]:
+    """Carry the non-model components into ``out`` (digest-checked copies) plus the reader's in-memory state."""
+    components = {}
+    for key, comp in ckpt.components.items():
+        for rel, src, rec in comp.paths():
+            dst_path = os.path.join(out, rel)
+            os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+            shutil.copyfile(src, dst_path)
+            files[rel] = FileRecord(rec.bytes, file_digest(dst_path), rec.writer)
+            if files[rel].digest != rec.digest:
+                raise CorruptCheckpointError(src, "content digest differs from its manifest")
+        components[key] = comp.record
+    for key, state in ckpt.extra_state.items():
+        if key in components:
+            raise ConversionError(f"component {key!r} comes both from files and from the reader's in-memory state")
+        base = f"components/{key}"
+        files.update(write_piece(out, base, state))
+        components[key] = ComponentRecord(pattern="GLOBAL", policy="keep", pieces={"global": base})
+    return components
+
+
 def write_universal(
     ckpt: LogicalCheckpoint,
     dst: str,
@@ -163,22 +184,7 @@ def write_universal(
                 result.tensors.update(part.tensors)
             result.files[STATE_JSON] = _write_json(out, STATE_JSON, _optimizer_json(opt))
             optimizer_section = {"class": opt.cls, "state_keys": opt.state_keys, "groups": STATE_JSON}
-        components = {}
-        for key, comp in ckpt.components.items():
-            for rel, src, rec in comp.paths():
-                dst_path = os.path.join(out, rel)
-                os.makedirs(os.path.dirname(dst_path), exist_ok=True)
-                shutil.copyfile(src, dst_path)
-                result.files[rel] = FileRecord(rec.bytes, file_digest(dst_path), rec.writer)
-                if result.files[rel].digest != rec.digest:
-                    raise CorruptCheckpointError(src, "content digest differs from its manifest")
-            components[key] = comp.record
-        for key, state in ckpt.extra_state.items():
-            if key in components:
-                raise ConversionError(f"component {key!r} comes both from files and from the reader's in-memory state")
-            base = f"components/{key}"
-            result.files.update(write_piece(out, base, state))
-            components[key] = ComponentRecord(pattern="GLOBAL", policy="keep", pieces={"global": base})
+        components = copy_components(ckpt, out, result.files)
         for d in {os.path.dirname(os.path.join(out, rel)) for rel in result.files}:
             fsync_path(d)
         manifest = Manifest(

@@ -81,11 +81,16 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prefixes = tuple(p.strip() for p in cfg.freeze.split(",") if p.strip())
+    return freeze(model, cfg.freeze)
+
+
+def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
+    """Freeze the parameters whose names start with one of the comma-separated prefixes in ``spec``."""
+    prefixes = tuple(p.strip() for p in spec.split(",") if p.strip())
     if prefixes:
-        frozen = [n for n, p in model.named_parameters() if n.startswith(prefixes)]
+        frozen = [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
         if not frozen:
-            raise ValueError(f"--freeze {cfg.freeze!r} matches no parameter of {type(model).__name__}")
+            raise ValueError(f"--freeze {spec!r} matches no parameter of {type(model).__name__}")
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
@@ -247,7 +252,17 @@ def run(trainer: BaseTrainer) -> None:
     saved_by_loop = cfg.save_every and trainer.state.step % cfg.save_every == 0
     path = trainer.checkpoints.path_for(trainer.state.step) if saved_by_loop else trainer.save()
     if trainer.rank == 0:
-        print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}))
+        print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}), flush=True)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group together: exiting with a live group can abort a rank (gloo threads)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

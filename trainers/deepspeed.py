@@ -100,7 +100,7 @@ class DeepSpeedEngineState:
         if not info.layout.loads_as(target):
             log.warning("converting %s (%s) to %s for this run", load.directory, info.layout.describe(), target.describe())
             if trainer.rank == 0:
-                ckpt = deepspeed_zero.read_deepspeed(load.directory)
+                ckpt = deepspeed_zero.read_deepspeed(os.path.dirname(load.directory))  # with the manifest's config
                 write_native(ckpt, load.scratch, target, ds_config=trainer.engine.config, step=load.manifest.step)
             dist.barrier()
             source = load.scratch

@@ -1,0 +1,75 @@
+"""Worker for the DeepSpeed tests, started by torchrun: real deepspeed.initialize and save_checkpoint.
+
+    torchrun --nproc_per_node 2 tests/ds_worker.py layouts OUT           # one short run per stage x precision
+    torchrun --nproc_per_node N tests/ds_worker.py train [trainer flags]  # train (and resume), save, print JSON
+    torchrun --nproc_per_node N tests/ds_worker.py reload [trainer flags] # resume, save at once, train on
+
+The model is a tiny Llama with awkward sizes (hidden 45, intermediate 101: flat groups and norms do not divide
+evenly by the world size), tied embeddings, a frozen MLP and a persistent buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from trainers.base import freeze, run, shutdown
+from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig, parse_config
+
+FROZEN = "model.layers.0.mlp"
+LAYOUTS = [(stage, dtype) for dtype in ("float32", "bfloat16") for stage in (1, 2, 3)]
+
+
+def odd_model() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=45, intermediate_size=101, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.model.register_buffer("calibration", torch.linspace(-1.0, 1.0, 7))  # persistent, odd-sized
+    return freeze(model, FROZEN)
+
+
+class OddTrainer(DeepSpeedTrainer):
+    def build_model(self) -> torch.nn.Module:
+        return odd_model()
+
+
+def layouts(out: str) -> None:
+    for stage, dtype in LAYOUTS:
+        cfg = DeepSpeedTrainerConfig(zero_stage=stage, dtype=dtype, steps=2, batch_size=4, seq_len=16,
+                                     output_dir=os.path.join(out, f"z{stage}-{dtype}"))
+        trainer = OddTrainer(cfg)
+        trainer.train()
+        trainer.save()
+    shutdown()
+
+
+def reload(cfg: DeepSpeedTrainerConfig) -> None:
+    """Resume, save straight away (what the load produced), then train on: the test checks both."""
+    trainer = OddTrainer(cfg)
+    step = trainer.resume(cfg.resume)
+    trainer.checkpoints.name_format = "loaded-{step}"
+    trainer.save()
+    trainer.checkpoints.name_format = "checkpoint-{step}"
+    losses = trainer.train()
+    if trainer.rank == 0:
+        print(json.dumps({"resumed_at": step, "losses": losses}), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario == "layouts":
+        layouts(args[0])
+    elif scenario == "train":
+        run(OddTrainer(parse_config(args)))
+    elif scenario == "reload":
+        reload(parse_config(args))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")

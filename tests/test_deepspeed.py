@@ -1,0 +1,228 @@
+"""DeepSpeed ZeRO-1/2/3 with real DeepSpeed on 2 CPU ranks: our reader against zero_to_fp32, our writer
+against engine.load_checkpoint, resume across stages and world sizes, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="DeepSpeed tests need deepspeed (pip install 'interop[deepspeed]')")
+
+from converters.deepspeed import NativeLayout, read_deepspeed  # noqa: E402
+from converters.deepspeed_writer import write_native  # noqa: E402
+from interop.errors import CorruptCheckpointError, MissingFileError, TopologyError, UnsupportedStateError  # noqa: E402
+
+from .conftest import ROOT, free_port, worker_env  # noqa: E402
+from .ds_worker import FROZEN, LAYOUTS, odd_model  # noqa: E402
+
+pytestmark = pytest.mark.dist
+DS_WORKER = str(ROOT / "tests" / "ds_worker.py")
+TIED = ["lm_head.weight", "model.embed_tokens.weight"]
+SEED = 1234  # the trainers' default seed: odd_model() after manual_seed(SEED) is the initial model
+
+
+def ds_run(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", DS_WORKER, *args]
+    env = worker_env()
+    env["DS_ACCELERATOR"] = "cpu"
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def last_json(result: subprocess.CompletedProcess) -> dict:
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    ds_run(2, "layouts", str(out))
+    return {(stage, dtype): out / f"z{stage}-{dtype}" / "checkpoint-2" for stage, dtype in LAYOUTS}
+
+
+def initial_model() -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
+    return odd_model().state_dict()
+
+
+def zero_to_fp32(path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed")).items()}
+
+
+def logical_tensors(ckpt) -> dict[str, torch.Tensor]:
+    return {k: t.load() for k, t in ckpt.tensors()}
+
+
+@pytest.mark.parametrize("stage,dtype", LAYOUTS, ids=[f"zero{s}-{d}" for s, d in LAYOUTS])
+def test_weights_equal_zero_to_fp32(layouts, stage, dtype):
+    path = layouts[(stage, dtype)]
+    ckpt = read_deepspeed(str(path))
+    ours = {k: t.load() for k, t in ckpt.model.items()}
+    ref = zero_to_fp32(path)
+    init = initial_model()
+    frozen = sorted(n for n in init if n.startswith(FROZEN))
+    trainable = [n for n in ref if n not in frozen and n not in ("model.calibration", TIED[0])]
+
+    for name in trainable:  # fp32 master weights, bit for bit
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], ref[name]), name
+    assert ckpt.tied == [TIED] and torch.equal(ours[TIED[0]], ours[TIED[1]])
+    assert not torch.equal(ours["model.norm.weight"], init["model.norm.weight"])  # it trained
+
+    # DeepSpeed casts parameters, not buffers, to bf16: the buffer is saved (and read) as it was
+    buf = ours["model.calibration"]
+    assert torch.equal(buf, init["model.calibration"]) and torch.equal(ref["model.calibration"], buf)
+
+    # frozen parameters are exactly their initial values, in the training dtype
+    assert sorted(ckpt.frozen) == frozen
+    for name in frozen:
+        assert torch.equal(ours[name], init[name].to(getattr(torch, dtype))), name
+    if stage == 1:  # DeepSpeed's tool is wrong here: ZeRO-1 saves no frozen fragments, so it drops them
+        assert not set(frozen) & set(ref)
+    else:
+        for name in frozen:
+            assert torch.equal(ours[name], ref[name]), name
+
+    opt = ckpt.optimizer
+    names = [n for g in opt.param_groups for n in g["params"]]
+    assert sorted(names) == sorted(n for n in trainable)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert set(opt.tensors) == {"exp_avg", "exp_avg_sq"}
+    for key in opt.tensors:
+        assert sorted(opt.tensors[key]) == sorted(names)
+        for n in names:
+            assert opt.tensors[key][n].load().shape == ours[n].shape
+    assert {v["value"] for v in opt.scalars["step"].values()} == {2.0}
+    assert ckpt.step == 2 and ckpt.source["zero_stage"] == stage and ckpt.source["world_size"] == 2
+
+
+@pytest.mark.parametrize("stage,world,dtype", [(1, 1, "float32"), (2, 3, "bfloat16"), (3, 3, "float32"), (3, 1, "bfloat16")])
+def test_written_checkpoint_reads_back_exactly(layouts, tmp_path, stage, world, dtype):
+    source = read_deepspeed(str(layouts[(3, "float32")]))
+    write_native(source, str(tmp_path), NativeLayout(world, stage, dtype), {"train_batch_size": 4})
+    back = read_deepspeed(str(tmp_path))
+    assert back.source["world_size"] == world and back.source["zero_stage"] == stage
+    a, b = logical_tensors(source), logical_tensors(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        expect = a[k].to(b[k].dtype) if k in source.frozen else a[k]  # frozen: stored in the training dtype
+        assert torch.equal(expect, b[k]), k
+    assert back.optimizer.scalars == source.optimizer.scalars
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for k, v in get_fp32_state_dict_from_zero_checkpoint(str(tmp_path)).items():  # DeepSpeed's tool reads ours
+        assert torch.equal(v.contiguous().float(), b[k].float()), k
+
+
+# --- resume ----------------------------------------------------------------------------------------------
+ARGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--keep-last", "0"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """ZeRO-2 on 2 ranks: 6 steps uninterrupted, and the same run stopped at step 3."""
+    out = tmp_path_factory.mktemp("resume")
+    full = last_json(ds_run(2, "train", *ARGS, "--zero-stage", "2", "--output-dir", str(out / "full")))
+    ds_run(2, "train", *ARGS, "--zero-stage", "2", "--stop-at", "3", "--output-dir", str(out / "split"))
+    return full["losses"], out / "split" / "checkpoint-3", out
+
+
+def resume(saved_run, stage: int, world: int, name: str):
+    full, checkpoint, out = saved_run
+    run = last_json(ds_run(world, "reload", *ARGS, "--zero-stage", str(stage), "--resume", str(checkpoint),
+                           "--output-dir", str(out / name)))
+    return full, checkpoint, out / name / "loaded-3", run
+
+
+def assert_loaded_exactly(saved, loaded):
+    """Weights and every optimizer state tensor as the engine holds them after load, bit for bit."""
+    a, b = read_deepspeed(str(saved)), read_deepspeed(str(loaded))
+    ta, tb = logical_tensors(a), logical_tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    assert a.optimizer.scalars == b.optimizer.scalars
+
+
+def test_resume_same_layout_is_exact(saved_run):
+    full, saved, loaded, run = resume(saved_run, 2, 2, "same")
+    assert run["resumed_at"] == 3
+    assert_loaded_exactly(saved, loaded)
+    assert run["losses"] == full[3:]  # same stage and world size: bit-identical
+
+
+def test_resume_on_one_rank_at_zero3(saved_run):
+    full, saved, loaded, run = resume(saved_run, 3, 1, "z3w1")
+    assert_loaded_exactly(saved, loaded)
+    # another world size sums the gradients in another order: equal to float rounding only
+    assert run["losses"] == pytest.approx(full[3:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_stage", [1, 2, 3])
+@pytest.mark.parametrize("stage,world", [(s, w) for s in (1, 2, 3) for w in (1, 2)])
+def test_resume_matrix(tmp_path, saved_stage, stage, world):
+    full = last_json(ds_run(2, "train", *ARGS, "--zero-stage", str(saved_stage), "--output-dir", str(tmp_path / "full")))
+    ds_run(2, "train", *ARGS, "--zero-stage", str(saved_stage), "--stop-at", "3", "--output-dir", str(tmp_path / "split"))
+    saved = tmp_path / "split" / "checkpoint-3"
+    run = last_json(ds_run(world, "reload", *ARGS, "--zero-stage", str(stage), "--resume", str(saved),
+                           "--output-dir", str(tmp_path / "resumed")))
+    assert_loaded_exactly(saved, tmp_path / "resumed" / "loaded-3")
+    if world == 2 and (stage == 3) == (saved_stage == 3):
+        assert run["losses"] == full["losses"][3:]  # same partitioning: exact
+    else:
+        assert run["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)  # float rounding
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+def copy_native(layouts, tmp_path, key=(2, "float32")):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(layouts[key] / "deepspeed", dst)
+    return dst, dst / "global_step2"
+
+
+def test_missing_rank_file(layouts, tmp_path):
+    root, tag = copy_native(layouts, tmp_path)
+    os.remove(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(MissingFileError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        read_deepspeed(str(root))
+
+
+def test_files_of_two_world_sizes(layouts, tmp_path):
+    root, tag = copy_native(layouts, tmp_path)
+    other = tmp_path / "three"
+    write_native(read_deepspeed(str(root)), str(other), NativeLayout(3, 2, "float32"))
+    shutil.copy(other / "global_step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt", tag)
+    with pytest.raises(TopologyError, match="two world sizes mixed"):
+        read_deepspeed(str(root))
+
+
+def test_truncated_optimizer_file(layouts, tmp_path):
+    root, tag = copy_native(layouts, tmp_path)
+    victim = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        read_deepspeed(str(root))
+    result = subprocess.run([sys.executable, "-m", "converters.cli", "inspect", str(root)], capture_output=True,
+                            text=True, env=worker_env())
+    assert result.returncode == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_optimizer_state(layouts, tmp_path):
+    root, tag = copy_native(layouts, tmp_path)
+    path = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["mystery"] = torch.ones(3)
+    torch.save(sd, path)
+    with pytest.raises(UnsupportedStateError, match="'mystery'"):
+        read_deepspeed(str(root)).optimizer
