@@ -167,20 +167,34 @@ def test_resume_on_one_rank_at_zero3(saved_run):
     assert run["losses"] == pytest.approx(full[3:], rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """Per ZeRO stage, on 2 ranks: the uninterrupted losses and the checkpoint of the run stopped at step 3."""
+    runs = {}
+
+    def get(stage: int):
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"saved-zero{stage}")
+            full = last_json(ds_run(2, "train", *ARGS, "--zero-stage", str(stage), "--output-dir", str(out / "full")))
+            ds_run(2, "train", *ARGS, "--zero-stage", str(stage), "--stop-at", "3", "--output-dir", str(out / "split"))
+            runs[stage] = (full["losses"], out / "split" / "checkpoint-3")
+        return runs[stage]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_stage", [1, 2, 3])
 @pytest.mark.parametrize("stage,world", [(s, w) for s in (1, 2, 3) for w in (1, 2)])
-def test_resume_matrix(tmp_path, saved_stage, stage, world):
-    full = last_json(ds_run(2, "train", *ARGS, "--zero-stage", str(saved_stage), "--output-dir", str(tmp_path / "full")))
-    ds_run(2, "train", *ARGS, "--zero-stage", str(saved_stage), "--stop-at", "3", "--output-dir", str(tmp_path / "split"))
-    saved = tmp_path / "split" / "checkpoint-3"
+def test_resume_matrix(saved_runs, tmp_path, saved_stage, stage, world):
+    full, saved = saved_runs(saved_stage)
     run = last_json(ds_run(world, "reload", *ARGS, "--zero-stage", str(stage), "--resume", str(saved),
                            "--output-dir", str(tmp_path / "resumed")))
     assert_loaded_exactly(saved, tmp_path / "resumed" / "loaded-3")
     if world == 2 and (stage == 3) == (saved_stage == 3):
-        assert run["losses"] == full["losses"][3:]  # same partitioning: exact
+        assert run["losses"] == full[3:]  # the same partitioning of the same sums: bit-identical
     else:
-        assert run["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)  # float rounding
+        assert run["losses"] == pytest.approx(full[3:], rel=1e-5)  # another reduction order: float rounding
 
 
 # --- bad input -------------------------------------------------------------------------------------------
@@ -226,3 +240,28 @@ def test_unknown_optimizer_state(layouts, tmp_path):
     torch.save(sd, path)
     with pytest.raises(UnsupportedStateError, match="'mystery'"):
         read_deepspeed(str(root)).optimizer
+
+
+def test_deepspeed_launcher_example_and_zero_to_fp32_script(tmp_path):
+    """`deepspeed --num_gpus 2 examples/...` with a user's DeepSpeed JSON; DeepSpeed's own recovery script
+    (copied into the checkpoint by save_checkpoint) reads our checkpoint, and agrees with our reader."""
+    from safetensors.torch import load_file
+
+    env = worker_env()
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "examples" / "train_deepspeed.py"),
+           "--deepspeed_config", str(ROOT / "examples" / "ds_zero2.json"), "--steps", "2", "--seq-len", "16",
+           "--output-dir", str(tmp_path / "run")]
+    launched = subprocess.run([os.path.join(os.path.dirname(sys.executable), cmd[0]), *cmd[1:]], env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    native = ckpt / "deepspeed"
+    script = subprocess.run([sys.executable, str(native / "zero_to_fp32.py"), str(native), str(tmp_path / "fp32"),
+                             "--safe_serialization"], env=env, capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0, script.stderr[-3000:]
+    theirs = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    ours = read_deepspeed(str(ckpt))
+    assert set(theirs) == set(ours.model)
+    for name, t in theirs.items():
+        assert torch.equal(t, ours.model[name].load()), name
+    assert ours.source["zero_stage"] == 2 and ours.optimizer.param_groups[0]["lr"] == 0.0  # linear decay ran to its end

@@ -265,8 +265,14 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def configure_logging() -> None:
+    """INFO on rank 0, warnings only on the others: one copy of each progress line."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     run(BaseTrainer(parse_config(argv)))
 
 

@@ -30,7 +30,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
 from interop.state import NativeLoad
 
-from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, run
+from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, run
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def parse_config(argv: list[str] | None = None) -> DeepSpeedTrainerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     run(DeepSpeedTrainer(parse_config(argv)))
 
 
