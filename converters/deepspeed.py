@@ -509,13 +509,8 @@ def _client_state(ms: dict[str, Any]) -> dict[str, Any]:
 
 def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
     """A ZeRO checkpoint (DeepSpeed's, accelerate's ``pytorch_model`` tag, or our trainer's) as a logical one."""
-    manifest, directory = None, None
-    try:
-        directory = resolve_checkpoint_dir(path)
-        if os.path.isfile(os.path.join(directory, MANIFEST)):
-            manifest = read_manifest(directory)
-    except Exception:  # a plain DeepSpeed directory has no manifest
-        manifest = None
+    directory = resolve_checkpoint_dir(path)  # ours: a checkpoint, or a root whose 'latest' names one
+    manifest = read_manifest(directory) if os.path.isfile(os.path.join(directory, MANIFEST)) else None
     if manifest is not None:
         check_files(directory, manifest, manifest.files, digest=verify_digests)
         path = os.path.join(directory, NATIVE_KEY)
