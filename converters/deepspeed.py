@@ -186,7 +186,7 @@ def native_files(tag_dir: str) -> NativeFiles:
     return NativeFiles(tag_dir, [optim[r] for r in range(world)], model, bool(kinds.pop()))
 
 
-def _precision_of_config(ds_config: dict[str, Any] | None) -> str:
+def precision_of_config(ds_config: dict[str, Any] | None) -> str:
     cfg = ds_config or {}
     if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
         return "bfloat16"
@@ -210,7 +210,7 @@ def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
     stage = int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 3 if len(files.model) > 1 else 2))
     if len(files.model) > 1 or ZERO3_MODEL_FILE.match(os.path.basename(files.model[0])):
         stage = 3
-    precision = _precision_of_config(ds_config)
+    precision = precision_of_config(ds_config)
     if files.bf16_prefix:
         precision = "bfloat16"
     return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version"))
@@ -358,10 +358,6 @@ def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[
                 optims[0].path, f"sub-group {sub} holds {have} fp32 elements per rank; its parameters need {offset - start}"
             )
     return params
-
-
-def _lazy(spec: TensorSpec, loader, origin: str) -> LazyTensor:
-    return LazyTensor(spec, loader, origin)
 
 
 def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:

@@ -32,7 +32,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.state import SharingPattern, WorldSizePolicy
 from interop.topology import Topology
 from interop.universal import copy_components, scalar_value
-from interop.verify import file_digest
+from interop.verify import tree_records
 
 from .deepspeed import NATIVE_KEY, NativeLayout
 
@@ -401,12 +401,7 @@ def write_deepspeed(
     with staged_output(dst, overwrite) as out:
         native_dir = os.path.join(out, NATIVE_KEY)
         write_native(ckpt, native_dir, layout, ds_config)
-        files: dict[str, FileRecord] = {}
-        for dirpath, _, names in os.walk(native_dir):
-            for n in names:
-                path = os.path.join(dirpath, n)
-                fsync_path(path)
-                files[os.path.relpath(path, out)] = FileRecord(os.path.getsize(path), file_digest(path))
+        files: dict[str, FileRecord] = tree_records(out, NATIVE_KEY)
         components = copy_components(ckpt, out, files)
         components[NATIVE_KEY] = ComponentRecord(
             pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_KEY}, native=True

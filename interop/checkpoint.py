@@ -15,15 +15,14 @@ from typing import Any
 
 from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
-from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError
+from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
 from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
-from .errors import TopologyError
 from .pieces import component_files, piece_files, read_piece, state_fingerprint, write_piece
 from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
 from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native
 from .topology import Topology
-from .verify import check_files, file_digest
+from .verify import check_files, tree_records
 
 log = logging.getLogger(__name__)
 
@@ -167,22 +166,13 @@ class CheckpointManager:
 
     def _native_records(self, staging: str, native: list[StateComponent]) -> tuple[str | None, dict[str, FileRecord]]:
         """List what the engines wrote and digest it, each rank a share of the files (after every rank wrote)."""
-        rank, world = self.collective.rank, self.collective.world_size
+        share = (self.collective.rank, self.collective.world_size)
         records: dict[str, FileRecord] = {}
         try:
-            rels = []
             for comp in native:
-                top = os.path.join(staging, comp.key)
-                if not os.path.isdir(top):
-                    raise ComponentError(f"native component {comp.key!r} wrote nothing into {top}")
-                for dirpath, _, names in os.walk(top):
-                    rels += [os.path.relpath(os.path.join(dirpath, n), staging) for n in names]
-            for rel in sorted(rels)[rank::world]:
-                path = os.path.join(staging, rel)
-                fsync_path(path)
-                records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
-            for d in {os.path.dirname(os.path.join(staging, rel)) for rel in rels}:
-                fsync_path(d)
+                if not os.path.isdir(os.path.join(staging, comp.key)):
+                    raise ComponentError(f"native component {comp.key!r} wrote nothing into {os.path.join(staging, comp.key)}")
+                records.update(tree_records(staging, comp.key, share))
         except Exception as exc:  # noqa: BLE001
             return _describe(exc), records
         return None, records

@@ -83,10 +83,6 @@ class NativeLoad:
     manifest: Any  # the checkpoint's Manifest (sharding, model, step sections)
     scratch: str  # a directory this load may use for a converted copy; the adapter removes it afterwards
 
-    @property
-    def world_size_changed(self) -> bool:
-        return self.saved.world_size != self.current.world_size
-
 
 def is_native(stateful: Any) -> bool:
     return callable(getattr(stateful, "save_native", None)) and callable(getattr(stateful, "load_native", None))

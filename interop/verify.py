@@ -22,6 +22,26 @@ def file_digest(path: str) -> str:
     return f"{DIGEST_ALGO}:{h.hexdigest()}"
 
 
+def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
+    """FileRecords (size, digest) of every file under ``root/subdir``, keyed relative to ``root``; each made
+    durable. ``share=(rank, world)`` takes every world-th file, so ranks can digest a tree between them."""
+    from .commit import fsync_path
+
+    top = os.path.join(root, subdir)
+    rels = sorted(
+        os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names
+    )
+    records = {}
+    rank, world = share
+    for rel in rels[rank::world]:
+        path = os.path.join(root, rel)
+        fsync_path(path)
+        records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
+    for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels}:
+        fsync_path(d)
+    return records
+
+
 def check_file(directory: str, rel: str, record: FileRecord, digest: bool = False) -> None:
     """Raise naming the file when it is missing, of the wrong size, or (with ``digest``) altered."""
     path = os.path.join(directory, rel)

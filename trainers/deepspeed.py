@@ -30,7 +30,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
 from interop.state import NativeLoad
 
-from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, run
+from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, resolve_backend, run
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,6 @@ def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
     if optimizer and not torch.cuda.is_available() and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
         optimizer.setdefault("params", {}).setdefault("torch_adam", True)
     return config
-
-
-def precision_of(config: dict[str, Any]) -> str:
-    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
-        return "bfloat16"
-    if (config.get("fp16") or {}).get("enabled"):
-        return "float16"
-    return "float32"
 
 
 class DeepSpeedEngineState:
@@ -121,8 +113,7 @@ class DeepSpeedTrainer(BaseTrainer):
         _prepare_cpu()
         import deepspeed
 
-        backend = self.cfg.backend if self.cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        deepspeed.init_distributed(dist_backend=backend)
+        deepspeed.init_distributed(dist_backend=resolve_backend(self.cfg.backend))
         import torch.distributed as dist
 
         return dist.get_rank(), dist.get_world_size()
@@ -145,7 +136,7 @@ class DeepSpeedTrainer(BaseTrainer):
             model=self.model, optimizer=client, model_parameters=groups, config=self.ds_config
         )
         self.zero_stage = int(self.engine.zero_optimization_stage())
-        self.precision = precision_of(self.ds_config)
+        self.precision = deepspeed_zero.precision_of_config(self.ds_config)
         self.engine_scheduler = lr_scheduler
         return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the ZeRO wrapper
 
