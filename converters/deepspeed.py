@@ -35,13 +35,13 @@ from interop.errors import (
     UnsupportedStateError,
 )
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import MANIFEST, read_manifest
-from interop.tensors import LazyTensor, TensorSpec
+from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import check_files
 
 from .families import tied_groups
-from .pickle_safety import load_torch_file
+from .pickle_safety import is_mapped, load_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,13 @@ def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
 
 # --- flat partitions -----------------------------------------------------------------------------------------
 class FlatView:
-    """Several 1-D tensors seen as one vector; slices copy only the pieces they touch."""
+    """Several 1-D tensors seen as one vector. Reading copies only the pieces a range touches; over ``mapped``
+    parts (views of mmapped files) the pages read are then released, so RSS stays at one tensor."""
 
-    def __init__(self, parts: list[torch.Tensor], origin: str):
+    def __init__(self, parts: list[torch.Tensor], origin: str, mapped: bool = False):
         self.parts = [p.reshape(-1) for p in parts]
         self.origin = origin
+        self.mapped = mapped
         self.starts = [0]
         for p in self.parts:
             self.starts.append(self.starts[-1] + p.numel())
@@ -231,19 +233,19 @@ class FlatView:
     def numel(self) -> int:
         return self.starts[-1]
 
-    def slice(self, offset: int, numel: int) -> torch.Tensor:
+    def read_into(self, out: torch.Tensor, offset: int, numel: int) -> None:
+        """Copy elements ``offset .. offset + numel`` into the 1-D ``out``."""
         if offset + numel > self.numel:
             raise CorruptCheckpointError(
                 self.origin, f"flat partition holds {self.numel} elements; need {offset + numel} (truncated or wrong shapes)"
             )
-        pieces = []
         for part, start in zip(self.parts, self.starts):
             lo, hi = max(offset, start), min(offset + numel, start + part.numel())
             if lo < hi:
-                pieces.append(part[lo - start : hi - start])
-        if not pieces:
-            return self.parts[0].new_empty(0) if self.parts else torch.empty(0)
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+                piece = part[lo - start : hi - start]
+                out[lo - offset : hi - offset].copy_(piece)
+                if self.mapped:
+                    release_mapped_pages(piece)
 
 
 @dataclass
@@ -273,6 +275,7 @@ class _Optim:
     param_groups: list[dict[str, Any]]  # torch optimizer param groups (hyper-parameters, "params": flat indices)
     partition_count: int
     alignment_paddings: list[list[int]] | None = None  # ZeRO-1/2 parameter_alignment: padding after each param
+    mapped: bool = False  # its tensors are views of the mmapped file
 
 
 def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
@@ -299,7 +302,7 @@ def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
         if step is not None:
             for s in per_flat:
                 s.setdefault("step", step)
-    return _Optim(path, fp32, per_flat, groups, count, osd.get("param_alignment_paddings"))
+    return _Optim(path, fp32, per_flat, groups, count, osd.get("param_alignment_paddings"), is_mapped(path))
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -360,6 +363,38 @@ def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[
     return params
 
 
+def frozen_and_buffers(
+    model_states: list[dict[str, Any]], path: str, trainable: set[str], zero3: bool
+) -> tuple[dict[str, LazyTensor], dict[str, LazyTensor]]:
+    """Frozen parameters and buffers from the model-states files (all ranks' for ZeRO-3, else the one)."""
+    ms0 = model_states[0]
+    module = ms0.get("module") or {}
+    shared = dict(ms0.get("shared_params") or {})
+    buffer_names = list(ms0.get("buffer_names") or [])
+    buffers = {n: LazyTensor.of(module[n], f"{path}:module.{n}") for n in buffer_names if n in module}
+    frozen: dict[str, LazyTensor] = {}
+    frozen_shapes = ms0.get("frozen_param_shapes")
+    if frozen_shapes:
+        for name, shape in frozen_shapes.items():
+            shape = _shape(shape)
+            frags = [ms.get("frozen_param_fragments", {}).get(name) for ms in model_states]
+            if any(f is None for f in frags):
+                raise CorruptCheckpointError(path, f"frozen parameter {name!r} has no saved fragment")
+            numel = math.prod(shape)
+            if zero3:
+                def load(frags=frags, numel=numel, shape=shape):
+                    return torch.cat([f.reshape(-1) for f in frags])[:numel].reshape(shape).clone()
+            else:
+                def load(frag=frags[0], shape=shape):
+                    return frag.reshape(shape)
+            frozen[name] = LazyTensor(TensorSpec(shape, frags[0].dtype), load, f"{path}:frozen_param_fragments.{name}")
+    elif not zero3:  # ZeRO-1 saves no fragments: frozen parameters are whole in `module`
+        for name, t in module.items():
+            if name not in trainable and name not in shared and name not in buffer_names:
+                frozen[name] = LazyTensor.of(t, f"{path}:module.{name}")
+    return frozen, buffers
+
+
 def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
     info = describe(path, trust_pickle)
     files, world, zero3 = info.files, info.layout.world_size, info.layout.zero_stage == 3
@@ -378,35 +413,10 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
             raise TopologyError(f"{o.path}: written by a run of {o.partition_count} ranks; the directory has {world} optimizer files (two world sizes mixed)")
         if len(o.fp32) != len(optims[0].fp32):
             raise CorruptCheckpointError(o.path, f"{len(o.fp32)} flat groups; rank 0 has {len(optims[0].fp32)}")
-    ms0 = model_states[0]
     ckpt = DeepSpeedCheckpoint(info, model_states, optims)
+    ms0 = model_states[0]
     ckpt.params = _params_zero3(ms0, optims, world) if zero3 else _params_zero12(ms0, optims, files.model[0])
-    trainable = {p.name for p in ckpt.params}
-    module = ms0.get("module") or {}
-    shared = dict(ms0.get("shared_params") or {})
-    buffer_names = list(ms0.get("buffer_names") or [])
-    for name in buffer_names:
-        if name in module:
-            ckpt.buffers[name] = LazyTensor.of(module[name], f"{files.model[0]}:module.{name}")
-    frozen_shapes = ms0.get("frozen_param_shapes")
-    if frozen_shapes:
-        for name, shape in frozen_shapes.items():
-            shape = _shape(shape)
-            frags = [ms.get("frozen_param_fragments", {}).get(name) for ms in model_states]
-            if any(f is None for f in frags):
-                raise CorruptCheckpointError(files.model[0], f"frozen parameter {name!r} has no saved fragment")
-            numel = math.prod(shape)
-            if zero3:
-                def load(frags=frags, numel=numel, shape=shape):
-                    return torch.cat([f.reshape(-1) for f in frags])[:numel].reshape(shape).clone()
-            else:
-                def load(frag=frags[0], shape=shape):
-                    return frag.reshape(shape)
-            ckpt.frozen[name] = LazyTensor(TensorSpec(shape, frags[0].dtype), load, f"{files.model[0]}:frozen_param_fragments.{name}")
-    elif not zero3:  # ZeRO-1 saves no fragments: frozen parameters are whole in `module`
-        for name, t in module.items():
-            if name not in trainable and name not in shared and name not in buffer_names:
-                ckpt.frozen[name] = LazyTensor.of(t, f"{files.model[0]}:module.{name}")
+    ckpt.frozen, ckpt.buffers = frozen_and_buffers(model_states, files.model[0], {p.name for p in ckpt.params}, zero3)
     return ckpt
 
 
@@ -419,11 +429,17 @@ def param_shapes(path: str, trust_pickle: bool = False) -> list[dict[str, tuple[
 
 def _param_tensor(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> torch.Tensor:
     """``flats``: per rank (ZeRO-3) or one concatenation over ranks (ZeRO-1/2) of the vectors holding ``p``."""
-    if ckpt.info.layout.zero_stage == 3:
-        world = len(flats)
-        per_rank = math.ceil(p.numel / world)
-        return torch.cat([f.slice(p.offset, per_rank) for f in flats])[: p.numel].reshape(p.shape)
-    return flats[0].slice(p.offset, p.numel).reshape(p.shape)
+    out = torch.empty(p.numel, dtype=flats[0].parts[0].dtype)
+    if ckpt.info.layout.zero_stage == 3:  # rank r holds elements r*c .. (r+1)*c, the last rank's tail padding
+        per_rank, done = math.ceil(p.numel / len(flats)), 0
+        for f in flats:
+            n = min(per_rank, p.numel - done)
+            if n > 0:
+                f.read_into(out[done : done + n], p.offset, n)
+                done += n
+    else:
+        flats[0].read_into(out, p.offset, p.numel)
+    return out.reshape(p.shape)
 
 
 def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatView]:
@@ -437,8 +453,8 @@ def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatVi
         return t.reshape(-1)[: o.fp32[flat].numel()]  # ZeRO-1/2 keep state unstripped: trim to the fp32 part
 
     if zero3:
-        return [FlatView([vector(o, f) for f in range(len(o.fp32))], o.path) for o in ckpt.optims]
-    return [FlatView([vector(o, p.flat) for o in ckpt.optims], ckpt.optims[0].path)]
+        return [FlatView([vector(o, f) for f in range(len(o.fp32))], o.path, o.mapped) for o in ckpt.optims]
+    return [FlatView([vector(o, p.flat) for o in ckpt.optims], ckpt.optims[0].path, all(o.mapped for o in ckpt.optims))]
 
 
 def _state_layout(ckpt: DeepSpeedCheckpoint) -> tuple[list[str], dict[int, dict[str, Any]]]:
@@ -511,22 +527,46 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         check_files(directory, manifest, manifest.files, digest=verify_digests)
         path = os.path.join(directory, NATIVE_KEY)
     ckpt = read_native(path, trust_pickle)
-    ms0 = ckpt.model_states[0]
-    model: dict[str, LazyTensor] = {}
-    for p in ckpt.params:
-        model[p.name] = LazyTensor(
-            TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)), f"{ckpt.optims[0].path}:fp32"
-        )
-    model.update(ckpt.frozen)
-    model.update(ckpt.buffers)
-    shared = dict(ms0.get("shared_params") or {})
-    for alias, source in shared.items():
-        if source in model:
-            model[alias] = model[source]
+    trainable = {
+        p.name: LazyTensor(TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
+                           f"{ckpt.optims[0].path}:fp32")
+        for p in ckpt.params
+    }
     layout = ckpt.info.layout
+    source = {
+        "format": "deepspeed",
+        "zero_stage": layout.zero_stage,
+        "world_size": layout.world_size,
+        "dtype": layout.precision,
+        "master_dtype": "float32",
+        "ds_version": ckpt.info.ds_version,
+        "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
+    }
+    return to_logical(ckpt.model_states[0], trainable, ckpt.frozen, ckpt.buffers, _optimizer(ckpt), source,
+                      ckpt.info.files.tag_dir, manifest, directory)
+
+
+def to_logical(
+    ms0: dict[str, Any],
+    trainable: dict[str, LazyTensor],
+    frozen: dict[str, LazyTensor],
+    buffers: dict[str, LazyTensor],
+    optimizer: OptimizerState,
+    source: dict[str, Any],
+    tag_dir: str,
+    manifest: Manifest | None = None,
+    directory: str = "",
+) -> LogicalCheckpoint:
+    """The logical checkpoint of DeepSpeed files: ``ms0`` (rank 0's model states) gives ties, the step, the
+    scheduler and client state; ``manifest`` (of our checkpoint at ``directory`` around them) adds the rest."""
+    model = {**trainable, **frozen, **buffers}
+    shared = dict(ms0.get("shared_params") or {})
+    for alias, src in shared.items():
+        if src in model:
+            model[alias] = model[src]
     model_info = (manifest.model if manifest is not None else None) or {}
-    config = model_info.get("config") or _nearby_config(ckpt.info.files.tag_dir)
-    tied = [[alias, source] for alias, source in shared.items()] or tied_groups(config)
+    config = model_info.get("config") or _nearby_config(tag_dir)
+    tied = [[alias, src] for alias, src in shared.items()] or tied_groups(config)
     components: dict[str, ComponentSource] = {}
     if manifest is not None:
         components = {k: ComponentSource.from_manifest(directory, manifest, k) for k in manifest.components if k != NATIVE_KEY}
@@ -535,33 +575,23 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
     client = _client_state(ms0)
     if client:
         notes.append(f"DeepSpeed client state keys {sorted(client)} are carried as component 'client_state'")
-    ckpt_out = LogicalCheckpoint(
+    out = LogicalCheckpoint(
         model=model,
         config=config,
-        optimizer=_optimizer(ckpt),
+        optimizer=optimizer,
         components=components,
-        source={
-            "format": "deepspeed",
-            "zero_stage": layout.zero_stage,
-            "world_size": layout.world_size,
-            "dtype": layout.precision,
-            "master_dtype": "float32",
-            "ds_version": ckpt.info.ds_version,
-            "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
-        },
+        source=source,
         topology=manifest.topology if manifest is not None else None,
         tied=tied,
-        frozen=sorted(ckpt.frozen),
+        frozen=sorted(frozen),
         step=int(step) if step is not None else None,
         notes=notes,
     )
-    extra = {}
     if client:
-        extra["client_state"] = client
+        out.extra_state["client_state"] = client
     if ms0.get("lr_scheduler") is not None and "scheduler" not in components:
-        extra["lr_scheduler"] = ms0["lr_scheduler"]
-    ckpt_out.extra_state.update(extra)
-    return ckpt_out
+        out.extra_state["lr_scheduler"] = ms0["lr_scheduler"]
+    return out
 
 
 def _nearby_config(tag_dir: str) -> dict[str, Any] | None:

@@ -104,5 +104,5 @@ def write_hf(
     if ckpt.config is None:
         raise CorruptCheckpointError(None, "the source records no model config, so no Hugging Face directory can be written")
     with staged_output(dst, overwrite) as out:
-        write_model_dir(out, "", ckpt, max_shard_size, progress)
+        write_model_dir(out, "", ckpt, max_shard_size, progress, digests=False)  # no manifest describes it
     log.info("wrote Hugging Face model directory %s", dst)

@@ -21,12 +21,17 @@ from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickl
 ALLOWLIST: list[Any] = [collections.OrderedDict, collections.defaultdict, torch.Size]
 
 
+def is_mapped(path: str) -> bool:
+    """Whether ``load_torch_file`` maps ``path`` (torch's zip format) rather than reading it into memory."""
+    return zipfile.is_zipfile(path)
+
+
 def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | None = None) -> Any:
     import os
 
     if not os.path.isfile(path):
         raise MissingFileError(path, "file not found")
-    mmap = zipfile.is_zipfile(path)
+    mmap = is_mapped(path)
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

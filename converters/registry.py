@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import deepspeed, hf, interop_ckpt
+from . import deepspeed, ds_universal, hf, interop_ckpt
 
 
 @dataclass
@@ -71,17 +71,24 @@ register(
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
     )
 )
-def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+
+
+def _deepspeed_config(o: Options) -> dict | None:
     import json
 
+    path = o.extra.get("deepspeed_config")
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     from .deepspeed import NativeLayout
     from .deepspeed_writer import write_deepspeed
 
     extra = o.extra
-    config = None
-    if extra.get("deepspeed_config"):
-        with open(extra["deepspeed_config"], encoding="utf-8") as f:
-            config = json.load(f)
+    config = _deepspeed_config(o)
     world = extra.get("world_size") or ckpt.source.get("world_size") or 1
     stage = extra.get("zero_stage") or ckpt.source.get("zero_stage") or 2
     dtype = extra.get("dtype") or ckpt.source.get("dtype") or "float32"
@@ -95,6 +102,19 @@ register(
         deepspeed.is_deepspeed_checkpoint,
         lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests),
         _write_deepspeed,
+    )
+)
+def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    ds_universal.write_ds_universal(ckpt, dst, _deepspeed_config(o), o.overwrite, o.progress)
+
+
+register(
+    Format(
+        "ds-universal",
+        "DeepSpeed universal checkpoint (ds_to_universal's layout; load_universal loads it on any stage and world size)",
+        ds_universal.is_ds_universal,
+        lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle),
+        _write_ds_universal,
     )
 )
 register(

@@ -57,6 +57,32 @@ class LazyTensor:
         return tensor
 
 
+_MADV_DONTNEED = 4  # Linux
+
+
+def release_mapped_pages(tensor: torch.Tensor) -> None:
+    """Let go of the resident pages under ``tensor``, a view of a file mapped with ``torch.load(mmap=True)``
+    that has been read and will not be written: they stay in the page cache, but leave this process's RSS,
+    so streaming through a large mapped file costs the memory of one tensor, not of the file.
+
+    Only for file-backed memory: on anonymous memory this would zero the data, so callers pass only
+    tensors they know were mapped from a file. Elsewhere than Linux it does nothing."""
+    import sys
+
+    if sys.platform != "linux" or tensor.numel() == 0:
+        return
+    import ctypes
+    import mmap
+
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only: a neighbour may share an edge
+    hi = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order and native (little-endian) byte order, with no copy when contiguous."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)

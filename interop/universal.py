@@ -29,7 +29,7 @@ from .pieces import write_piece
 from .safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from .tensors import LazyTensor, tensor_digest
 from .topology import Topology
-from .verify import check_files, file_digest
+from .verify import check_files, digest_as
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,13 @@ def write_sharded(
     max_shard_size: int,
     key_of: Callable[[str], str] = lambda name: name,
     progress: Callable[[TensorEntry], None] | None = None,
+    digests: bool = True,
 ) -> WriteResult:
-    """``<stem>.safetensors`` or ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``."""
+    """``<stem>.safetensors`` or ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``.
+
+    Without ``digests`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
+    a known digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
+    digests = digests or any(t.digest is not None for t in tensors.values())
     entries = [TensorEntry(name, t.spec, t.load) for name, t in tensors.items()]
     shards = shard_groups(entries, max_shard_size)
     result = WriteResult()
@@ -85,7 +90,7 @@ def write_sharded(
     for i, shard in enumerate(shards, 1):
         fname = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         rel = f"{subdir}/{fname}" if subdir else fname
-        written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress)
+        written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress, digests)
         result.files[rel] = FileRecord(written.nbytes, written.digest)
         for entry in shard:
             expected = tensors[entry.name].digest
@@ -95,7 +100,7 @@ def write_sharded(
                 )
             weight_map[entry.name] = fname
             result.tensors[key_of(entry.name)] = TensorRecord(
-                list(entry.spec.shape), dtype_name(entry.spec.dtype), rel, written.tensor_digests[entry.name]
+                list(entry.spec.shape), dtype_name(entry.spec.dtype), rel, written.tensor_digests.get(entry.name)
             )
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.spec.nbytes for e in entries)}, "weight_map": weight_map}
@@ -126,9 +131,11 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
     return model
 
 
-def write_model_dir(root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None) -> WriteResult:
+def write_model_dir(
+    root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None, digests: bool = True
+) -> WriteResult:
     """A Hugging Face model directory: config.json and (sharded) model.safetensors."""
-    result = write_sharded(root, subdir, "model", model_entries(ckpt), max_shard_size, progress=progress)
+    result = write_sharded(root, subdir, "model", model_entries(ckpt), max_shard_size, progress=progress, digests=digests)
     if ckpt.config is not None:
         rel = f"{subdir}/config.json" if subdir else "config.json"
         result.files[rel] = _write_json(root, rel, ckpt.config)
@@ -150,7 +157,7 @@ def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileReco
             dst_path = os.path.join(out, rel)
             os.makedirs(os.path.dirname(dst_path), exist_ok=True)
             shutil.copyfile(src, dst_path)
-            files[rel] = FileRecord(rec.bytes, file_digest(dst_path), rec.writer)
+            files[rel] = FileRecord(rec.bytes, digest_as(dst_path, rec.digest), rec.writer)
             if files[rel].digest != rec.digest:
                 raise CorruptCheckpointError(src, "content digest differs from its manifest")
         components[key] = comp.record

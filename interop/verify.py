@@ -8,7 +8,7 @@ from typing import Iterable
 
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .manifest import FileRecord, Manifest, read_manifest
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import FILE_DIGEST_ALGO, SafetensorsFile, safetensors_digest
 from .tensors import DIGEST_ALGO
 
 _CHUNK = 8 << 20
@@ -20,6 +20,16 @@ def file_digest(path: str) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return f"{DIGEST_ALGO}:{h.hexdigest()}"
+
+
+def digest_as(path: str, recorded: str | None) -> str:
+    """The file's digest by the algorithm the manifest recorded it with."""
+    if recorded and recorded.startswith(FILE_DIGEST_ALGO + ":"):
+        try:
+            return safetensors_digest(path)
+        except CorruptCheckpointError:
+            return ""  # unreadable: it cannot match
+    return file_digest(path)
 
 
 def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
@@ -50,7 +60,7 @@ def check_file(directory: str, rel: str, record: FileRecord, digest: bool = Fals
     size = os.path.getsize(path)
     if size != record.bytes:
         raise CorruptCheckpointError(path, f"size {size} bytes, manifest says {record.bytes} (truncated or replaced)")
-    if digest and file_digest(path) != record.digest:
+    if digest and digest_as(path, record.digest) != record.digest:
         raise CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
 
 

@@ -16,6 +16,8 @@ pytest.importorskip("deepspeed", reason="DeepSpeed tests need deepspeed (pip ins
 
 from converters.deepspeed import NativeLayout, read_deepspeed  # noqa: E402
 from converters.deepspeed_writer import write_native  # noqa: E402
+from converters.ds_universal import read_ds_universal, write_ds_universal  # noqa: E402
+from converters.registry import detect  # noqa: E402
 from interop.errors import CorruptCheckpointError, MissingFileError, TopologyError, UnsupportedStateError  # noqa: E402
 
 from .conftest import ROOT, free_port, worker_env  # noqa: E402
@@ -195,6 +197,96 @@ def test_resume_matrix(saved_runs, tmp_path, saved_stage, stage, world):
         assert run["losses"] == full[3:]  # the same partitioning of the same sums: bit-identical
     else:
         assert run["losses"] == pytest.approx(full[3:], rel=1e-5)  # another reduction order: float rounding
+
+
+# --- DeepSpeed's universal layout ----------------------------------------------------------------------
+def ds_to_universal(native_root, out):
+    """DeepSpeed's own converter, as its docs run it: the output tag directory beside a `latest_universal`."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(native_root / "global_step2"),
+           "--output_folder", str(out / "global_step2_universal"), "--inject_missing_state",
+           "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    env = worker_env()
+    env["DS_ACCELERATOR"] = "cpu"
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def assert_same_logical(a, b):
+    """Every tensor (weights, frozen, buffers, optimizer state) in the same dtype and bit for bit; steps, groups,
+    ties and the frozen list equal."""
+    ta, tb = logical_tensors(a), logical_tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+    assert a.optimizer.scalars == b.optimizer.scalars
+    assert a.optimizer.param_groups == b.optimizer.param_groups
+    assert (a.tied, a.frozen, a.step) == (b.tied, b.frozen, b.step)
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "bfloat16"), (2, "float32"), (3, "float32")], ids=["zero1-bf16", "zero2", "zero3"])
+def test_reading_ds_to_universal_equals_reading_its_source(layouts, tmp_path, stage, dtype):
+    native = layouts[(stage, dtype)] / "deepspeed"
+    out = ds_to_universal(native, tmp_path / "universal")
+    assert detect(str(out)).name == "ds-universal" and detect(str(native)).name == "deepspeed"
+    ours = read_ds_universal(str(out))
+    assert ours.source["zero_stage"] == stage and ours.frozen  # frozen parameters kept (ZeRO-3: from the model states)
+    assert_same_logical(read_deepspeed(str(native)), ours)
+
+
+def universal_config(tmp_path, stage: int) -> str:
+    path = tmp_path / f"ds_zero{stage}_universal.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage}, "train_batch_size": 4,
+                                "checkpoint": {"load_universal": True}}))
+    return str(path)
+
+
+def load_universal(tmp_path, source, stage: int, world: int) -> tuple[dict, object]:
+    """DeepSpeed's engine.load_checkpoint with load_universal, on `world` ranks at `stage`; the engine then
+    saves natively, and that is read back."""
+    loaded = tmp_path / f"loaded-zero{stage}-w{world}"
+    run = last_json(ds_run(world, "universal", str(source), str(loaded), "--deepspeed_config", universal_config(tmp_path, stage),
+                           "--seq-len", "16", "--output-dir", str(tmp_path / "unused")))
+    return run, read_deepspeed(str(loaded))
+
+
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 1), (3, 2)])
+def test_load_universal_accepts_ours_on_every_stage(layouts, tmp_path, stage, world):
+    saved = layouts[(3, "float32")]
+    out = tmp_path / "universal"
+    result = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(saved), str(out), "--to", "ds-universal"],
+                            capture_output=True, text=True, env=worker_env())
+    assert result.returncode == 0, result.stderr
+    source = read_deepspeed(str(saved / "deepspeed"))
+    assert_same_logical(source, read_ds_universal(str(out)))  # frozen parameters and buffers included, exactly
+
+    run, loaded = load_universal(tmp_path, out, stage, world)
+    assert run["global_steps"] == 2
+    # Trainable weights and every optimizer tensor as the engine holds them after load, and the per-group step.
+    # (DeepSpeed's universal load leaves frozen parameters and buffers as the model was built: here the same.)
+    assert_same_logical(source, loaded)
+    assert run["weight_decay"] == [0.1, 0.0]  # decay and no-decay groups kept apart, ZeRO-3 included
+
+
+def test_deepspeed_zero3_universal_loses_no_decay_groups_ours_does_not(layouts, tmp_path):
+    """DeepSpeed's ZeRO-3 universal loader sets every group's hyper-parameters from group 0's: from
+    ds_to_universal's output the no-decay group comes back with weight decay. Ours keeps both groups."""
+    theirs = ds_to_universal(layouts[(3, "float32")] / "deepspeed", tmp_path / "theirs")
+    run, _ = load_universal(tmp_path, theirs, 3, 2)
+    assert run["weight_decay"] == [0.1, 0.1]
+
+
+def test_damaged_universal_names_the_file(layouts, tmp_path):
+    out = tmp_path / "universal"
+    write_ds_universal(read_deepspeed(str(layouts[(2, "float32")])), str(out))
+    zero = out / "global_step2_universal" / "zero"
+    victim = zero / "model.norm.weight" / "exp_avg.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match="model.norm.weight/exp_avg.pt"):
+        read_ds_universal(str(out)).optimizer.tensors["exp_avg"]["model.norm.weight"].load()
+    os.remove(zero / "model.norm.weight" / "fp32.pt")
+    with pytest.raises(MissingFileError, match="model.norm.weight/fp32.pt"):
+        read_ds_universal(str(out))
 
 
 # --- bad input -------------------------------------------------------------------------------------------

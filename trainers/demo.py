@@ -12,17 +12,18 @@ import logging
 import os
 import tempfile
 
-import torch
-
-from converters import registry
-from converters.diff import diff_checkpoints
-from interop.verify import verify_checkpoint
-
-from .base import BaseTrainer, TrainerConfig
 
 
 def run_demo(out: str, steps: int = 6) -> dict:
     """Returns what it found, so tests can assert on it; prints a short story for people."""
+    import torch  # here, not at the top: the CLI loads this module to list the command on every call
+
+    from converters import registry
+    from converters.diff import diff_checkpoints
+    from interop.verify import verify_checkpoint
+
+    from .base import BaseTrainer, TrainerConfig
+
     run_dir, universal_dir, hf_dir = (os.path.join(out, d) for d in ("run", "universal", "hf"))
     trainer = BaseTrainer(TrainerConfig(steps=steps, output_dir=run_dir, keep_last=2))
     losses = trainer.train()

@@ -1,0 +1,122 @@
+"""DeepSpeed ZeRO-3: interop's converters against DeepSpeed's own tools, on a checkpoint real DeepSpeed wrote.
+
+    python benchmarks/deepspeed_zero3.py [--hidden 1024 --layers 17] [--workdir DIR]
+
+Trains one step of a Llama (257M parameters at the defaults) with ZeRO-3 on 2 CPU ranks through the
+interop DeepSpeed trainer, whose checkpoint is DeepSpeed's ``save_checkpoint`` output, then runs each step
+in its own process (wall time, peak RSS):
+
+  interop convert CKPT UNI --to universal      vs  ds_to_universal (weights + optimizer state)
+  interop convert CKPT DSU --to ds-universal   vs  ds_to_universal (the same layout, file for file)
+  interop convert CKPT HF --to hf              vs  zero_to_fp32.py --safe_serialization
+
+The page cache is warmed with the checkpoint's files first, so every step reads from memory alike; dirty
+pages are written back before each step, and each step's time runs until its output is on disk (interop
+fsyncs what it writes; DeepSpeed's tools leave it in the page cache). Peak RSS is the largest single process's (ds_to_universal
+spreads its work over a pool of 4 + 2 processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_roundtrip import model_config  # noqa: E402
+from measure import REPO, measure, print_table  # noqa: E402
+
+
+def train_and_save(out: str, hidden: int, layers: int) -> None:
+    """Runs on each rank under torch.distributed.run: one ZeRO-3 step, then the trainer's checkpoint."""
+    import transformers
+
+    from trainers.base import shutdown
+    from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig
+
+    class BenchTrainer(DeepSpeedTrainer):
+        def build_model(self):
+            return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
+
+    cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=2, seq_len=16, output_dir=out, keep_last=None)
+    trainer = BenchTrainer(cfg)
+    trainer.train()
+    trainer.save()
+    shutdown()
+
+
+def warm(path: str) -> int:
+    total = 0
+    for f in glob.glob(os.path.join(path, "**", "*"), recursive=True):
+        if os.path.isfile(f):
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    total += len(chunk)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=17)
+    parser.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
+    parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-ds-")
+    run_dir = os.path.join(work, "run")
+    ckpt = os.path.join(run_dir, "checkpoint-1")
+    native = os.path.join(ckpt, "deepspeed")
+    if not os.path.isdir(ckpt):
+        wall, _ = measure(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             "--master_port=29517", os.path.abspath(__file__), "--train", run_dir, "--hidden", str(args.hidden),
+             "--layers", str(args.layers)],
+            env={"DS_ACCELERATOR": "cpu"},
+        )
+        print(f"trained and saved with DeepSpeed ZeRO-3 on 2 ranks in {wall:.0f} s")
+    outputs = {k: os.path.join(work, k) for k in ("universal", "ds_universal", "hf", "ref_universal", "ref_hf")}
+    for d in outputs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(args.hidden, args.layers)).parameters())
+    size = warm(native)
+    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
+          f"ZeRO-3 checkpoint on 2 ranks: {size / 2**30:.2f} GiB")
+
+    cli = [sys.executable, "-m", "converters.cli"]
+    ds_env = {"DS_ACCELERATOR": "cpu"}
+    tag = os.path.join(native, "global_step1")
+    rows = [
+        ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env)),
+        ("ZeRO-3 -> universal, safetensors (interop)", measure(cli + ["convert", ckpt, outputs["universal"], "--to", "universal"])),
+        ("ZeRO-3 -> ds-universal (interop)", measure(cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env)),
+        ("ds_to_universal (DeepSpeed)", measure(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
+             "--output_folder", os.path.join(outputs["ref_universal"], "global_step1_universal"), "--inject_missing_state"],
+            ds_env,
+        )),
+        ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"])),
+        ("zero_to_fp32.py --safe_serialization (DeepSpeed)", measure(
+            [sys.executable, os.path.join(native, "zero_to_fp32.py"), native, outputs["ref_hf"], "--safe_serialization"], ds_env
+        )),
+    ]
+    print_table(rows, {
+        "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
+        "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
+        "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",
+    })
+    print(f"\nfiles under {work}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", REPO)
+    main()

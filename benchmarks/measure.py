@@ -1,0 +1,43 @@
+"""Running one step of a benchmark in its own process: wall time and peak RSS, printed as a table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds until the output is durable, and peak RSS (bytes) of one child process: its own, or its
+    largest waited-for descendant's.
+
+    Each step runs in a fresh process because a child forked from a parent holding a model would inherit
+    (and report) the parent's resident pages."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), **(env or {}))
+    os.sync()  # the previous step's dirty pages are written back now, not during this step
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    os.sync()  # until the output is on disk: a tool that exits with its writes still in the page cache has not finished
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-3000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, str]) -> None:
+    """``reference``: for a row, the row it is compared with (time ratio > 1: faster; RSS ratio < 1: smaller)."""
+    by_name = dict(rows)
+    print(f"\n{'step':<58} {'wall s':>8} {'peak RSS':>10} {'speed-up':>9} {'RSS ratio':>10}")
+    for name, (wall, rss) in rows:
+        ref = reference.get(name)
+        speed = f"{by_name[ref][0] / wall:>8.2f}x" if ref else f"{'':>9}"
+        mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref else f"{'':>10}"
+        print(f"{name:<58} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem}")
+    for name, ref in reference.items():
+        print(f"  {name!r} is compared with {ref!r}")
+    sys.stdout.flush()
