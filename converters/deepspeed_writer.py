@@ -316,27 +316,14 @@ def write_native(
         torch.save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": version},
                    os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
         if stage == 3 or r == 0:
-            states_dict = {
-                "module": module,
-                "buffer_names": list(order.buffers),
-                "optimizer": None,
-                "param_shapes": param_shapes,
-                "frozen_param_shapes": OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen) if stage >= 2 else None,
-                "shared_params": dict(order.aliases),
-                "frozen_param_fragments": (
+            states_dict = model_states(
+                ckpt, order, module, param_shapes,
+                frozen_shapes=OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen) if stage >= 2 else None,
+                frozen_fragments=(
                     OrderedDict((n, _zero3_fragment(t, world, r) if stage == 3 else t) for n, t in frozen.items()) if stage >= 2 else None
                 ),
-                "lr_scheduler": None,
-                "data_sampler": None,
-                "random_ltd": None,
-                "skipped_steps": 0,
-                "global_steps": step,
-                "global_samples": step * int(ds_config.get("train_batch_size", 1) or 1),
-                "dp_world_size": world,
-                "mp_world_size": 1,
-                "ds_config": ds_config,
-                "ds_version": version,
-            }
+                step=step, ds_config=ds_config, world=world, version=version,
+            )
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
             torch.save(states_dict, os.path.join(tag_dir, name))
     with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
@@ -346,6 +333,41 @@ def write_native(
         shutil.copyfile(script, os.path.join(directory, "zero_to_fp32.py"))
     log.info("wrote DeepSpeed %s checkpoint %s", layout.describe(), tag_dir)
     return tag_dir
+
+
+def model_states(
+    ckpt: LogicalCheckpoint,
+    order: EngineOrder,
+    module: OrderedDict,
+    param_shapes: list[OrderedDict],
+    frozen_shapes: OrderedDict | None,
+    frozen_fragments: OrderedDict | None,
+    step: int,
+    ds_config: dict[str, Any],
+    world: int,
+    version: str,
+) -> dict[str, Any]:
+    """A model-states file as ``save_checkpoint`` writes it, with the source's scheduler and client state."""
+    return {
+        **dict(ckpt.extra_state.get("client_state") or {}),
+        "module": module,
+        "buffer_names": list(order.buffers),
+        "optimizer": None,
+        "param_shapes": param_shapes,
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": dict(order.aliases),
+        "frozen_param_fragments": frozen_fragments,
+        "lr_scheduler": ckpt.extra_state.get("lr_scheduler"),
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": step,
+        "global_samples": step * int(ds_config.get("train_batch_size", 1) or 1),
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "ds_config": ds_config,
+        "ds_version": version,
+    }
 
 
 def _has_state(ckpt: LogicalCheckpoint, key: str, names: list[str]) -> bool:

@@ -37,7 +37,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
-from .deepspeed_writer import _deepspeed, _group_scalars, engine_order
+from .deepspeed_writer import _deepspeed, _group_scalars, engine_order, model_states
 
 log = logging.getLogger(__name__)
 
@@ -290,26 +290,11 @@ def _model_states(ckpt: LogicalCheckpoint, order, ds_config: dict[str, Any], ver
             module[name] = ckpt.model[name].load()
         else:
             module[name] = torch.empty(0, dtype=torch.float32)
-    client = dict(ckpt.extra_state.get("client_state") or {})
-    world = int(ckpt.source.get("world_size") or 1)
-    return {
-        **client,
-        "module": module,
-        "buffer_names": list(order.buffers),
-        "optimizer": None,
-        "param_shapes": [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names) for names in order.groups],
-        "frozen_param_shapes": OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen),
-        "frozen_param_fragments": OrderedDict((n, ckpt.model[n].load()) for n in order.frozen),
-        "shared_params": dict(order.aliases),
-        "lr_scheduler": ckpt.extra_state.get("lr_scheduler"),
-        "data_sampler": None,
-        "random_ltd": None,
-        "skipped_steps": 0,
-        "global_steps": step,
-        "global_samples": step * int(ds_config.get("train_batch_size", 1) or 1),
-        "dp_world_size": world,
-        "mp_world_size": 1,
-        "ds_config": ds_config,
-        "ds_version": version,
-    }
+    param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names) for names in order.groups]
+    return model_states(
+        ckpt, order, module, param_shapes,
+        frozen_shapes=OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen),
+        frozen_fragments=OrderedDict((n, ckpt.model[n].load()) for n in order.frozen),
+        step=step, ds_config=ds_config, world=int(ckpt.source.get("world_size") or 1), version=version,
+    )
 
