@@ -58,6 +58,27 @@ class LazyTensor:
 
 
 _MADV_DONTNEED = 4  # Linux
+_file_maps: list[tuple[int, int]] = []  # (start, end) of this process's file-backed mappings, sorted
+
+
+def _file_backed(lo: int, hi: int) -> bool:
+    """Whether ``lo .. hi`` lies inside one file-backed mapping (from /proc/self/maps, re-read on a miss)."""
+    import bisect
+
+    for attempt in range(2):
+        i = bisect.bisect_right(_file_maps, (lo, float("inf"))) - 1
+        if i >= 0 and _file_maps[i][0] <= lo and hi <= _file_maps[i][1]:
+            return True
+        if attempt == 0:
+            maps = []
+            with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/"):  # a path: file-backed
+                        a, b = fields[0].split("-")
+                        maps.append((int(a, 16), int(b, 16)))
+            _file_maps[:] = sorted(maps)
+    return False
 
 
 def release_mapped_pages(tensor: torch.Tensor) -> None:
@@ -65,8 +86,8 @@ def release_mapped_pages(tensor: torch.Tensor) -> None:
     that has been read and will not be written: they stay in the page cache, but leave this process's RSS,
     so streaming through a large mapped file costs the memory of one tensor, not of the file.
 
-    Only for file-backed memory: on anonymous memory this would zero the data, so callers pass only
-    tensors they know were mapped from a file. Elsewhere than Linux it does nothing."""
+    Does nothing unless the memory is a file-backed mapping (on anonymous memory MADV_DONTNEED would zero
+    the data: a tensor copied on load, a non-contiguous reshape), and nothing elsewhere than Linux."""
     import sys
 
     if sys.platform != "linux" or tensor.numel() == 0:
@@ -78,7 +99,7 @@ def release_mapped_pages(tensor: torch.Tensor) -> None:
     end = start + tensor.numel() * tensor.element_size()
     lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only: a neighbour may share an edge
     hi = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi > lo:
+    if hi > lo and tensor.is_contiguous() and _file_backed(lo, hi):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 

@@ -292,3 +292,18 @@ def test_failing_get_process_groups_is_reported_not_hung(tmp_path):
 
     with pytest.raises(ComponentError, match=r"get_process_groups\(\) failed on rank 0: RuntimeError: no mesh yet"):
         CheckpointManager(str(tmp_path), Broken([StateComponent("a", Box(1.0), SharingPattern.GLOBAL)])).save(1)
+
+
+def test_release_mapped_pages_keeps_data_and_never_touches_anonymous_memory(tmp_path):
+    """Released pages of a mapped file read back the same; an in-memory tensor is left alone (MADV_DONTNEED
+    on anonymous memory would zero it)."""
+    from interop.tensors import release_mapped_pages
+
+    data = torch.arange(1 << 20, dtype=torch.float32)
+    torch.save({"t": data}, tmp_path / "t.pt")
+    mapped = torch.load(tmp_path / "t.pt", mmap=True, weights_only=True)["t"]
+    release_mapped_pages(mapped)
+    assert torch.equal(mapped, data)  # faulted in again from the file
+    anonymous = data.clone()
+    release_mapped_pages(anonymous)
+    assert torch.equal(anonymous, data)
