@@ -118,6 +118,11 @@ def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
     return EngineOrder(groups, hyper, frozen, buffers, aliases, params + buffers + list(aliases))
 
 
+def shapes(ckpt: LogicalCheckpoint, names: list[str]) -> OrderedDict:
+    """``name -> torch.Size``, as DeepSpeed records ``param_shapes`` and ``frozen_param_shapes``."""
+    return OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names)
+
+
 def _numel(ckpt: LogicalCheckpoint, name: str) -> int:
     return math.prod(ckpt.model[name].spec.shape)
 
@@ -270,13 +275,13 @@ def write_native(
         fp32 = _zero3_buffers(ckpt, subs, world, None)
         states = {k: _zero3_buffers(ckpt, subs, world, k) for k in keys}
         scalars = [_group_scalars(ckpt, sub) for sub in subs]
-        param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in sub) for sub in subs]
+        param_shapes = [shapes(ckpt, sub) for sub in subs]
     else:
         flat_ids = [[g] for g in range(len(order.groups))]
         fp32 = _zero12_buffers(ckpt, order, world, None)
         states = {k: _zero12_buffers(ckpt, order, world, k) for k in keys}
         scalars = [_group_scalars(ckpt, names) for names in order.groups]
-        param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names) for names in order.groups]
+        param_shapes = [shapes(ckpt, names) for names in order.groups]
         subs = order.groups
 
     module = _module(ckpt, order, dtype, placeholders=stage == 3)
@@ -318,7 +323,7 @@ def write_native(
         if stage == 3 or r == 0:
             states_dict = model_states(
                 ckpt, order, module, param_shapes,
-                frozen_shapes=OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen) if stage >= 2 else None,
+                frozen_shapes=shapes(ckpt, order.frozen) if stage >= 2 else None,
                 frozen_fragments=(
                     OrderedDict((n, _zero3_fragment(t, world, r) if stage == 3 else t) for n, t in frozen.items()) if stage >= 2 else None
                 ),

@@ -21,6 +21,7 @@ What DeepSpeed's loaders read, and so what a written checkpoint must hold for al
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -37,7 +38,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
-from .deepspeed_writer import _deepspeed, _group_scalars, engine_order, model_states
+from .deepspeed_writer import _deepspeed, _group_scalars, engine_order, model_states, shapes
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +147,9 @@ def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoin
     tensors: dict[str, dict[str, LazyTensor]] = {}
     scalars: dict[str, dict[str, dict[str, Any]]] = {}
     members: dict[int, list[str]] = {}
-    for flat, shapes in enumerate(ms0["param_shapes"]):
+    for flat, group_shapes in enumerate(ms0["param_shapes"]):
         group = group_of_flat.get(flat, 0) if files.zero3 else flat
-        for name, shape in shapes.items():
+        for name, shape in group_shapes.items():
             shape = _shape(shape)
             folder = os.path.join(files.zero, name)
             fp32 = os.path.join(folder, "fp32.pt")
@@ -248,8 +249,9 @@ def write_ds_universal(
                         filled += 1
                     _save({PARAM: value, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
                 _save(group_step.clone(), os.path.join(folder, "step.pt"))
-        for name in order.frozen + order.buffers:  # as ds_to_universal keeps them: whole, in fp32
-            _save({PARAM: ckpt.model[name].load().to(torch.float32)}, os.path.join(zero, name, "fp32.pt"))
+        kept = {n: ckpt.model[n].load() for n in order.frozen + order.buffers}  # read once: also in the model states
+        for name, t in kept.items():  # as ds_to_universal keeps them: whole, in fp32
+            _save({PARAM: t.to(torch.float32)}, os.path.join(zero, name, "fp32.pt"))
         if filled:
             log.warning("%d optimizer state tensor(s) absent from the source were written as AdamW's initial zeros", filled)
         hyper = [{**h, "params": [g]} for g, h in enumerate(order.hyper)]
@@ -264,14 +266,12 @@ def write_ds_universal(
             },
             os.path.join(zero, OPTIMIZER_STATE),
         )
-        states = _model_states(ckpt, order, ds_config, version, step)
+        states = _model_states(ckpt, order, kept, ds_config, version, step)
         for name in (ZERO12_MODEL_FILE, "zero_pp_rank_0_mp_rank_00_model_states.pt"):
             torch.save(states, os.path.join(out, tag, name))
         with open(os.path.join(out, LATEST), "w", encoding="utf-8") as f:
             f.write(tag)
         if ckpt.config:
-            import json
-
             with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(ckpt.config, f, indent=2)
         dropped = sorted(ckpt.components)
@@ -281,20 +281,18 @@ def write_ds_universal(
     return tag
 
 
-def _model_states(ckpt: LogicalCheckpoint, order, ds_config: dict[str, Any], version: str, step: int) -> dict[str, Any]:
+def _model_states(
+    ckpt: LogicalCheckpoint, order, kept: dict[str, torch.Tensor], ds_config: dict[str, Any], version: str, step: int
+) -> dict[str, Any]:
     """What the universal loaders take from the model-states file (step, scheduler, client state), plus the
-    frozen parameters and buffers for readers; trainable parameters are in zero/ only (empty here, as ZeRO-3's)."""
-    module = OrderedDict()
-    for name in order.module_keys:
-        if name in order.buffers:
-            module[name] = ckpt.model[name].load()
-        else:
-            module[name] = torch.empty(0, dtype=torch.float32)
-    param_shapes = [OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names) for names in order.groups]
+    frozen parameters and buffers (``kept``) for readers; trainable parameters are in zero/ only (empty here,
+    as ZeRO-3's)."""
+    buffers = set(order.buffers)
+    module = OrderedDict((n, kept[n] if n in buffers else torch.empty(0, dtype=torch.float32)) for n in order.module_keys)
     return model_states(
-        ckpt, order, module, param_shapes,
-        frozen_shapes=OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in order.frozen),
-        frozen_fragments=OrderedDict((n, ckpt.model[n].load()) for n in order.frozen),
+        ckpt, order, module, [shapes(ckpt, names) for names in order.groups],
+        frozen_shapes=shapes(ckpt, order.frozen),
+        frozen_fragments=OrderedDict((n, kept[n]) for n in order.frozen),
         step=step, ds_config=ds_config, world=int(ckpt.source.get("world_size") or 1), version=version,
     )
 
