@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=17)
     parser.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
     parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train:
@@ -95,18 +96,22 @@ def main() -> None:
     cli = [sys.executable, "-m", "converters.cli"]
     ds_env = {"DS_ACCELERATOR": "cpu"}
     tag = os.path.join(native, "global_step1")
+    n = args.repeat
     rows = [
-        ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env)),
-        ("ZeRO-3 -> universal, safetensors (interop)", measure(cli + ["convert", ckpt, outputs["universal"], "--to", "universal"])),
-        ("ZeRO-3 -> ds-universal (interop)", measure(cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env)),
+        ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env, n)),
+        ("ZeRO-3 -> universal, safetensors (interop)", measure(
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+        ("ZeRO-3 -> ds-universal (interop)", measure(
+            cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env, n, outputs["ds_universal"])),
         ("ds_to_universal (DeepSpeed)", measure(
             [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
              "--output_folder", os.path.join(outputs["ref_universal"], "global_step1_universal"), "--inject_missing_state"],
-            ds_env,
+            ds_env, n, outputs["ref_universal"],
         )),
-        ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"])),
+        ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
         ("zero_to_fp32.py --safe_serialization (DeepSpeed)", measure(
-            [sys.executable, os.path.join(native, "zero_to_fp32.py"), native, outputs["ref_hf"], "--safe_serialization"], ds_env
+            [sys.executable, os.path.join(native, "zero_to_fp32.py"), native, outputs["ref_hf"], "--safe_serialization"],
+            ds_env, n, outputs["ref_hf"],
         )),
     ]
     print_table(rows, {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -11,22 +13,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds until the output is durable, and peak RSS (bytes) of one child process: its own, or its
-    largest waited-for descendant's.
+def measure(cmd: list[str], env: dict[str, str] | None = None, repeat: int = 1, output: str | None = None) -> tuple[float, int]:
+    """Median wall seconds until the output is durable over ``repeat`` runs, and the largest peak RSS (bytes) of
+    one child process: its own, or its largest waited-for descendant's. ``output`` is removed before each run.
 
     Each step runs in a fresh process because a child forked from a parent holding a model would inherit
-    (and report) the parent's resident pages."""
+    (and report) the parent's resident pages. The median, because on a shared VM disk one run can be off by
+    half its time."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), **(env or {}))
-    os.sync()  # the previous step's dirty pages are written back now, not during this step
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    os.sync()  # until the output is on disk: a tool that exits with its writes still in the page cache has not finished
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-3000:]}")
-    return wall, usage.ru_maxrss * 1024
+    walls, peak = [], 0
+    for _ in range(repeat):
+        if output:
+            shutil.rmtree(output, ignore_errors=True)
+        os.sync()  # the previous step's dirty pages are written back now, not during this step
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(proc.pid, 0)
+        os.sync()  # until the output is on disk: a tool that exits with its writes still in the page cache has not finished
+        walls.append(time.perf_counter() - start)
+        if status != 0:
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-3000:]}")
+        peak = max(peak, usage.ru_maxrss * 1024)
+    return statistics.median(walls), peak
 
 
 def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, str]) -> None:

@@ -58,7 +58,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or "5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp")},
     )
 
 
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
+    g.add_argument("--fsdp", action="store_true", help="accelerate: the FSDP2 sharded layout (DCP) instead of DDP's")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,13 +34,10 @@ from interop.universal import copy_components, scalar_value
 from interop.verify import tree_records
 
 from .deepspeed import NATIVE_KEY, NativeLayout
+from .param_order import EngineOrder, engine_order
 
 log = logging.getLogger(__name__)
 
-ADAMW_DEFAULTS = {
-    "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
-    "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-}
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
 
@@ -56,66 +52,6 @@ def _deepspeed():
             f"writing a DeepSpeed checkpoint needs deepspeed installed (pip install 'interop[deepspeed]'): {exc}"
         ) from None
     return deepspeed, LossScaler, ZeroStageEnum, fragment_address
-
-
-@dataclass
-class EngineOrder:
-    """The engine's view of the model: trainable groups in flat order, frozen parameters, buffers, aliases."""
-
-    groups: list[list[str]]
-    hyper: list[dict[str, Any]]
-    frozen: list[str]
-    buffers: list[str]
-    aliases: dict[str, str]  # tied target -> source
-    module_keys: list[str]
-
-
-def _meta_model(config: dict[str, Any] | None):
-    if not config or "model_type" not in config:
-        return None
-    import transformers
-
-    cfg = transformers.AutoConfig.for_model(**config)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(cfg)
-
-
-def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
-    aliases = {t: s for t, *sources in ckpt.tied for s in sources[:1] if s in ckpt.model}
-    model = _meta_model(ckpt.config)
-    if model is not None:
-        params = [n for n, _ in model.named_parameters()]  # a tied alias appears once, under its source
-        buffers = [n for n, _ in model.state_dict().items() if n not in dict(model.named_parameters(remove_duplicate=False))]
-    else:  # no config: optimizer groups and the frozen list say which tensors are parameters
-        grouped = {n for g in (ckpt.optimizer.param_groups if ckpt.optimizer else []) for n in g.get("params", [])}
-        named = [n for n in ckpt.model if n not in aliases]
-        params = [n for n in named if not grouped or n in grouped or n in ckpt.frozen]
-        buffers = [n for n in named if n not in params]
-    known = set(params) | set(buffers) | set(aliases)
-    extra = [n for n in ckpt.model if n not in known]  # tensors the config's model lacks (custom buffers)
-    missing = [n for n in params if n not in ckpt.model and n not in aliases]
-    if missing:
-        raise ConversionError(f"the checkpoint lacks parameters its config's model has: {missing[:5]}")
-    frozen = [n for n in params if n in set(ckpt.frozen)]
-    opt = ckpt.optimizer
-    if opt is not None and opt.param_groups:
-        members = [set(g.get("params", [])) for g in opt.param_groups]
-        grouped = set().union(*members)
-        buffers += [n for n in extra if n not in grouped and n not in ckpt.frozen]
-        params += [n for n in extra if n in grouped or n in ckpt.frozen]
-        order = [n for n in params if n not in ckpt.frozen]
-        groups = [[n for n in order if n in m] for m in members]
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        stray = [n for n in order if n not in grouped]
-        if stray:
-            raise ConversionError(f"trainable parameters in no optimizer param group: {stray[:5]}")
-    else:
-        buffers += extra
-        order = [n for n in params if n not in ckpt.frozen]
-        shapes = {n: ckpt.model[n].spec.shape for n in order}
-        groups = [[n for n in order if len(shapes[n]) >= 2], [n for n in order if len(shapes[n]) < 2]]
-        hyper = [{**ADAMW_DEFAULTS, "weight_decay": 0.01}, {**ADAMW_DEFAULTS, "weight_decay": 0.0}]
-    return EngineOrder(groups, hyper, frozen, buffers, aliases, params + buffers + list(aliases))
 
 
 def shapes(ckpt: LogicalCheckpoint, names: list[str]) -> OrderedDict:

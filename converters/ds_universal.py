@@ -38,7 +38,8 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
-from .deepspeed_writer import _deepspeed, _group_scalars, engine_order, model_states, shapes
+from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
+from .param_order import engine_order
 
 log = logging.getLogger(__name__)
 

@@ -57,3 +57,14 @@ def conv1d_to_linear(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_to_conv1d(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
+
+
+def meta_model(config: dict[str, Any] | None) -> torch.nn.Module | None:
+    """The model a config.json describes, on the meta device (no memory): its parameter names and order."""
+    if not config or "model_type" not in config:
+        return None
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)

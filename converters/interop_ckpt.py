@@ -35,7 +35,12 @@ def is_interop_checkpoint(path: str) -> bool:
         m = read_manifest(path)
     except Exception:  # detection never raises; reading does
         return False
-    return m.format == CHECKPOINT_FORMAT and (m.sharding or {}).get("strategy", "single") in STRATEGIES
+    return (
+        m.format == CHECKPOINT_FORMAT
+        and (m.sharding or {}).get("strategy", "single") in STRATEGIES
+        and MODEL in m.components
+        and not m.components[MODEL].native
+    )
 
 
 def _global_piece(directory: str, manifest: Manifest, key: str) -> str:

@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import deepspeed, ds_universal, hf, interop_ckpt
+from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt
 
 
 @dataclass
@@ -115,6 +115,30 @@ register(
         ds_universal.is_ds_universal,
         lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle),
         _write_ds_universal,
+    )
+)
+def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    world = o.extra.get("world_size") or ckpt.source.get("world_size") or 1
+    fsdp = bool(o.extra.get("fsdp")) or (not o.extra.get("world_size") and ckpt.source.get("strategy") == "fsdp")
+    accelerate.write_accelerate(ckpt, dst, int(world), fsdp, o.overwrite)
+
+
+register(
+    Format(
+        "accelerate",
+        "Accelerate save_state directory, DDP (model.safetensors + optimizer.bin) or FSDP2 (DCP directories)",
+        accelerate.is_accelerate_checkpoint,
+        lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests),
+        _write_accelerate,
+    )
+)
+register(
+    Format(
+        "dcp",
+        "torch.distributed.checkpoint directory (.metadata + .distcp files), e.g. torchtitan's or dcp.save's",
+        dcp.is_dcp_dir,
+        lambda p, o: dcp.read_dcp_checkpoint(p),
+        lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
     )
 )
 register(

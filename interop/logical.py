@@ -68,6 +68,8 @@ class LogicalCheckpoint:
     # State a reader found in memory rather than in files (a DeepSpeed checkpoint's client state): written as
     # GLOBAL components, encoded without pickle.
     extra_state: dict[str, Any] = field(default_factory=dict)
+    # The same for per-rank state (accelerate's RNG states): one entry per rank, written as PER_RANK components.
+    rank_state: dict[str, list[Any]] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
         """Every logical tensor with its logical key: model names, then optimizer/<key>/<name>."""

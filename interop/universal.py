@@ -26,8 +26,10 @@ from .errors import ConversionError, CorruptCheckpointError, MissingFileError
 from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions, read_manifest
 from .pieces import write_piece
+from .planner import pieces_for
 from .safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from .tensors import LazyTensor, tensor_digest
+from .state import ComponentSpec, SharingPattern, WorldSizePolicy
 from .topology import Topology
 from .verify import check_files, digest_as
 
@@ -167,6 +169,14 @@ def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileReco
         base = f"components/{key}"
         files.update(write_piece(out, base, state))
         components[key] = ComponentRecord(pattern="GLOBAL", policy="keep", pieces={"global": base})
+    for key, states in ckpt.rank_state.items():
+        if key in components:
+            raise ConversionError(f"component {key!r} comes both from files and from the reader's in-memory state")
+        spec = ComponentSpec(key, SharingPattern.PER_RANK, None, WorldSizePolicy.RESEED, True)
+        pieces = pieces_for(spec, Topology.uniform(len(states)))
+        for piece, state in zip(pieces, states):
+            files.update(write_piece(out, piece.base, state, writer=piece.writer))
+        components[key] = ComponentRecord(pattern=spec.pattern.value, policy=spec.policy.value, pieces={p.owner: p.base for p in pieces})
     return components
 
 

@@ -18,23 +18,12 @@ import sys
 
 import torch
 
-from trainers.base import freeze, run, shutdown
+from trainers.base import run, shutdown
 from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig, parse_config
 
-FROZEN = "model.layers.0.mlp"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from odd_model import odd_model  # noqa: E402
 LAYOUTS = [(stage, dtype) for dtype in ("float32", "bfloat16") for stage in (1, 2, 3)]
-
-
-def odd_model() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=45, intermediate_size=101, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.model.register_buffer("calibration", torch.linspace(-1.0, 1.0, 7))  # persistent, odd-sized
-    return freeze(model, FROZEN)
 
 
 class OddTrainer(DeepSpeedTrainer):

@@ -21,7 +21,8 @@ from converters.registry import detect  # noqa: E402
 from interop.errors import CorruptCheckpointError, MissingFileError, TopologyError, UnsupportedStateError  # noqa: E402
 
 from .conftest import ROOT, free_port, worker_env  # noqa: E402
-from .ds_worker import FROZEN, LAYOUTS, odd_model  # noqa: E402
+from .ds_worker import LAYOUTS  # noqa: E402
+from .odd_model import FROZEN, odd_model  # noqa: E402
 
 pytestmark = pytest.mark.dist
 DS_WORKER = str(ROOT / "tests" / "ds_worker.py")

@@ -97,13 +97,21 @@ def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     return model
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay for matrices, none for biases, norms and embeddings' 1-D parameters (the usual convention)."""
+def param_group_names(model: torch.nn.Module) -> list[list[str]]:
+    """Decay for matrices, none for biases, norms and other 1-D parameters (the usual convention); trainable
+    parameters only, in module order. A checkpoint records these names: optimizers keep parameters by position."""
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    for n, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (decay if p.dim() >= 2 else no_decay).append(n)
+    return [decay, no_decay]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    params = dict(model.named_parameters())
+    decay, no_decay = param_group_names(model)
+    return [{"params": [params[n] for n in decay], "weight_decay": weight_decay},
+            {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
 
 
 def resolve_backend(name: str) -> str:
@@ -164,15 +172,20 @@ class BaseTrainer:
             StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
         ]
 
+    def core_model(self) -> torch.nn.Module:
+        """The Hugging Face model itself, under whatever wrapper the engine put around it."""
+        return self.model
+
     def get_checkpoint_metadata(self) -> dict[str, Any]:
-        config = self.model.config.to_dict()
-        config["architectures"] = [type(self.model).__name__]
+        model = self.core_model()
+        config = model.config.to_dict()
+        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]
         return {
             "model": {
                 "family": config.get("model_type"),
                 "config": config,
                 "tied": tied_groups(config),
-                "frozen": [n for n, p in self.model.named_parameters() if not p.requires_grad],
+                "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
             },
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__},

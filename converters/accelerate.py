@@ -1,0 +1,455 @@
+"""Accelerate's ``save_state`` layout, DDP and FSDP2, read into logical tensors and written for any process count.
+
+What ``accelerator.save_state(dir)`` writes (accelerate 1.x):
+
+- DDP (and one process): ``model.safetensors`` (tied copies dropped), ``optimizer.bin`` (a torch optimizer
+  state dict: parameters by integer id, in the order the optimizer was given them).
+- FSDP2 (``SHARDED_STATE_DICT``): ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, torch DCP directories keyed
+  ``model.<name>`` and ``optimizer.state.<name>.<key>`` / ``optimizer.param_groups.<i>.<field>``.
+- Both: ``scheduler.bin``, ``random_states_<rank>.pkl`` per process, ``custom_checkpoint_<i>.pkl`` per object
+  registered with ``register_for_checkpointing``.
+
+Accelerate steps a prepared scheduler once per process per optimizer step, so ``scheduler.bin`` counts
+optimizer steps x processes. The logical checkpoint holds it per optimizer step (engine-neutral); writing for N
+processes multiplies by N again. RNG states become the per-rank ``rng`` component (the layout of
+``interop.rng.RNGState``), and back.
+
+Every pickle here loads with ``weights_only=True`` and an allowlist (numpy arrays for the RNG states).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
+from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from interop.pieces import read_piece
+from interop.sharding import ShardingMetadata, Strategy
+from interop.state import SharingPattern, WorldSizePolicy
+from interop.topology import Topology
+from interop.universal import copy_components, model_entries, read_hf_safetensors, scalar_entry, scalar_value
+from interop.verify import check_files, tree_records
+
+from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
+from .families import meta_model, tied_groups
+from .param_order import engine_order
+from .pickle_safety import load_torch_file
+
+log = logging.getLogger(__name__)
+
+NATIVE_KEY = "accelerate"  # our trainer's native component: accelerate's save_state directory
+MODEL_DCP, OPTIM_DCP = "pytorch_model_fsdp_0", "optimizer_0"
+SAFE_MODEL, BIN_MODEL, OPTIM_BIN, SCHEDULER_BIN = "model.safetensors", "pytorch_model.bin", "optimizer.bin", "scheduler.bin"
+RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")
+CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+SCHEDULER, RNG = "scheduler", "rng"
+
+
+def _numpy_allowlist() -> list[Any]:
+    import codecs
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    if hasattr(np, "dtypes"):
+        allow.append(np.dtypes.UInt32DType)
+    return allow
+
+
+def load_accelerate_file(path: str, trust_pickle: bool = False) -> Any:
+    return load_torch_file(path, trust_pickle, allow=_numpy_allowlist())
+
+
+# --- where the files are ------------------------------------------------------------------------------------
+@dataclass
+class AccelerateFiles:
+    directory: str
+    fsdp: bool
+    num_processes: int
+    custom: list[str] = field(default_factory=list)
+
+
+def _holds_state(path: str) -> bool:
+    return os.path.isdir(path) and (
+        any(os.path.exists(os.path.join(path, f)) for f in (SAFE_MODEL, BIN_MODEL, MODEL_DCP))
+        and any(RANDOM_STATES.match(f) for f in os.listdir(path))
+    )
+
+
+def locate(path: str) -> str:
+    """The save_state directory, from itself or from one of our trainer's checkpoints (``<ckpt>/accelerate``)."""
+    if _holds_state(path):
+        return path
+    try:
+        directory = resolve_checkpoint_dir(path)
+    except Exception:  # noqa: BLE001 - not a checkpoint root either
+        directory = path
+    for candidate in (directory, os.path.join(directory, NATIVE_KEY)):
+        if _holds_state(candidate):
+            return candidate
+    raise MissingFileError(path, "no accelerate save_state files (model.safetensors or pytorch_model_fsdp_0/, random_states_0.pkl)")
+
+
+def is_accelerate_checkpoint(path: str) -> bool:
+    try:
+        locate(path)
+        return True
+    except Exception:  # noqa: BLE001 - detection never raises
+        return False
+
+
+def describe(directory: str) -> AccelerateFiles:
+    names = os.listdir(directory)
+    ranks = sorted(int(m.group(1)) for f in names if (m := RANDOM_STATES.match(f)))
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks)) if ranks else [0]
+    if missing:
+        raise MissingFileError(
+            os.path.join(directory, f"random_states_{missing[0]}.pkl"),
+            f"missing: accelerate saved {max(ranks, default=-1) + 1} processes' RNG states and this one is absent",
+        )
+    custom = sorted((f for f in names if CUSTOM.match(f)), key=lambda f: int(CUSTOM.match(f).group(1)))
+    return AccelerateFiles(directory, os.path.isdir(os.path.join(directory, MODEL_DCP)), len(ranks), custom)
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+def _manifest_of(directory: str) -> Manifest | None:
+    parent = os.path.dirname(directory)
+    if os.path.basename(directory) == NATIVE_KEY and os.path.isfile(os.path.join(parent, MANIFEST)):
+        return read_manifest(parent)
+    return None
+
+
+def _config_near(directory: str, manifest: Manifest | None) -> dict[str, Any] | None:
+    if manifest is not None and manifest.model and isinstance(manifest.model.get("config"), dict):
+        return manifest.model["config"]
+    for candidate in (directory, os.path.dirname(directory)):
+        path = os.path.join(candidate, "config.json")
+        if os.path.isfile(path):
+            from .hf import read_config
+
+            return read_config(candidate)
+    return None
+
+
+def _optimizer_from_dcp(directory: str) -> OptimizerState:
+    reader = DCPReader(os.path.join(directory, OPTIM_DCP))
+    return optimizer_from_tree(unflatten_lists(reader.nested(("optimizer",))), reader.directory)
+
+
+def _param_names(directory: str, manifest: Manifest | None, config, model: dict, groups: list[dict]) -> list[list[str]]:
+    """Which parameter each integer id of ``optimizer.bin`` is. Our trainer records it; otherwise it is the
+    model's trainable parameters in module order, split by weight decay as trainers do, checked by shape."""
+    recorded = ((manifest.optimizer or {}) if manifest else {}).get("param_names")
+    if recorded:
+        return recorded
+    meta = meta_model(config)
+    if meta is None:
+        raise ConversionError(
+            f"{directory}: optimizer.bin keeps parameters by position only, and there is no config.json to tell "
+            "their names; put the model's config.json beside it"
+        )
+    named = [(n, tuple(p.shape)) for n, p in meta.named_parameters() if n in model]
+    sizes = [len(g["params"]) for g in groups]
+    if len(groups) == 1 and sizes[0] == len(named):
+        return [[n for n, _ in named]]
+    if len(groups) == 2 and sum(sizes) == len(named):
+        decay = [n for n, s in named if len(s) >= 2]
+        rest = [n for n, s in named if len(s) < 2]
+        if [len(decay), len(rest)] == sizes:
+            return [decay, rest]
+    raise ConversionError(
+        f"{directory}: cannot tell which parameter each of optimizer.bin's {sum(sizes)} entries is (groups of {sizes}, "
+        f"model has {len(named)} parameters); save with an interop trainer, which records the names"
+    )
+
+
+def _optimizer_from_bin(directory: str, manifest, config, model, trust_pickle: bool) -> OptimizerState:
+    path = os.path.join(directory, OPTIM_BIN)
+    state = load_accelerate_file(path, trust_pickle)
+    try:
+        groups, per_id = state["param_groups"], state["state"]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state'/'param_groups')") from None
+    names = _param_names(directory, manifest, config, model, groups)
+    if [len(g["params"]) for g in groups] != [len(n) for n in names]:
+        raise CorruptCheckpointError(path, f"param groups of {[len(g['params']) for g in groups]} parameters, names for {[len(n) for n in names]}")
+    by_id = {i: n for g, ns in zip(groups, names) for i, n in zip(g["params"], ns)}
+    unknown = sorted(set(per_id) - set(by_id))
+    if unknown:
+        raise CorruptCheckpointError(path, f"optimizer state for parameter ids no param group holds: {unknown[:5]}")
+    tensors: dict[str, dict] = {}
+    scalars: dict[str, dict] = {}
+    for i, entries in per_id.items():
+        name = by_id[i]
+        if name in model and any(v.dim() > 0 and tuple(v.shape) != model[name].spec.shape for v in entries.values() if isinstance(v, torch.Tensor)):
+            raise CorruptCheckpointError(path, f"optimizer state of {name!r} does not have its shape {list(model[name].spec.shape)}")
+        for key, value in entries.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            if t.dim() > 0:
+                from interop.tensors import LazyTensor
+
+                tensors.setdefault(key, {})[name] = LazyTensor.of(t, f"{path}[{i}.{key}]")
+            else:
+                scalars.setdefault(key, {})[name] = scalar_entry(t)
+    named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ns} for g, ns in zip(groups, names)]
+    return OptimizerState("AdamW", named_groups, tensors, scalars)
+
+
+def scale_scheduler(state: dict[str, Any], from_factor: int, to_factor: int, where: str = SCHEDULER_BIN) -> dict[str, Any]:
+    """A torch LR scheduler's counters, stepped ``from_factor`` times per optimizer step, as if stepped
+    ``to_factor`` times (accelerate steps a prepared scheduler once per process)."""
+    state = dict(state)
+    if from_factor == to_factor:
+        return state
+    last = state.get("last_epoch")
+    if isinstance(last, int) and last >= 0:
+        if last % from_factor:
+            raise ConversionError(f"{where}: last_epoch {last} is not a multiple of the {from_factor} scheduler steps per optimizer step")
+        state["last_epoch"] = last // from_factor * to_factor
+    count = state.get("_step_count")
+    if isinstance(count, int) and count >= 1:
+        state["_step_count"] = (count - 1) // from_factor * to_factor + 1
+    return state
+
+
+def rng_from_accelerate(states: dict[str, Any]) -> dict[str, Any]:
+    """accelerate's random_states_<rank>.pkl as interop.rng.RNGState's state dict."""
+    version, internal, gauss = states["random_state"]
+    kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
+    out = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": states["torch_manual_seed"],
+    }
+    if "torch_cuda_manual_seed" in states:
+        out["cuda"] = list(states["torch_cuda_manual_seed"])
+    return out
+
+
+def rng_to_accelerate(state: dict[str, Any], step: int) -> dict[str, Any]:
+    import numpy as np
+
+    py, n = state["python"], state["numpy"]
+    keys = n["keys"].numpy() if isinstance(n["keys"], torch.Tensor) else np.asarray(n["keys"])
+    out = {
+        "step": step,
+        "random_state": (py["version"], tuple(py["state"]), py["gauss_next"]),
+        "numpy_random_seed": (n["kind"], keys.astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]),
+        "torch_manual_seed": state["torch"],
+    }
+    if "cuda" in state:
+        out["torch_cuda_manual_seed"] = list(state["cuda"])
+    return out
+
+
+def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
+    directory = locate(path)
+    files = describe(directory)
+    manifest = _manifest_of(directory)
+    if manifest is not None:
+        check_files(os.path.dirname(directory), manifest, manifest.files, digest=verify_digests)
+    config = _config_near(directory, manifest)
+    tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
+    if files.fsdp:
+        reader = DCPReader(os.path.join(directory, MODEL_DCP))
+        keys = set(reader.tensor_keys())
+        model = drop_tied_aliases(
+            {".".join(map(str, p[1:])): reader.lazy(k) for k, p in reader.paths.items() if p[0] == "model" and k in keys}, tied
+        )
+    else:
+        model = read_hf_safetensors(directory) or _bin_model(directory, trust_pickle)
+    optimizer = None
+    if files.fsdp and os.path.isdir(os.path.join(directory, OPTIM_DCP)):
+        optimizer = _optimizer_from_dcp(directory)
+    elif os.path.isfile(os.path.join(directory, OPTIM_BIN)):
+        optimizer = _optimizer_from_bin(directory, manifest, config, model, trust_pickle)
+    if optimizer is not None and manifest and (manifest.optimizer or {}).get("class"):
+        optimizer.cls = manifest.optimizer["class"]
+    frozen = ((manifest.model or {}).get("frozen") if manifest else None)
+    if frozen is None:
+        trainable = {n for g in (optimizer.param_groups if optimizer else []) for n in g["params"]}
+        aliases = {t for t, *_ in tied}
+        frozen = [n for n in model if optimizer is not None and n not in trainable and n not in aliases and _is_param(config, n)]
+    factor = int(((manifest.optimizer or {}) if manifest else {}).get("scheduler_steps_per_step", files.num_processes))
+    extra: dict[str, Any] = {}
+    rank_state: dict[str, list[Any]] = {}
+    sched_path = os.path.join(directory, SCHEDULER_BIN)
+    if os.path.isfile(sched_path):
+        extra[SCHEDULER] = scale_scheduler(load_accelerate_file(sched_path, trust_pickle), factor, 1, sched_path)
+    for name in files.custom:
+        extra[name[: -len(".pkl")]] = load_accelerate_file(os.path.join(directory, name), trust_pickle)
+    components: dict[str, ComponentSource] = {}
+    if manifest is not None:
+        components = {k: ComponentSource.from_manifest(os.path.dirname(directory), manifest, k)
+                      for k in manifest.components if k != NATIVE_KEY}
+    if RNG not in components:
+        rank_state[RNG] = [
+            rng_from_accelerate(load_accelerate_file(os.path.join(directory, f"random_states_{r}.pkl"), trust_pickle))
+            for r in range(files.num_processes)
+        ]
+    step = manifest.step if manifest else _step_of(directory, optimizer, trust_pickle)
+    source = dict((manifest.source or {}) if manifest else {})
+    source.update({"format": "accelerate", "strategy": "fsdp" if files.fsdp else "ddp", "world_size": files.num_processes, "step": step})
+    return LogicalCheckpoint(
+        model=model,
+        config=config,
+        optimizer=optimizer,
+        components=components,
+        source=source,
+        topology=manifest.topology if manifest else Topology.uniform(files.num_processes).to_json(),
+        tied=tied,
+        frozen=frozen,
+        step=step,
+        extra_state=extra,
+        rank_state=rank_state,
+    )
+
+
+def _is_param(config, name: str) -> bool:
+    meta = meta_model(config)
+    return meta is None or name in dict(meta.named_parameters())
+
+
+def _bin_model(directory: str, trust_pickle: bool) -> dict:
+    from interop.tensors import LazyTensor
+
+    path = os.path.join(directory, BIN_MODEL)
+    state = load_accelerate_file(path, trust_pickle)
+    return {k: LazyTensor.of(v, f"{path}[{k}]") for k, v in state.items()}
+
+
+def _step_of(directory: str, optimizer: OptimizerState | None, trust_pickle: bool) -> int | None:
+    """Optimizer steps taken: AdamW's per-parameter step when it agrees everywhere, else accelerate's counter."""
+    steps = {e["value"] for e in (optimizer.scalars.get("step", {}) if optimizer else {}).values()}
+    if len(steps) == 1:
+        return int(steps.pop())
+    states = load_accelerate_file(os.path.join(directory, "random_states_0.pkl"), trust_pickle)
+    step = states.get("step") if isinstance(states, dict) else None
+    return int(step) if step is not None else None
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+def _component_state(ckpt: LogicalCheckpoint, key: str) -> Any:
+    """A GLOBAL component's state, from the reader's memory or from the source's files."""
+    if key in ckpt.extra_state:
+        return ckpt.extra_state[key]
+    comp = ckpt.components.get(key)
+    if comp is None:
+        return None
+    if comp.record.pattern not in ("GLOBAL", "REPLICATED") or comp.record.native:
+        raise ConversionError(f"component {key!r} is {comp.record.pattern}; accelerate keeps one copy")
+    return read_piece(comp.directory, comp.record.pieces["global"])
+
+
+def _rank_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
+    """Each target rank's RNG state when the source has one per rank at this world size; None otherwise."""
+    if RNG in ckpt.rank_state:
+        states = ckpt.rank_state[RNG]
+        return states if len(states) == world else None
+    comp = ckpt.components.get(RNG)
+    if comp is None or comp.record.pattern != SharingPattern.PER_RANK.value or len(comp.record.pieces) != world:
+        return None
+    return [read_piece(comp.directory, comp.record.pieces[f"rank/{r:05d}"]) for r in range(world)]
+
+
+def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp: bool) -> list[str]:
+    """accelerate's save_state files for ``world_size`` processes into ``directory``; returns notes."""
+    from safetensors.torch import save_file
+
+    notes: list[str] = []
+    os.makedirs(directory, exist_ok=True)
+    order = engine_order(ckpt)
+    opt = ckpt.optimizer
+    if fsdp:
+        write_dcp({"model": model_tree(ckpt, order)}, os.path.join(directory, MODEL_DCP))
+        write_dcp({"optimizer": optimizer_tree(ckpt, order)}, os.path.join(directory, OPTIM_DCP))
+    else:
+        tensors = {n: t.load().contiguous() for n, t in model_entries(ckpt).items()}
+        save_file(tensors, os.path.join(directory, SAFE_MODEL), metadata={"format": "pt"})
+        del tensors
+        ids = {n: i for i, n in enumerate(n for g in order.groups for n in g)}
+        per_id: dict[int, dict[str, Any]] = {}
+        for key, per in (opt.scalars.items() if opt else []):
+            for name, entry in per.items():
+                per_id.setdefault(ids[name], {})[key] = scalar_value(entry)
+        for key, per in (opt.tensors.items() if opt else []):
+            for name, t in per.items():
+                per_id.setdefault(ids[name], {})[key] = t.load()
+        groups = [{**h, "params": [ids[n] for n in g]} for h, g in zip(order.hyper, order.groups)]
+        torch.save({"state": dict(sorted(per_id.items())), "param_groups": groups}, os.path.join(directory, OPTIM_BIN))
+    scheduler = _component_state(ckpt, SCHEDULER)
+    if scheduler is not None:
+        torch.save(scale_scheduler(scheduler, 1, world_size), os.path.join(directory, SCHEDULER_BIN))
+    for key in sorted(k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")):
+        torch.save(ckpt.extra_state[key], os.path.join(directory, key + ".pkl"))
+    states = _rank_states(ckpt, world_size)
+    if states is None:
+        from interop.rng import RNGState
+
+        notes.append(f"RNG streams: the source's do not map onto {world_size} processes; each process starts fresh ones (seeded by rank)")
+        fresh = RNGState()
+        saved = fresh.state_dict()
+        states = []
+        for r in range(world_size):
+            fresh.reseed(1_000_003 * (ckpt.step or 0) + r)
+            states.append(fresh.state_dict())
+        fresh.load_state_dict(saved)
+    for r, s in enumerate(states):
+        torch.save(rng_to_accelerate(s, ckpt.step or 0), os.path.join(directory, f"random_states_{r}.pkl"))
+    return notes
+
+
+def write_accelerate(ckpt: LogicalCheckpoint, dst: str, world_size: int, fsdp: bool, overwrite: bool = False) -> Manifest:
+    """An interop checkpoint whose ``accelerate/`` is accelerate's save_state output for ``world_size``
+    processes: ``accelerator.load_state(dst + "/accelerate")`` loads it, and our Accelerate trainer resumes from
+    ``dst`` with the source's data position and trainer state beside it."""
+    import accelerate
+
+    with staged_output(dst, overwrite) as out:
+        notes = write_native(ckpt, os.path.join(out, NATIVE_KEY), world_size, fsdp)
+        files: dict[str, FileRecord] = tree_records(out, NATIVE_KEY)
+        consumed = {SCHEDULER} | {k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")}
+        carried = LogicalCheckpoint(
+            model={}, components={k: v for k, v in ckpt.components.items() if k not in consumed},
+            extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed}, rank_state=ckpt.rank_state,
+        )
+        components = copy_components(carried, out, files)
+        components[NATIVE_KEY] = ComponentRecord(
+            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_KEY}, native=True
+        )
+        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
+            fsync_path(d)
+        order = engine_order(ckpt)
+        sharding = ShardingMetadata(
+            strategy=Strategy.FSDP if fsdp else Strategy.DDP, world_size=world_size, dp=world_size,
+            precision=ckpt.source.get("dtype") or "float32", sharding_strategy="full_shard" if fsdp else None,
+        )
+        manifest = Manifest(
+            format=CHECKPOINT_FORMAT,
+            topology=ckpt.topology or Topology.uniform(world_size).to_json(),  # what the carried components' pieces are for
+            committed_at=now_iso(),
+            producer=producer_versions(accelerate=accelerate.__version__),
+            step=ckpt.step,
+            source=ckpt.source,
+            sharding=sharding.to_json(),
+            model={"family": (ckpt.config or {}).get("model_type"), "config": ckpt.config, "tied": ckpt.tied, "frozen": ckpt.frozen},
+            optimizer={"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups,
+                       "scheduler_steps_per_step": world_size},
+            components=components,
+            files=dict(sorted(files.items())),
+            notes=list(ckpt.notes) + notes,
+        )
+        write_manifest(out, manifest)
+    for note in notes:
+        log.warning("%s", note)
+    return manifest

@@ -1,0 +1,369 @@
+"""torch.distributed.checkpoint (DCP) directories, read and written in one process with no process group.
+
+Reading runs no code from the checkpoint. torch's own reader unpickles ``.metadata`` with ``pickle.load`` and
+non-tensor entries with ``weights_only=False``; here ``.metadata`` goes through an unpickler that builds only
+DCP's metadata types, and every stored object (tensor chunk or value) through ``torch.load(weights_only=True)``.
+
+Tensors are read one region at a time: only the chunks that overlap the region are read, each copied into
+place, so a reader holds one tensor (or one slice of it), never the checkpoint.
+
+Writing goes through torch's own ``dcp.save`` (so any torch that reads DCP reads ours), with meta tensors in
+the state dict and a planner that loads each tensor only when the writer reaches it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.tensors import LazyTensor, TensorSpec
+from interop.universal import scalar_entry, scalar_value
+
+from .param_order import EngineOrder
+
+log = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+
+
+# --- .metadata ----------------------------------------------------------------------------------------------
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as md
+    from torch.distributed.checkpoint import filesystem
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # maps a layout name to torch.strided etc.
+        ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # a path is only a label here: never a real file
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+        ("pathlib", "Path"): pathlib.PurePath,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+    }
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(md, name):
+            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(md, name)
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+        self.allowed = _allowed_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.allowed.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePickleError(
+            self.path, f"DCP metadata references {module}.{name}, which is not one of DCP's metadata types; it was not loaded"
+        )
+
+
+def read_metadata(directory: str):
+    """DCP's ``Metadata`` of ``directory``, unpickled with DCP's own types only."""
+    path = os.path.join(directory, METADATA)
+    if not os.path.isdir(directory):
+        raise MissingFileError(directory, "no such directory")
+    if not os.path.isfile(path):
+        raise MissingFileError(
+            path, "missing: not a torch.distributed.checkpoint directory, or its save never finished (DCP writes .metadata last)"
+        )
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
+        raise CorruptCheckpointError(path, f"unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
+    if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
+        raise CorruptCheckpointError(path, f"is a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+def is_dcp_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+class DCPReader:
+    """One DCP directory: its entries by flattened key, each readable on its own.
+
+    ``paths`` maps a flattened key (``optimizer.state.model.norm.weight.exp_avg``) to the nested path the
+    saver flattened (``("optimizer", "state", "model.norm.weight", "exp_avg")``), from the planner data DCP
+    records; a checkpoint saved without flattening has one-element paths.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        self.metadata = read_metadata(self.directory)
+        self._storage = self.metadata.storage_data or {}
+        planner = self.metadata.planner_data if isinstance(getattr(self.metadata, "planner_data", None), dict) else {}
+        self.paths: dict[str, tuple] = {k: tuple(planner.get(k, (k,))) for k in self.metadata.state_dict_metadata}
+        self._chunks: dict[str, list[_Chunk]] = {}
+        for index, info in self._storage.items():
+            tensor_md = self.metadata.state_dict_metadata.get(index.fqn)
+            if tensor_md is None or not hasattr(tensor_md, "chunks"):
+                continue
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptCheckpointError(
+                    os.path.join(self.directory, info.relative_path),
+                    f"entry {index.fqn!r} is stored with transforms {info.transform_descriptors}; only plain DCP storage is read",
+                )
+            chunk_md = tensor_md.chunks[index.index] if index.index is not None else None
+            offsets = tuple(index.offset) if index.offset is not None else tuple(chunk_md.offsets)
+            sizes = tuple(chunk_md.sizes) if chunk_md is not None else tuple(tensor_md.size)
+            self._chunks.setdefault(index.fqn, []).append(_Chunk(offsets, sizes, info.relative_path, info.offset, info.length))
+
+    # what is in it
+    def tensor_keys(self) -> list[str]:
+        return [k for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")]
+
+    def object_keys(self) -> list[str]:
+        return [k for k, v in self.metadata.state_dict_metadata.items() if not hasattr(v, "chunks")]
+
+    def spec(self, key: str) -> TensorSpec:
+        md = self.metadata.state_dict_metadata[key]
+        return TensorSpec(tuple(md.size), md.properties.dtype)
+
+    def lazy(self, key: str) -> LazyTensor:
+        return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]")
+
+    # the bytes
+    def _load(self, relative: str, offset: int, length: int, what: str) -> Any:
+        path = os.path.join(self.directory, relative)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise MissingFileError(path, f"holds {what} but is missing") from None
+        if len(data) != length:
+            raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafePickleError(path, f"{what} is not plain data ({str(exc).splitlines()[0]}); it was not loaded") from None
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(path, f"{what} is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+
+    def read(self, key: str, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The region ``offsets .. offsets + sizes`` of tensor ``key`` (all of it by default)."""
+        spec = self.spec(key)
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(spec.shape)
+        sizes = tuple(sizes) if sizes is not None else spec.shape
+        out = torch.empty(sizes, dtype=spec.dtype)
+        covered = 0
+        for chunk in self._chunks.get(key, []):
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+            hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= low for low, h in zip(lo, hi)) and len(sizes) > 0:
+                continue
+            data = self._load(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
+            if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk.sizes or data.dtype != spec.dtype:
+                got = f"{data.dtype}{list(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
+                raise CorruptCheckpointError(
+                    os.path.join(self.directory, chunk.file),
+                    f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype}{list(chunk.sizes)}",
+                )
+            src, dst = data, out
+            for dim, (low, h) in enumerate(zip(lo, hi)):
+                src = src.narrow(dim, low - chunk.offsets[dim], h - low)
+                dst = dst.narrow(dim, low - offsets[dim], h - low)
+            dst.copy_(src)
+            covered += dst.numel()
+        if covered != out.numel():
+            raise CorruptCheckpointError(
+                self.directory, f"the chunks of {key!r} cover {covered} of the {out.numel()} elements asked for"
+            )
+        return out
+
+    def read_object(self, key: str) -> Any:
+        """A non-tensor entry (a hyper-parameter, a list of names), loaded as plain data only."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self._storage.get(MetadataIndex(key))
+        if info is None:
+            raise CorruptCheckpointError(os.path.join(self.directory, METADATA), f"entry {key!r} has no storage record")
+        return self._load(info.relative_path, info.offset, info.length, f"entry {key!r}")
+
+    def nested(self, prefix: tuple = ()) -> dict:
+        """Every entry under ``prefix`` as a nested dict: tensors lazy, other values loaded."""
+        root: dict = {}
+        for key, path in self.paths.items():
+            if path[: len(prefix)] != prefix:
+                continue
+            value = self.lazy(key) if key in self._chunks or hasattr(self.metadata.state_dict_metadata[key], "chunks") else self.read_object(key)
+            node = root
+            for part in path[len(prefix):-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
+        return root
+
+
+def unflatten_lists(node: Any) -> Any:
+    """DCP flattens a list into dict entries keyed 0, 1, ...; turn those back into lists."""
+    if isinstance(node, dict):
+        node = {k: unflatten_lists(v) for k, v in node.items()}
+        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+            return [node[i] for i in range(len(node))]
+    return node
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+def write_dcp(
+    state: dict[str, Any],
+    directory: str,
+    progress: Callable[[Iterable], Iterator] | None = None,
+) -> None:
+    """Save the nested ``state`` (LazyTensor leaves are loaded one at a time, as the writer reaches them) as a
+    DCP checkpoint in ``directory``, which must be empty. Readable by ``dcp.load`` on any number of ranks."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    lazies: dict[int, LazyTensor] = {}
+
+    def meta(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: meta(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [meta(v) for v in node]
+        if isinstance(node, LazyTensor):
+            t = torch.empty(node.spec.shape, dtype=node.spec.dtype, device="meta")
+            lazies[id(t)] = node
+            return t
+        return node
+
+    skeleton = meta(state)
+    count = [0]
+
+    class _LazyPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            obj = super().resolve_data(write_item)
+            if isinstance(obj, torch.Tensor) and obj.is_meta:
+                count[0] += 1
+                return lazies[id(obj)].load()
+            return obj
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(skeleton, storage_writer=dcp.FileSystemWriter(directory), planner=_LazyPlanner(), no_dist=True)
+    if count[0] != len(lazies):
+        raise RuntimeError(f"DCP save resolved {count[0]} of {len(lazies)} tensors")  # would be a torch behaviour change
+    log.info("wrote DCP checkpoint %s (%d tensors)", directory, len(lazies))
+
+
+# --- logical checkpoints ------------------------------------------------------------------------------------
+def optimizer_from_tree(tree: dict[str, Any], where: str) -> OptimizerState:
+    """torch's name-keyed optimizer state dict (``get_optimizer_state_dict``'s layout, as FSDP2 saves it)."""
+    groups = tree.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise CorruptCheckpointError(where, "holds no optimizer param_groups with parameter names")
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    members = {n for g in groups for n in g["params"]}
+    for name, entries in (tree.get("state") or {}).items():
+        if name not in members:
+            raise CorruptCheckpointError(where, f"optimizer state for {name!r}, which no param group holds")
+        for key, value in entries.items():
+            if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
+                tensors.setdefault(key, {})[name] = value
+            else:
+                t = value.load() if isinstance(value, LazyTensor) else torch.tensor(value)
+                scalars.setdefault(key, {})[name] = scalar_entry(t)
+    return OptimizerState("AdamW", groups, tensors, scalars)
+
+
+def drop_tied_aliases(model: dict[str, LazyTensor], tied: list[list[str]]) -> dict[str, LazyTensor]:
+    """DCP (``get_model_state_dict``) holds both names of a tied pair; a logical checkpoint holds the source."""
+    aliases = {g[0] for g in tied if len(g) > 1 and g[1] in model}
+    return {n: t for n, t in model.items() if n not in aliases}
+
+
+def model_tree(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, LazyTensor]:
+    """Model tensors by name, tied names included (``get_model_state_dict`` holds both)."""
+    return dict(ckpt.model) | {t: ckpt.model[s] for t, s in order.aliases.items() if t not in ckpt.model}
+
+
+def optimizer_tree(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any]:
+    """The optimizer in ``get_optimizer_state_dict``'s layout: state by name, groups naming their members."""
+    opt = ckpt.optimizer
+    state: dict[str, dict[str, Any]] = {}
+    for name in (n for g in order.groups for n in g):
+        entry: dict[str, Any] = {}
+        for key, per in (opt.scalars.items() if opt else []):
+            if name in per:
+                entry[key] = scalar_value(per[name])
+        for key, per in (opt.tensors.items() if opt else []):
+            if name in per:
+                entry[key] = per[name]
+        if entry:
+            state[name] = entry
+    return {"state": state, "param_groups": [{**h, "params": list(g)} for h, g in zip(order.hyper, order.groups)]}
+
+
+def read_dcp_checkpoint(path: str) -> LogicalCheckpoint:
+    """Any DCP checkpoint: ``model.*`` entries (or, with no ``model`` prefix, every top-level tensor) are the
+    model; an ``optimizer`` subtree in torch's name-keyed layout is the optimizer. Other entries are left out."""
+    from .families import tied_groups
+    from .hf import read_config
+
+    reader = DCPReader(path)
+    keys = set(reader.tensor_keys())
+    prefixed = {".".join(map(str, p[1:])): k for k, p in reader.paths.items() if p[0] == "model" and k in keys}
+    if prefixed:
+        model = {n: reader.lazy(k) for n, k in prefixed.items()}
+    else:
+        model = {k: reader.lazy(k) for k, p in reader.paths.items() if k in keys and p[0] != "optimizer"}
+    optimizer = None
+    if any(p[0] == "optimizer" for p in reader.paths.values()):
+        optimizer = optimizer_from_tree(unflatten_lists(reader.nested(("optimizer",))), reader.directory)
+    config = read_config(path) if os.path.isfile(os.path.join(path, "config.json")) else None
+    tied = tied_groups(config)
+    model = drop_tied_aliases(model, tied)
+    skipped = sorted(k for k, p in reader.paths.items() if p[0] not in ("model", "optimizer") and prefixed)
+    notes = [f"DCP entries outside model/optimizer not converted: {skipped[:5]}"] if skipped else []
+    return LogicalCheckpoint(model=model, config=config, optimizer=optimizer, source={"format": "dcp"}, tied=tied, notes=notes)
+
+
+def write_dcp_checkpoint(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False) -> None:
+    """``{"model": ..., "optimizer": ...}`` as one DCP checkpoint (config.json beside it when known)."""
+    import json
+
+    from interop.commit import durable_write, staged_output
+
+    from .param_order import engine_order
+
+    order = engine_order(ckpt)
+    state: dict[str, Any] = {"model": model_tree(ckpt, order)}
+    if ckpt.optimizer is not None:
+        state["optimizer"] = optimizer_tree(ckpt, order)
+    with staged_output(dst, overwrite) as out:
+        write_dcp(state, out)
+        if ckpt.config is not None:
+            durable_write(os.path.join(out, "config.json"), json.dumps(ckpt.config, indent=2).encode())

@@ -1,0 +1,330 @@
+"""Accelerate DDP and FSDP2 with real accelerate and torch on CPU processes: our trainer, our converters against
+accelerator.load_state and `accelerate merge-weights`, resume across process counts and layouts, torch DCP
+read and written offline, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="Accelerate tests need accelerate (pip install 'interop[accelerate]')")
+
+from converters.accelerate import read_accelerate  # noqa: E402
+from converters.dcp import DCPReader, read_metadata, unflatten_lists, write_dcp  # noqa: E402
+from converters.registry import detect, read  # noqa: E402
+from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
+from interop.tensors import LazyTensor  # noqa: E402
+
+from .conftest import ROOT, free_port, worker_env  # noqa: E402
+from .odd_model import FROZEN  # noqa: E402
+
+pytestmark = pytest.mark.dist
+ACC_WORKER = str(ROOT / "tests" / "acc_worker.py")
+TIED = ["lm_head.weight", "model.embed_tokens.weight"]
+RUN = ["--steps", "4", "--save-every", "2", "--batch-size", "4", "--seq-len", "16"]
+
+
+def acc_run(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", ACC_WORKER, *args]
+    result = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def last_json(result: subprocess.CompletedProcess) -> dict:
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "converters.cli", *args], env=worker_env(), capture_output=True, text=True)
+
+
+def convert(src, dst, *args: str) -> None:
+    result = cli("convert", str(src), str(dst), *args)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """DDP and FSDP2 on 2 processes, 4 steps, checkpoints at 2 and 4: the uninterrupted runs."""
+    out = tmp_path_factory.mktemp("acc")
+    found = {}
+    for layout, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
+        run = last_json(acc_run(2, "train", *RUN, *flags, "--output-dir", str(out / layout)))
+        found[layout] = (out / layout, run["losses"])
+    return found
+
+
+def logical(path) -> dict[str, torch.Tensor]:
+    _, ckpt = read(str(path))
+    return {k: t.load() for k, t in ckpt.tensors()}
+
+
+# --- the compatibility shim -------------------------------------------------------------------------------
+def test_cpu_fsdp_shim_relies_on_what_accelerate_still_does():
+    """The shim wraps AcceleratorState.__init__ and reads the plugin from its keyword arguments; if accelerate
+    renames or moves any of this, the shim would silently stop applying: this fails first."""
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    assert "fsdp_plugin" in inspect.signature(AcceleratorState.__init__).parameters
+    assert "fsdp_plugin=fsdp_plugin" in inspect.getsource(Accelerator.__init__).replace(" ", "")
+    assert hasattr(PartialState, "_shared_state") and {"MULTI_CPU", "FSDP"} <= set(DistributedType.__members__)
+    state_src = inspect.getsource(AcceleratorState.__init__)
+    assert "self.fsdp_plugin = fsdp_plugin" in state_src  # still only set on the GPU-like branch the shim extends
+    assert "DistributedType.MULTI_GPU" in state_src
+
+
+def test_fsdp2_runs_on_cpu_processes_and_matches_ddp(runs):
+    ddp_dir, ddp_losses = runs["ddp"]
+    fsdp_dir, fsdp_losses = runs["fsdp"]
+    assert sorted(os.listdir(fsdp_dir / "checkpoint-4" / "accelerate")) == [
+        "optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+    assert sorted(os.listdir(ddp_dir / "checkpoint-4" / "accelerate")) == [
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+    # The same model, data and optimizer sharded two ways: the same losses up to float rounding.
+    assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
+    manifest = json.loads((fsdp_dir / "checkpoint-4" / "manifest.json").read_text())
+    assert manifest["sharding"]["strategy"] == "fsdp" and manifest["optimizer"]["scheduler_steps_per_step"] == 2
+
+
+# --- reading our trainer's checkpoints --------------------------------------------------------------------
+def test_ddp_and_fsdp2_checkpoints_read_the_same(runs):
+    """After 4 steps the DDP and FSDP2 runs hold (to rounding) the same weights and optimizer state: both read
+    into one logical layout, frozen parameters and the tied pair included, step and scheduler engine-neutral."""
+    ddp = read_accelerate(str(runs["ddp"][0] / "checkpoint-4"))
+    fsdp = read_accelerate(str(runs["fsdp"][0] / "checkpoint-4"))
+    assert sorted(ddp.model) == sorted(fsdp.model) and "lm_head.weight" not in ddp.model
+    assert ddp.tied == fsdp.tied == [TIED]
+    assert ddp.frozen == fsdp.frozen and all(n.startswith(FROZEN) for n in ddp.frozen) and len(ddp.frozen) == 3
+    for name in ddp.model:
+        torch.testing.assert_close(ddp.model[name].load(), fsdp.model[name].load(), rtol=1e-4, atol=1e-6)
+    assert [g["params"] for g in ddp.optimizer.param_groups] == [g["params"] for g in fsdp.optimizer.param_groups]
+    assert [g["weight_decay"] for g in ddp.optimizer.param_groups] == [0.1, 0.0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert sorted(ddp.optimizer.tensors[key]) == sorted(fsdp.optimizer.tensors[key])
+    assert {e["value"] for e in ddp.optimizer.scalars["step"].values()} == {4.0}
+    for ckpt in (ddp, fsdp):  # accelerate stepped the scheduler twice per step; the logical one counts steps
+        assert ckpt.step == 4 and ckpt.extra_state["scheduler"]["last_epoch"] == 4
+
+
+# --- accelerator.load_state on what we write ----------------------------------------------------------------
+@pytest.mark.parametrize("fsdp,world", [(False, 1), (False, 2), (True, 1), (True, 2)],
+                         ids=["ddp-1", "ddp-2", "fsdp2-1", "fsdp2-2"])
+def test_accelerator_load_state_accepts_ours_from_universal(runs, tmp_path, fsdp, world):
+    """Universal (made from the FSDP2 run) -> accelerate layout for `world` processes; a plain accelerate script
+    (no interop code) load_state()s it into a freshly initialised model: every weight, every optimizer tensor
+    and step, and the scheduler are the checkpoint's, bit for bit."""
+    universal = tmp_path / "universal"
+    convert(runs["fsdp"][0] / "checkpoint-2", universal, "--to", "universal")
+    out = tmp_path / "acc"
+    convert(universal, out, "--to", "accelerate", "--world-size", str(world), *(["--fsdp"] if fsdp else []))
+    gathered = tmp_path / "gathered.pt"
+    acc_run(world, "load_state", str(out / "accelerate"), str(gathered), *(["--fsdp"] if fsdp else []))
+    state = torch.load(gathered, weights_only=False)
+    assert state["distributed_type"] == ("FSDP" if fsdp else "MULTI_CPU")  # torchrun: a process group even of one
+    expected = logical(universal)
+    for name, tensor in state["model"].items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        assert torch.equal(tensor, expected[source]), name
+    opt = state["optimizer"]
+    for name, entries in opt["state"].items():
+        assert torch.equal(entries["exp_avg"], expected[f"optimizer/exp_avg/{name}"]), name
+        assert torch.equal(entries["exp_avg_sq"], expected[f"optimizer/exp_avg_sq/{name}"]), name
+        assert float(entries["step"]) == 2.0
+    assert len(opt["state"]) == sum(1 for k in expected if k.startswith("optimizer/exp_avg/"))
+    assert [g["weight_decay"] for g in opt["param_groups"]] == [0.1, 0.0]
+    assert state["scheduler"]["last_epoch"] == 2 * world  # two optimizer steps, stepped once per process
+
+
+# --- resume across process counts and layouts ---------------------------------------------------------------
+@pytest.mark.parametrize("source,target,world", [("ddp", "ddp", 2), ("fsdp", "fsdp", 2), ("ddp", "fsdp", 1), ("fsdp", "ddp", 1)],
+                         ids=["ddp2-ddp2", "fsdp2-fsdp2", "ddp2-fsdp1", "fsdp2-ddp1"])
+def test_resume_matches_uninterrupted_run(runs, tmp_path, source, target, world):
+    """Our trainer resumes from step 2 of a 2-process run: on the same layout the next losses are the
+    uninterrupted run's exactly; on another process count or layout (converted in-process) to float rounding."""
+    directory, losses = runs[source]
+    flags = ["--fsdp"] if target == "fsdp" else []
+    resumed = last_json(acc_run(world, "train", *RUN, *flags, "--output-dir", str(tmp_path / "r"),
+                                "--resume", str(directory / "checkpoint-2")))["losses"]
+    if (source, world) == (target, 2):
+        assert resumed == losses[2:]
+    else:
+        assert resumed == pytest.approx(losses[2:], rel=1e-5)
+
+
+def test_resume_one_process_to_two_through_universal(runs, tmp_path):
+    """1 -> 2 processes: a 1-process DDP run's checkpoint, through universal and `--to accelerate --world-size 2
+    --fsdp`, resumes on 2 FSDP2 processes with the 1-process run's losses (to rounding)."""
+    one = last_json(acc_run(1, "train", *RUN, "--output-dir", str(tmp_path / "one")))
+    convert(tmp_path / "one" / "checkpoint-2", tmp_path / "u", "--to", "universal")
+    convert(tmp_path / "u", tmp_path / "two", "--to", "accelerate", "--world-size", "2", "--fsdp")
+    resumed = last_json(acc_run(2, "train", *RUN, "--fsdp", "--output-dir", str(tmp_path / "r"),
+                                "--resume", str(tmp_path / "two")))["losses"]
+    assert resumed == pytest.approx(one["losses"][2:], rel=1e-5)
+
+
+# --- accelerate's own tools ---------------------------------------------------------------------------------
+def test_accelerate_merge_weights_equals_our_hf_export(runs, tmp_path):
+    ckpt = runs["fsdp"][0] / "checkpoint-4"
+    merged = tmp_path / "merged"
+    result = subprocess.run(["accelerate", "merge-weights", str(ckpt / "accelerate" / "pytorch_model_fsdp_0"), str(merged)],
+                            env=worker_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    convert(ckpt, tmp_path / "hf", "--to", "hf")
+    from safetensors.torch import load_file
+
+    theirs = load_file(str(merged / "model.safetensors"))
+    ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(theirs) - set(ours) == {"lm_head.weight"}  # merge-weights keeps the tied copy; save_pretrained does not
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    assert torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
+
+
+# --- torch DCP ----------------------------------------------------------------------------------------------
+def test_dcp_reader_equals_torch_dcp_to_torch_save(runs, tmp_path):
+    """Our process-group-free reader against torch's own offline converter, every entry; and a region read
+    touches only the chunks it overlaps."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "optimizer_0"
+    dcp_to_torch_save(str(directory), str(tmp_path / "ref.pt"))
+    ref = torch.load(tmp_path / "ref.pt", weights_only=False)
+    reader = DCPReader(str(directory))
+    for key, path in reader.paths.items():
+        node = ref
+        for part in path:
+            node = node[part]
+        value = reader.read(key) if key in reader.tensor_keys() else reader.read_object(key)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, node), key
+        else:
+            assert value == node, key
+    key = "optimizer.state.model.embed_tokens.weight.exp_avg"
+    full = reader.read(key)
+    assert torch.equal(reader.read(key, (100, 3), (60, 20)), full[100:160, 3:23])  # spans both ranks' chunks
+
+
+def test_dcp_written_offline_loads_with_torch_dcp_and_converts_with_cli(runs, tmp_path):
+    src = runs["ddp"][0] / "checkpoint-4"
+    convert(src, tmp_path / "dcp", "--to", "dcp")
+    assert detect(str(tmp_path / "dcp")).name == "dcp"
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "ref.pt"))
+    ref = torch.load(tmp_path / "ref.pt", weights_only=False)
+    source = logical(src)
+    for name, tensor in ref["model"].items():
+        assert torch.equal(tensor, source["model.embed_tokens.weight" if name == "lm_head.weight" else name]), name
+    for name, entries in ref["optimizer"]["state"].items():
+        assert torch.equal(entries["exp_avg"], source[f"optimizer/exp_avg/{name}"]), name
+    back = logical(tmp_path / "dcp")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_write_dcp_streams_one_tensor_at_a_time(tmp_path):
+    loaded = []
+
+    def lazy(name, value):
+        return LazyTensor(LazyTensor.of(value).spec, lambda: loaded.append(name) or value)
+
+    tensors = {f"w{i}": torch.full((3, 5), float(i)) for i in range(4)}
+    write_dcp({"model": {n: lazy(n, t) for n, t in tensors.items()}}, str(tmp_path / "d"))
+    assert sorted(loaded) == sorted(tensors)
+    reader = DCPReader(str(tmp_path / "d"))
+    assert all(torch.equal(reader.read(f"model.{n}"), t) for n, t in tensors.items())
+
+
+# --- ZeRO -> universal -> FSDP2 ----------------------------------------------------------------------------
+def test_zero_checkpoint_resumes_in_accelerate_fsdp2(runs, tmp_path):
+    """A DeepSpeed ZeRO-3 checkpoint (2 ranks) -> universal -> Accelerate FSDP2 on 2 processes: accelerate's
+    load_state holds exactly the ZeRO checkpoint's weights and optimizer state, and our trainer continues
+    DeepSpeed's uninterrupted run: the same next loss, then the same to another engine's rounding."""
+    pytest.importorskip("deepspeed")
+    from .test_deepspeed import ds_run, last_json as ds_json
+
+    ds = ds_json(ds_run(2, "train", "--zero-stage", "3", *RUN, "--output-dir", str(tmp_path / "ds")))
+    convert(tmp_path / "ds" / "checkpoint-2", tmp_path / "u", "--to", "universal")
+    convert(tmp_path / "u", tmp_path / "fsdp", "--to", "accelerate", "--world-size", "2", "--fsdp")
+    acc_run(2, "load_state", str(tmp_path / "fsdp" / "accelerate"), str(tmp_path / "g.pt"), "--fsdp")
+    state = torch.load(tmp_path / "g.pt", weights_only=False)
+    zero = logical(tmp_path / "ds" / "checkpoint-2")
+    for name, tensor in state["model"].items():
+        assert torch.equal(tensor, zero["model.embed_tokens.weight" if name == "lm_head.weight" else name]), name
+    for name, entries in state["optimizer"]["state"].items():
+        assert torch.equal(entries["exp_avg_sq"], zero[f"optimizer/exp_avg_sq/{name}"]), name
+    resumed = last_json(acc_run(2, "train", *RUN, "--fsdp", "--output-dir", str(tmp_path / "r"),
+                                "--resume", str(tmp_path / "fsdp")))
+    # Step 3's loss is a forward pass of identical weights on identical data: equal. Step 4 follows one update
+    # by another engine, whose gradients differ from DeepSpeed's in rounding (its own reduction order); Adam
+    # divides by sqrt(v), so such differences grow to ~1e-4 relative. (Within DeepSpeed, test_deepspeed's
+    # resume matrix shows exact continuation.)
+    assert resumed["losses"][0] == ds["losses"][2]
+    assert resumed["losses"][1] == pytest.approx(ds["losses"][3], rel=2e-3)
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+def test_dcp_directory_without_metadata(runs, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "pytorch_model_fsdp_0", broken)
+    os.remove(broken / ".metadata")
+    with pytest.raises(MissingFileError, match=r"\.metadata: missing: not a torch.distributed.checkpoint directory"):
+        DCPReader(str(broken))
+    result = cli("convert", str(broken), str(tmp_path / "out"), "--to", "universal")
+    assert result.returncode != 0 and not (tmp_path / "out").exists()
+
+
+def test_missing_random_states(runs, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs["ddp"][0] / "checkpoint-4", ckpt)
+    os.remove(ckpt / "accelerate" / "random_states_0.pkl")
+    with pytest.raises(MissingFileError, match=r"random_states_0\.pkl: missing: accelerate saved 2 processes' RNG states"):
+        read_accelerate(str(ckpt))
+    result = cli("convert", str(ckpt), str(tmp_path / "out"), "--to", "universal")
+    assert result.returncode != 0 and "random_states_0.pkl" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_optimizer_state_for_unknown_parameters(runs, tmp_path):
+    ddp = tmp_path / "ddp"
+    shutil.copytree(runs["ddp"][0] / "checkpoint-4", ddp)
+    path = ddp / "accelerate" / "optimizer.bin"
+    state = torch.load(path, weights_only=True)
+    state["state"][999] = dict(state["state"][0])
+    torch.save(state, path)
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.bin: optimizer state for parameter ids no param group holds: \[999\]"):
+        read_accelerate(str(ddp))
+
+    opt = tmp_path / "optimizer_0"
+    reader = DCPReader(str(runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "optimizer_0"))
+    tree = unflatten_lists(reader.nested(("optimizer",)))
+    tree["state"]["model.not_a_parameter.weight"] = tree["state"]["model.norm.weight"]
+    write_dcp({"optimizer": tree}, str(opt))
+    from converters.dcp import read_dcp_checkpoint
+
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer state for 'model\.not_a_parameter\.weight', which no param group holds"):
+        read_dcp_checkpoint(str(opt))
+
+
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(UnsafePickleError, match=r"\.metadata: DCP metadata references posix\.system"):
+        read_metadata(str(tmp_path / "d"))
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,173 @@
+"""The reference Accelerate trainer: the base trainer's loop on ``Accelerator``, as DDP or FSDP2.
+
+    accelerate launch --config_file examples/accelerate_ddp.yaml examples/train_accelerate.py --steps 8
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/train_accelerate.py --steps 8
+    torchrun --nproc_per_node 2 -m trainers.accelerate --fsdp --mixed-precision bf16 --steps 8
+
+``--batch-size`` is the global batch, split evenly over the processes, so the data order and the losses do
+not depend on their number. The learning-rate schedule is prepared with accelerate, which steps it once per
+process per optimizer step; its horizons are scaled to match, so the learning rate at each optimizer step is
+the same as the other trainers'. On a machine without a GPU, accelerate runs on CPU processes with gloo and,
+for FSDP2, through ``trainers.accelerate_compat``.
+
+Model, optimizer, scheduler, RNG states and registered objects are saved by ``accelerator.save_state`` into
+``<checkpoint>/accelerate`` inside the commit protocol, so ``accelerator.load_state`` and
+``accelerate merge-weights`` work on it directly. Resuming on another number of processes, or switching
+between DDP and FSDP2, converts that directory in-process through ``converters.accelerate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from converters import accelerate as accelerate_format
+from interop import SharingPattern, StateComponent, WorldSizePolicy
+from interop.sharding import ShardingMetadata, Strategy
+from interop.state import NativeLoad
+
+from .accelerate_compat import enable_cpu_fsdp, has_accelerator
+from .base import BaseTrainer, TrainerConfig, config_parser, configure_logging, param_group_names, run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AccelerateTrainerConfig(TrainerConfig):
+    fsdp: bool = False  # FSDP2 (fsdp_version=2, sharded state dict) instead of DDP
+    mixed_precision: str = "no"  # no | bf16
+    output_dir: str = "out/accelerate"
+
+
+def _fsdp_requested(cfg: AccelerateTrainerConfig) -> bool:
+    """``--fsdp``, or an ``accelerate launch`` config whose distributed type is FSDP."""
+    return cfg.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+class AccelerateState:
+    """Model, optimizer, scheduler, RNG and registered objects, saved and loaded by accelerate itself."""
+
+    def __init__(self, trainer: "AccelerateTrainer"):
+        self.trainer = trainer
+
+    def save_native(self, directory: str) -> None:
+        self.trainer.accelerator.save_state(directory)
+
+    def load_native(self, load: NativeLoad) -> None:
+        trainer = self.trainer
+        acc = trainer.accelerator
+        saved = accelerate_format.describe(load.directory)
+        steps_per_step = int((load.manifest.optimizer or {}).get("scheduler_steps_per_step", saved.num_processes))
+        source = load.directory
+        if (saved.num_processes, saved.fsdp, steps_per_step) != (trainer.world_size, trainer.fsdp, trainer.world_size):
+            log.warning(
+                "converting %s (%s, %d processes) for this run (%s, %d processes)", load.directory,
+                "FSDP2" if saved.fsdp else "DDP", saved.num_processes, "FSDP2" if trainer.fsdp else "DDP", trainer.world_size,
+            )
+            if trainer.rank == 0:
+                ckpt = accelerate_format.read_accelerate(load.directory)
+                accelerate_format.write_native(ckpt, load.scratch, trainer.world_size, trainer.fsdp)
+            acc.wait_for_everyone()
+            source = load.scratch
+        acc.load_state(source)
+
+
+class AccelerateTrainer(BaseTrainer):
+    def init_distributed(self) -> tuple[int, int]:
+        from accelerate import Accelerator
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        self.fsdp = _fsdp_requested(self.cfg)
+        plugin = None
+        if self.fsdp:
+            enable_cpu_fsdp()
+            plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True)
+        self.accelerator = Accelerator(cpu=not has_accelerator(), fsdp_plugin=plugin, mixed_precision=self.cfg.mixed_precision)
+        acc = self.accelerator
+        if self.fsdp and acc.distributed_type.value != "FSDP":
+            raise RuntimeError(f"asked for FSDP2 but accelerate set up {acc.distributed_type.value} (one process without torchrun?)")
+        return acc.process_index, acc.num_processes
+
+    def build_scheduler(self):
+        from transformers import get_linear_schedule_with_warmup
+
+        n = self.world_size  # accelerate steps a prepared scheduler once per process
+        return get_linear_schedule_with_warmup(self.optimizer, self.cfg.warmup_steps * n, max(self.cfg.steps, 1) * n)
+
+    def __init__(self, cfg: AccelerateTrainerConfig):
+        super().__init__(cfg)
+        if cfg.batch_size % self.world_size:
+            raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over {self.world_size} processes")
+        self.group_names = param_group_names(self.model)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, self.optimizer, self.scheduler)
+
+    def core_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    # --- the adapter's view ------------------------------------------------------------------------
+    def get_state_components(self) -> list[StateComponent]:
+        return [
+            StateComponent("accelerate", AccelerateState(self), SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESHARD),
+            StateComponent("data", self.data, SharingPattern.GLOBAL),
+            StateComponent("trainer", self.state, SharingPattern.GLOBAL),
+            StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
+        ]
+
+    def get_checkpoint_metadata(self) -> dict[str, Any]:
+        meta = super().get_checkpoint_metadata()
+        meta["optimizer"] = {
+            "class": type(self.optimizer.optimizer).__name__,
+            "param_names": self.group_names,
+            "scheduler_steps_per_step": self.world_size,
+        }
+        return meta
+
+    def sharding_metadata(self) -> ShardingMetadata:
+        return ShardingMetadata(
+            strategy=Strategy.FSDP if self.fsdp else Strategy.DDP,
+            world_size=self.world_size,
+            dp=self.world_size,
+            precision="bfloat16" if self.cfg.mixed_precision == "bf16" else "float32",
+            master_precision="float32" if self.cfg.mixed_precision == "bf16" else None,
+            sharding_strategy="full_shard" if self.fsdp else None,
+        )
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def next_batch(self) -> torch.Tensor:
+        per_rank = self.cfg.batch_size // self.world_size
+        return self.data.next_batch(self.dataset, per_rank, replica=self.rank, num_replicas=self.world_size)
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        import torch.distributed as dist
+
+        self.model.train()
+        batch = batch.to(self.accelerator.device)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.accelerator.backward(loss)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().float().cpu()
+        if dist.is_initialized():
+            dist.all_reduce(mean)  # the global batch's loss, whatever the number of processes
+        return float(mean) / self.world_size
+
+
+def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:
+    from dataclasses import fields
+
+    args = vars(config_parser(AccelerateTrainerConfig, __doc__).parse_args(argv))
+    return AccelerateTrainerConfig(**{f.name: args[f.name] for f in fields(AccelerateTrainerConfig)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    run(AccelerateTrainer(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()
