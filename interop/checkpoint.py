@@ -26,7 +26,7 @@ from .verify import check_files, tree_records
 
 log = logging.getLogger(__name__)
 
-_METADATA_FIELDS = ("source", "sharding", "model", "optimizer", "notes")
+_METADATA_FIELDS = ("source", "sharding", "model", "optimizer", "memory", "notes")
 
 
 @dataclass

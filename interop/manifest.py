@@ -59,6 +59,7 @@ class Manifest:
     sharding: dict[str, Any] | None = None
     model: dict[str, Any] | None = None
     optimizer: dict[str, Any] | None = None
+    memory: dict[str, Any] | None = None  # the trainer's cross-rank memory statistics at save time
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     components: dict[str, ComponentRecord] = field(default_factory=dict)
     files: dict[str, FileRecord] = field(default_factory=dict)

@@ -328,3 +328,112 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(UnsafePickleError, match=r"\.metadata: DCP metadata references posix\.system"):
         read_metadata(str(tmp_path / "d"))
     assert not (tmp_path / "pwned").exists()
+
+
+# --- gradient compression, local SGD, activation checkpointing, memory statistics ---------------------------
+LONG = ["--steps", "6", "--save-every", "3", "--batch-size", "4", "--seq-len", "16"]
+
+
+def test_powersgd_resume_continues_the_uninterrupted_run(tmp_path):
+    """PowerSGD compresses from iteration 2, so checkpoint 3 holds error feedback and warm-start matrices, saved
+    by parameter name. The resumed run continues the uninterrupted one: the first resumed loss exactly, the
+    next to float rounding. (A restarted DDP runs its first iteration on buckets in registration order, the
+    uninterrupted one on buckets rebuilt in gradient order; PowerSGD's factors then sit at other offsets of
+    their flat buffers and the BLAS kernels round their last bits differently, ~1e-8.)"""
+    flags = ["--comm-hook", "powersgd"]
+    full = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "full")))
+    plain = last_json(acc_run(2, "train", *LONG, "--output-dir", str(tmp_path / "plain")))
+    assert full["losses"][:3] == plain["losses"][:3] and full["losses"][3:] != plain["losses"][3:]  # compression is on
+    resumed = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "r"),
+                                "--resume", str(tmp_path / "full" / "checkpoint-3")))
+    assert resumed["losses"][0] == full["losses"][3]
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    from interop.pieces import read_piece
+
+    for rank in (0, 1):
+        state = read_piece(str(tmp_path / "full" / "checkpoint-3"), f"ranks/{rank:05d}/powersgd")
+        assert state["iter"] == 3 and "model.layers.1.mlp.up_proj.weight" in state["q"]
+        assert sorted(state["error"]) == sorted(n for n, _ in odd_trainable())
+
+
+def odd_trainable():
+    from .odd_model import odd_model
+
+    return [(n, p) for n, p in odd_model().named_parameters() if p.requires_grad]
+
+
+def test_local_sgd_resume_continues_the_uninterrupted_run(tmp_path):
+    """Local SGD every 2 steps: the step counter is a registered accelerate object (custom_checkpoint_0.pkl),
+    each rank's own Adam moments a PER_RANK component; the resumed run's losses are the uninterrupted run's."""
+    flags = ["--local-sgd-steps", "2"]
+    full = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "full")))
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    counter = torch.load(ckpt / "accelerate" / "custom_checkpoint_0.pkl", weights_only=True)
+    assert counter == {"num_steps": 3, "local_sgd_steps": 2}
+    resumed = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "r"), "--resume", str(ckpt)))
+    assert resumed["losses"] == full["losses"][3:]
+    assert read_accelerate(str(ckpt)).extra_state["custom_checkpoint_0"] == counter  # carried through conversions
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_fp16_and_bf16_gradient_compression(tmp_path, runs, hook):
+    if hook == "bf16" and not torch.cuda.is_available():
+        pytest.skip("torch's bf16 DDP hook needs CUDA and NCCL; this machine has no GPU")
+    losses = last_json(acc_run(2, "train", "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--comm-hook", hook,
+                               "--output-dir", str(tmp_path / hook)))["losses"]
+    uncompressed = runs["ddp"][1][:3]
+    assert losses[:2] == uncompressed[:2]  # the first update has learning rate 0
+    assert losses[2] != uncompressed[2] and losses[2] == pytest.approx(uncompressed[2], rel=1e-3)
+
+
+def test_powersgd_state_is_laid_out_again_for_a_new_bucket_order():
+    """The by-name cut and re-join behind PowerSGD checkpoints: state written for one bucket order, read for
+    another (DDP's rebuild), puts every parameter's residual and P/Q rows back under that parameter."""
+    from trainers.comm_hooks import _join, _pieces, _split
+
+    shapes = {"a": (6, 4), "b": (4,), "c": (6, 4), "d": (5, 7), "e": (6, 4)}
+    params = {n: torch.empty(s) for n, s in shapes.items()}
+    first, second = ["a", "b", "c", "d", "e"], ["e", "d", "c", "b", "a"]
+    cut_first, cut_second = _pieces(first, [params[n] for n in first], 1, 1.0), _pieces(second, [params[n] for n in second], 1, 1.0)
+    for kind in range(3):  # error (every parameter), P rows, Q rows (compressed matrices, grouped by shape)
+        flat = torch.arange(sum(k for _, k in cut_first[kind]), dtype=torch.float32)
+        by_name = _split(flat, cut_first[kind])
+        again = _join(by_name, cut_second[kind])
+        offsets = {}
+        for pieces, key in ((cut_first[kind], "first"), (cut_second[kind], "second")):
+            o = 0
+            for name, k in pieces:
+                offsets[(key, name)] = (o, k)
+                o += k
+        for name, k in cut_first[kind]:
+            (o1, _), (o2, _) = offsets[("first", name)], offsets[("second", name)]
+            assert torch.equal(again[o2:o2 + k], flat[o1:o1 + k]), (kind, name)
+    assert [n for n, _ in cut_second[1]] == ["e", "c", "a", "d"]  # the hook's P order: shape groups, first seen first
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_accelerate_launch_examples_with_activation_checkpointing(tmp_path, layout):
+    """`accelerate launch --config_file examples/accelerate_<layout>.yaml` with activation checkpointing: two
+    processes whose losses are a torchrun run's without it, exactly (recomputing activations changes nothing);
+    each save logs and records the cross-rank memory statistics."""
+    env = worker_env()
+    env.pop("OMP_NUM_THREADS")
+    cfg = ROOT / "examples" / f"accelerate_{layout}.yaml"
+    result = subprocess.run(
+        ["accelerate", "launch", "--config_file", str(cfg), "--main_process_port", str(free_port()),
+         str(ROOT / "examples" / "train_accelerate.py"), *RUN, "--activation-checkpointing", "--output-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
+         "trainers.accelerate", *RUN, *(["--fsdp"] if layout == "fsdp2" else []), "--output-dir", str(tmp_path / "plain")],
+        env=worker_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert plain.returncode == 0, plain.stderr[-5000:]
+    assert last_json(result)["losses"] == last_json(plain)["losses"]
+    memory = json.loads((tmp_path / "checkpoint-4" / "manifest.json").read_text())["memory"]
+    assert memory["activation_checkpoints"] == 2 and len(memory["ranks"]) == 2
+    assert memory["host_peak"]["max"] >= memory["host_peak"]["min"] > 0
+    assert memory["host_peak"]["total"] == sum(r["host_peak"] for r in memory["ranks"])
+    assert "memory over 2 rank(s): host now" in result.stderr and "2 activation checkpoints" in result.stderr

@@ -32,6 +32,8 @@ from interop.state import NativeLoad
 
 from .accelerate_compat import enable_cpu_fsdp, has_accelerator
 from .base import BaseTrainer, TrainerConfig, config_parser, configure_logging, param_group_names, run
+from .comm_hooks import register_compression
+from .state import OptimizerStateful
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ log = logging.getLogger(__name__)
 class AccelerateTrainerConfig(TrainerConfig):
     fsdp: bool = False  # FSDP2 (fsdp_version=2, sharded state dict) instead of DDP
     mixed_precision: str = "no"  # no | bf16
+    comm_hook: str = "none"  # DDP gradient compression: none | fp16 | bf16 | powersgd
+    powersgd_rank: int = 1  # PowerSGD's matrix approximation rank
+    powersgd_start_iter: int = 2  # plain all-reduce before this iteration (DDP settles its buckets first)
+    local_sgd_steps: int = 0  # DDP: no gradient all-reduce; parameters averaged every K steps (0: off)
     output_dir: str = "out/accelerate"
 
 
@@ -76,6 +82,22 @@ class AccelerateState:
         acc.load_state(source)
 
 
+class LocalSGDCounter:
+    """accelerate's LocalSGD step counter, registered with ``register_for_checkpointing`` (custom_checkpoint_0.pkl)."""
+
+    def __init__(self, local_sgd):
+        self.local_sgd = local_sgd
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_steps": self.local_sgd.num_steps, "local_sgd_steps": self.local_sgd.local_sgd_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if int(state["local_sgd_steps"]) != self.local_sgd.local_sgd_steps:
+            log.warning("local SGD: checkpoint averaged every %s steps, this run every %s", state["local_sgd_steps"],
+                        self.local_sgd.local_sgd_steps)
+        self.local_sgd.num_steps = int(state["num_steps"])
+
+
 class AccelerateTrainer(BaseTrainer):
     def init_distributed(self) -> tuple[int, int]:
         from accelerate import Accelerator
@@ -102,20 +124,39 @@ class AccelerateTrainer(BaseTrainer):
         super().__init__(cfg)
         if cfg.batch_size % self.world_size:
             raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over {self.world_size} processes")
+        if self.fsdp and (cfg.comm_hook != "none" or cfg.local_sgd_steps):
+            raise ValueError("--comm-hook and --local-sgd-steps apply to DDP; FSDP2 shards instead of all-reducing whole gradients")
         self.group_names = param_group_names(self.model)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, self.optimizer, self.scheduler)
+        self.powersgd = None
+        if cfg.comm_hook != "none":
+            named = {p: n for n, p in self.core_model().named_parameters()}
+            self.powersgd = register_compression(self.model, cfg.comm_hook, named, rank=cfg.powersgd_rank,
+                                                 start_iter=cfg.powersgd_start_iter)
+        self.local_sgd = None
+        if cfg.local_sgd_steps:
+            from accelerate.local_sgd import LocalSGD
+
+            self.local_sgd = LocalSGD(self.accelerator, self.model, cfg.local_sgd_steps)
+            self.accelerator.register_for_checkpointing(LocalSGDCounter(self.local_sgd))
 
     def core_model(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
     # --- the adapter's view ------------------------------------------------------------------------
     def get_state_components(self) -> list[StateComponent]:
-        return [
+        components = [
             StateComponent("accelerate", AccelerateState(self), SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESHARD),
             StateComponent("data", self.data, SharingPattern.GLOBAL),
             StateComponent("trainer", self.state, SharingPattern.GLOBAL),
             StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
         ]
+        if self.powersgd is not None:  # error feedback and warm-start matrices: each rank's own
+            components.append(StateComponent("powersgd", self.powersgd, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.DROP))
+        if self.local_sgd is not None:  # between averaging steps each rank's Adam moments are its own; accelerate saves rank 0's
+            components.append(StateComponent("local_optimizer", OptimizerStateful(self.core_model(), self.optimizer.optimizer),
+                                             SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.DROP))
+        return components
 
     def get_checkpoint_metadata(self) -> dict[str, Any]:
         meta = super().get_checkpoint_metadata()
@@ -142,19 +183,36 @@ class AccelerateTrainer(BaseTrainer):
         return self.data.next_batch(self.dataset, per_rank, replica=self.rank, num_replicas=self.world_size)
 
     def train_step(self, batch: torch.Tensor) -> float:
+        import contextlib
+
         import torch.distributed as dist
 
         self.model.train()
         batch = batch.to(self.accelerator.device)
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.accelerator.backward(loss)
+        local = self.model.no_sync() if self.local_sgd is not None else contextlib.nullcontext()
+        with local:  # local SGD: each process steps on its own gradients
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.accelerator.backward(loss)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.local_sgd is not None:
+            self.local_sgd.step()  # averages the parameters every local_sgd_steps steps
         mean = loss.detach().float().cpu()
         if dist.is_initialized():
             dist.all_reduce(mean)  # the global batch's loss, whatever the number of processes
         return float(mean) / self.world_size
+
+
+    def save(self) -> str:
+        sgd = self.local_sgd
+        if sgd is not None and sgd.num_steps % sgd.local_sgd_steps:
+            # accelerate saves rank 0's parameters; between averaging steps the ranks' differ. Average first, as
+            # leaving LocalSGD's context does; the step counter keeps the schedule.
+            log.info("local SGD: averaging parameters before saving (step %d of a %d-step period)",
+                     sgd.num_steps % sgd.local_sgd_steps, sgd.local_sgd_steps)
+            sgd._sync_and_avg_model_params()
+        return super().save()
 
 
 def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:

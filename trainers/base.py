@@ -23,6 +23,7 @@ from converters.families import tied_groups
 from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import LocalModel, ShardingMetadata
 
+from . import memory
 from .state import VOCAB_SIZE, DataPosition, OptimizerStateful, TokenDataset, TrainerState
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,11 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
     else:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
     if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers 5
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return freeze(model, cfg.freeze)
 
 
@@ -223,8 +228,15 @@ class BaseTrainer:
                 self.save()
         return losses
 
+    def memory_stats(self) -> dict[str, Any]:
+        """Every rank's memory now (a collective: all ranks call it together), summarised across ranks."""
+        samples = self.checkpoints.collective.all_gather_object(memory.sample(self.rank))
+        return memory.summarize(samples, memory.activation_checkpoints(self.core_model()))
+
     def save(self) -> str:
-        return self.checkpoints.save(self.state.step)
+        stats = self.memory_stats()
+        log.info("%s", memory.describe(stats))
+        return self.checkpoints.save(self.state.step, metadata={"memory": stats})
 
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path

@@ -1,0 +1,136 @@
+"""Accelerate FSDP2: interop's DCP converter against torch's own offline tool, on a checkpoint real accelerate wrote.
+
+    python benchmarks/accelerate_fsdp2.py [--hidden 1024 --layers 17] [--workdir DIR] [--repeat 3]
+
+Trains one step of a Llama (257M parameters at the defaults) with FSDP2 on 2 CPU processes through the interop
+Accelerate trainer, whose checkpoint is ``accelerator.save_state`` output (two torch DCP directories), then
+runs each step in its own process (median wall time, peak RSS):
+
+  interop convert CKPT UNI --to universal   vs  dcp_to_torch_save of model and optimizer, then safetensors
+                                                 save_file of every tensor (weights + optimizer state)
+  interop convert CKPT HF --to hf           vs  dcp_to_torch_save of the model, then save_file
+
+torch's converter materialises the whole state dict in memory and writes a pickle, which the reference then
+loads and writes again as safetensors; interop reads one tensor at a time from the DCP files. The page cache
+is warm; each step's time runs until its output is on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deepspeed_zero3 import warm  # noqa: E402
+from hf_roundtrip import model_config  # noqa: E402
+from measure import REPO, measure, print_table  # noqa: E402
+
+REFERENCE = r"""
+import os, sys, torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+for name in sys.argv[2:]:
+    pt = os.path.join(out, os.path.basename(name) + ".pt")
+    dcp_to_torch_save(name, pt)
+    state = torch.load(pt, weights_only=False)
+    flat = {}
+    def walk(prefix, node):
+        if isinstance(node, torch.Tensor):
+            flat[prefix] = node.contiguous()
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+    walk("", state)
+    seen = {}
+    for k, t in list(flat.items()):  # tied weights share storage; safetensors refuses shared tensors
+        key = (t.data_ptr(), t.shape)
+        if key in seen:
+            del flat[k]
+        seen[key] = k
+    save_file(flat, os.path.join(out, os.path.basename(name) + ".safetensors"))
+    os.remove(pt)
+    for f in os.listdir(out):
+        fd = os.open(os.path.join(out, f), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+"""
+
+
+def train_and_save(out: str, hidden: int, layers: int) -> None:
+    """Runs on each process under torch.distributed.run: one FSDP2 step, then the trainer's checkpoint."""
+    import transformers
+
+    from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
+    from trainers.base import shutdown
+
+    class BenchTrainer(AccelerateTrainer):
+        def build_model(self):
+            return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
+
+    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=out, keep_last=None)
+    trainer = BenchTrainer(cfg)
+    trainer.train()
+    trainer.save()
+    shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=17)
+    parser.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
+    parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-fsdp2-")
+    run_dir = os.path.join(work, "run")
+    ckpt = os.path.join(run_dir, "checkpoint-1")
+    native = os.path.join(ckpt, "accelerate")
+    if not os.path.isdir(ckpt):
+        wall, _ = measure(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             "--master_port=29518", os.path.abspath(__file__), "--train", run_dir, "--hidden", str(args.hidden),
+             "--layers", str(args.layers)],
+        )
+        print(f"trained and saved with Accelerate FSDP2 on 2 processes in {wall:.0f} s")
+    outputs = {k: os.path.join(work, k) for k in ("universal", "hf", "ref_universal", "ref_hf")}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(args.hidden, args.layers)).parameters())
+    size = warm(native)
+    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
+          f"FSDP2 checkpoint (DCP) on 2 processes: {size / 2**30:.2f} GiB")
+
+    cli = [sys.executable, "-m", "converters.cli"]
+    model_dcp, optim_dcp = os.path.join(native, "pytorch_model_fsdp_0"), os.path.join(native, "optimizer_0")
+    n = args.repeat
+    rows = [
+        ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
+        ("FSDP2 -> universal, safetensors (interop)", measure(
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+        ("dcp_to_torch_save + save_file, model + optimizer (torch)", measure(
+            [sys.executable, "-c", REFERENCE, outputs["ref_universal"], model_dcp, optim_dcp], None, n, outputs["ref_universal"])),
+        ("FSDP2 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        ("dcp_to_torch_save + save_file, model (torch)", measure(
+            [sys.executable, "-c", REFERENCE, outputs["ref_hf"], model_dcp], None, n, outputs["ref_hf"])),
+    ]
+    print_table(rows, {
+        "FSDP2 -> universal, safetensors (interop)": "dcp_to_torch_save + save_file, model + optimizer (torch)",
+        "FSDP2 -> HF safetensors (interop)": "dcp_to_torch_save + save_file, model (torch)",
+    })
+    print(f"\nfiles under {work}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", REPO)
+    main()
