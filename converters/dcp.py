@@ -24,7 +24,7 @@ import torch
 
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.tensors import LazyTensor, TensorSpec
+from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
 
 from .param_order import EngineOrder
@@ -100,6 +100,97 @@ def is_dcp_dir(path: str) -> bool:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+
+
+class _NotPlainTensor(Exception):
+    """A stored entry that is not one plain tensor: read it through torch.load instead."""
+
+
+def _rebuild(storage, offset, size, stride, *_):
+    return storage, int(offset), tuple(size), tuple(stride)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """The pickle torch.save writes for one tensor, understood without building anything: which storage
+    record, dtype, offset, size and stride. Anything else is not handled here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        raise _NotPlainTensor(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+            raise _NotPlainTensor(repr(pid))
+        return str(pid[2]), pid[1], int(pid[4])
+
+
+class _Window(io.RawIOBase):
+    """A read-only file over ``mm[start:start + length]`` (zipfile reads only the directory through it)."""
+
+    def __init__(self, mm, start: int, length: int):
+        self.mm, self.start, self.length, self.pos = mm, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        b[:n] = self.mm[self.start + self.pos : self.start + self.pos + n]
+        self.pos += n
+        return n
+
+
+def mapped_tensor(mm, start: int, length: int) -> torch.Tensor:
+    """The tensor torch.save wrote at ``mm[start:start + length]``, as a view of the mapping (no copy).
+    Raises _NotPlainTensor for anything but one uncompressed tensor."""
+    import struct
+    import zipfile
+
+    try:
+        zf = zipfile.ZipFile(_Window(mm, start, length))
+        pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise _NotPlainTensor("no data.pkl")
+        found = _TensorUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+        if not (isinstance(found, tuple) and len(found) == 4 and isinstance(found[0], tuple)):
+            raise _NotPlainTensor("not a tensor")
+        (key, dtype, numel), offset, size, stride = found
+        info = zf.getinfo(pkl[0][: -len("data.pkl")] + "data/" + key)
+    except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
+        raise _NotPlainTensor(str(exc)) from None
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * torch.empty(0, dtype=dtype).element_size():
+        raise _NotPlainTensor("compressed or mis-sized storage")
+    header = start + info.header_offset
+    name_len, extra_len = struct.unpack("<HH", mm[header + 26 : header + 30])
+    data = header + 30 + name_len + extra_len
+    if data + info.file_size > start + length:
+        raise _NotPlainTensor("storage runs past the entry")
+    storage = torch.frombuffer(mm, dtype=torch.uint8, count=info.file_size, offset=data).view(dtype) if numel else torch.empty(0, dtype=dtype)
+    return storage.as_strided(size, stride, offset)
+
+
 @dataclass(frozen=True)
 class _Chunk:
     offsets: tuple[int, ...]
@@ -124,6 +215,7 @@ class DCPReader:
         planner = self.metadata.planner_data if isinstance(getattr(self.metadata, "planner_data", None), dict) else {}
         self.paths: dict[str, tuple] = {k: tuple(planner.get(k, (k,))) for k in self.metadata.state_dict_metadata}
         self._chunks: dict[str, list[_Chunk]] = {}
+        self._maps: dict[str, Any] = {}  # relative file -> its private read mapping
         for index, info in self._storage.items():
             tensor_md = self.metadata.state_dict_metadata.get(index.fqn)
             if tensor_md is None or not hasattr(tensor_md, "chunks"):
@@ -153,6 +245,26 @@ class DCPReader:
         return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]")
 
     # the bytes
+    def _mapped(self, relative: str, offset: int, length: int, what: str) -> torch.Tensor:
+        """A stored tensor as a view of the mapped file; torch.load for anything unusual."""
+        import mmap
+
+        path = os.path.join(self.directory, relative)
+        mm = self._maps.get(relative)
+        if mm is None:
+            try:
+                with open(path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable for torch, never written
+            except (FileNotFoundError, ValueError):
+                return self._load(relative, offset, length, what)
+            self._maps[relative] = mm
+        if offset + length > len(mm):
+            raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {len(mm)}")
+        try:
+            return mapped_tensor(mm, offset, length)
+        except _NotPlainTensor:
+            return self._load(relative, offset, length, what)
+
     def _load(self, relative: str, offset: int, length: int, what: str) -> Any:
         path = os.path.join(self.directory, relative)
         try:
@@ -182,7 +294,7 @@ class DCPReader:
             hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(h <= low for low, h in zip(lo, hi)) and len(sizes) > 0:
                 continue
-            data = self._load(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
+            data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk.sizes or data.dtype != spec.dtype:
                 got = f"{data.dtype}{list(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
                 raise CorruptCheckpointError(
@@ -194,6 +306,7 @@ class DCPReader:
                 src = src.narrow(dim, low - chunk.offsets[dim], h - low)
                 dst = dst.narrow(dim, low - offsets[dim], h - low)
             dst.copy_(src)
+            release_mapped_pages(data)  # read once: out of this process's memory, still in the page cache
             covered += dst.numel()
         if covered != out.numel():
             raise CorruptCheckpointError(

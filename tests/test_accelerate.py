@@ -119,21 +119,27 @@ def test_ddp_and_fsdp2_checkpoints_read_the_same(runs):
 
 
 # --- accelerator.load_state on what we write ----------------------------------------------------------------
-@pytest.mark.parametrize("fsdp,world", [(False, 1), (False, 2), (True, 1), (True, 2)],
-                         ids=["ddp-1", "ddp-2", "fsdp2-1", "fsdp2-2"])
-def test_accelerator_load_state_accepts_ours_from_universal(runs, tmp_path, fsdp, world):
-    """Universal (made from the FSDP2 run) -> accelerate layout for `world` processes; a plain accelerate script
-    (no interop code) load_state()s it into a freshly initialised model: every weight, every optimizer tensor
-    and step, and the scheduler are the checkpoint's, bit for bit."""
-    universal = tmp_path / "universal"
-    convert(runs["fsdp"][0] / "checkpoint-2", universal, "--to", "universal")
+@pytest.mark.parametrize("source,fsdp,world", [("universal", False, 1), ("fsdp", False, 2), ("universal", True, 1),
+                                               ("ddp", True, 2)],
+                         ids=["universal-ddp1", "fsdp2-ddp2", "universal-fsdp2_1", "ddp2-fsdp2_2"])
+def test_accelerator_load_state_accepts_ours(runs, tmp_path, source, fsdp, world):
+    """Step 2 of a 2-process run (DDP or FSDP2, directly or through universal) -> accelerate layout for `world`
+    processes. A plain accelerate script (no interop code) load_state()s it into a freshly initialised model:
+    every weight, optimizer tensor and step, and the scheduler are the checkpoint's, bit for bit. Our trainer
+    resumed from it continues the uninterrupted run (exactly on 2 processes and the same layout, else to float
+    rounding), and `accelerate merge-weights` takes the FSDP2 files we wrote."""
+    run_dir, losses = runs["ddp" if source == "ddp" else "fsdp"]
+    src = run_dir / "checkpoint-2"
+    if source == "universal":
+        convert(src, tmp_path / "universal", "--to", "universal")
+        src = tmp_path / "universal"
     out = tmp_path / "acc"
-    convert(universal, out, "--to", "accelerate", "--world-size", str(world), *(["--fsdp"] if fsdp else []))
+    convert(src, out, "--to", "accelerate", "--world-size", str(world), *(["--fsdp"] if fsdp else []))
     gathered = tmp_path / "gathered.pt"
     acc_run(world, "load_state", str(out / "accelerate"), str(gathered), *(["--fsdp"] if fsdp else []))
     state = torch.load(gathered, weights_only=False)
     assert state["distributed_type"] == ("FSDP" if fsdp else "MULTI_CPU")  # torchrun: a process group even of one
-    expected = logical(universal)
+    expected = logical(src)
     for name, tensor in state["model"].items():
         source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
         assert torch.equal(tensor, expected[source]), name
@@ -145,6 +151,23 @@ def test_accelerator_load_state_accepts_ours_from_universal(runs, tmp_path, fsdp
     assert len(opt["state"]) == sum(1 for k in expected if k.startswith("optimizer/exp_avg/"))
     assert [g["weight_decay"] for g in opt["param_groups"]] == [0.1, 0.0]
     assert state["scheduler"]["last_epoch"] == 2 * world  # two optimizer steps, stepped once per process
+
+    flags = ["--fsdp"] if fsdp else []
+    result = acc_run(world, "train", *RUN, *flags, "--output-dir", str(tmp_path / "r"), "--resume", str(out))
+    assert "converting" not in result.stderr  # our files were for this layout: the trainer called load_state on them
+    resumed = last_json(result)["losses"]
+    if world == 2 and fsdp == (source != "ddp"):
+        assert resumed == losses[2:]
+    else:
+        assert resumed == pytest.approx(losses[2:], rel=1e-5)
+    if fsdp:
+        merged = subprocess.run(["accelerate", "merge-weights", str(out / "accelerate" / "pytorch_model_fsdp_0"),
+                                 str(tmp_path / "merged")], env=worker_env(), capture_output=True, text=True)
+        assert merged.returncode == 0, merged.stderr
+        from safetensors.torch import load_file
+
+        for name, tensor in load_file(str(tmp_path / "merged" / "model.safetensors")).items():
+            assert torch.equal(tensor, expected["model.embed_tokens.weight" if name == "lm_head.weight" else name]), name
 
 
 # --- resume across process counts and layouts ---------------------------------------------------------------
@@ -437,3 +460,16 @@ def test_accelerate_launch_examples_with_activation_checkpointing(tmp_path, layo
     assert memory["host_peak"]["max"] >= memory["host_peak"]["min"] > 0
     assert memory["host_peak"]["total"] == sum(r["host_peak"] for r in memory["ranks"])
     assert "memory over 2 rank(s): host now" in result.stderr and "2 activation checkpoints" in result.stderr
+
+
+def test_fsdp2_bf16_mixed_precision_keeps_fp32_masters_and_resumes_exactly(tmp_path, runs):
+    flags = ["--fsdp", "--mixed-precision", "bf16"]
+    full = last_json(acc_run(2, "train", *RUN, *flags, "--output-dir", str(tmp_path / "full")))
+    fp32 = runs["fsdp"][1]
+    assert full["losses"] != fp32 and full["losses"] == pytest.approx(fp32, rel=2e-2)  # bf16 compute, same run
+    ckpt = read_accelerate(str(tmp_path / "full" / "checkpoint-2"))
+    assert {t.spec.dtype for t in ckpt.model.values()} == {torch.float32}  # FSDP2 keeps fp32 parameters
+    assert json.loads((tmp_path / "full" / "checkpoint-2" / "manifest.json").read_text())["sharding"]["precision"] == "bfloat16"
+    resumed = last_json(acc_run(2, "train", *RUN, *flags, "--output-dir", str(tmp_path / "r"),
+                                "--resume", str(tmp_path / "full" / "checkpoint-2")))
+    assert resumed["losses"] == full["losses"][2:]
