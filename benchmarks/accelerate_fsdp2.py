@@ -17,15 +17,13 @@ is warm; each step's time runs until its output is on disk.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deepspeed_zero3 import warm  # noqa: E402
+import engine_bench  # noqa: E402
 from hf_roundtrip import model_config  # noqa: E402
-from measure import REPO, measure, print_table  # noqa: E402
+from measure import REPO, measure  # noqa: E402
 
 REFERENCE = r"""
 import os, sys, torch
@@ -80,36 +78,13 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=17)
-    parser.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
-    parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = engine_bench.parser(__doc__).parse_args()
     if args.train:
         train_and_save(args.train, args.hidden, args.layers)
         return
-    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-fsdp2-")
-    run_dir = os.path.join(work, "run")
-    ckpt = os.path.join(run_dir, "checkpoint-1")
-    native = os.path.join(ckpt, "accelerate")
-    if not os.path.isdir(ckpt):
-        wall, _ = measure(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-             "--master_port=29518", os.path.abspath(__file__), "--train", run_dir, "--hidden", str(args.hidden),
-             "--layers", str(args.layers)],
-        )
-        print(f"trained and saved with Accelerate FSDP2 on 2 processes in {wall:.0f} s")
+    prepared = engine_bench.prepare(args, __file__, "accelerate", "Accelerate FSDP2 (DCP)", 29518)
+    work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
     outputs = {k: os.path.join(work, k) for k in ("universal", "hf", "ref_universal", "ref_hf")}
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(args.hidden, args.layers)).parameters())
-    size = warm(native)
-    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
-          f"FSDP2 checkpoint (DCP) on 2 processes: {size / 2**30:.2f} GiB")
 
     cli = [sys.executable, "-m", "converters.cli"]
     model_dcp, optim_dcp = os.path.join(native, "pytorch_model_fsdp_0"), os.path.join(native, "optimizer_0")
@@ -124,11 +99,10 @@ def main() -> None:
         ("dcp_to_torch_save + save_file, model (torch)", measure(
             [sys.executable, "-c", REFERENCE, outputs["ref_hf"], model_dcp], None, n, outputs["ref_hf"])),
     ]
-    print_table(rows, {
+    engine_bench.report(rows, outputs, work, n, {
         "FSDP2 -> universal, safetensors (interop)": "dcp_to_torch_save + save_file, model + optimizer (torch)",
         "FSDP2 -> HF safetensors (interop)": "dcp_to_torch_save + save_file, model (torch)",
     })
-    print(f"\nfiles under {work}")
 
 
 if __name__ == "__main__":

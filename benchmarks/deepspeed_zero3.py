@@ -18,16 +18,14 @@ spreads its work over a pool of 4 + 2 processes).
 
 from __future__ import annotations
 
-import argparse
-import glob
 import os
 import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_bench  # noqa: E402
 from hf_roundtrip import model_config  # noqa: E402
-from measure import REPO, measure, print_table  # noqa: E402
+from measure import REPO, measure  # noqa: E402
 
 
 def train_and_save(out: str, hidden: int, layers: int) -> None:
@@ -48,50 +46,16 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     shutdown()
 
 
-def warm(path: str) -> int:
-    total = 0
-    for f in glob.glob(os.path.join(path, "**", "*"), recursive=True):
-        if os.path.isfile(f):
-            with open(f, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    total += len(chunk)
-    return total
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=17)
-    parser.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
-    parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = engine_bench.parser(__doc__).parse_args()
     if args.train:
         train_and_save(args.train, args.hidden, args.layers)
         return
-    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-ds-")
-    run_dir = os.path.join(work, "run")
-    ckpt = os.path.join(run_dir, "checkpoint-1")
-    native = os.path.join(ckpt, "deepspeed")
-    if not os.path.isdir(ckpt):
-        wall, _ = measure(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-             "--master_port=29517", os.path.abspath(__file__), "--train", run_dir, "--hidden", str(args.hidden),
-             "--layers", str(args.layers)],
-            env={"DS_ACCELERATOR": "cpu"},
-        )
-        print(f"trained and saved with DeepSpeed ZeRO-3 on 2 ranks in {wall:.0f} s")
+    prepared = engine_bench.prepare(args, __file__, "deepspeed", "DeepSpeed ZeRO-3", 29517, {"DS_ACCELERATOR": "cpu"})
+    work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
     outputs = {k: os.path.join(work, k) for k in ("universal", "ds_universal", "hf", "ref_universal", "ref_hf")}
     for d in outputs.values():
         shutil.rmtree(d, ignore_errors=True)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(args.hidden, args.layers)).parameters())
-    size = warm(native)
-    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
-          f"ZeRO-3 checkpoint on 2 ranks: {size / 2**30:.2f} GiB")
 
     cli = [sys.executable, "-m", "converters.cli"]
     ds_env = {"DS_ACCELERATOR": "cpu"}
@@ -114,12 +78,11 @@ def main() -> None:
             ds_env, n, outputs["ref_hf"],
         )),
     ]
-    print_table(rows, {
+    engine_bench.report(rows, outputs, work, n, {
         "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",
     })
-    print(f"\nfiles under {work}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,23 @@ def measure(cmd: list[str], env: dict[str, str] | None = None, repeat: int = 1, 
     return statistics.median(walls), peak
 
 
+def disk_floor(nbytes: int, directory: str, repeat: int = 1) -> tuple[float, int]:
+    """What writing ``nbytes`` to ``directory`` and fsyncing costs with no work at all (dd): the floor under any
+    conversion that writes that much there."""
+    target = os.path.join(directory, "disk-floor.bin")
+    count = max(1, nbytes >> 24)
+    try:
+        return measure(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fsync", "status=none"],
+                       None, repeat, None)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, str]) -> None:
     """``reference``: for a row, the row it is compared with (time ratio > 1: faster; RSS ratio < 1: smaller)."""
     by_name = dict(rows)

@@ -359,18 +359,15 @@ LONG = ["--steps", "6", "--save-every", "3", "--batch-size", "4", "--seq-len", "
 
 def test_powersgd_resume_continues_the_uninterrupted_run(tmp_path):
     """PowerSGD compresses from iteration 2, so checkpoint 3 holds error feedback and warm-start matrices, saved
-    by parameter name. The resumed run continues the uninterrupted one: the first resumed loss exactly, the
-    next to float rounding. (A restarted DDP runs its first iteration on buckets in registration order, the
-    uninterrupted one on buckets rebuilt in gradient order; PowerSGD's factors then sit at other offsets of
-    their flat buffers and the BLAS kernels round their last bits differently, ~1e-8.)"""
+    by parameter name. The resumed run's losses are the uninterrupted run's exactly (the trainer keeps DDP from
+    re-bucketing after a restart's first iteration, which would change the rounding of PowerSGD's factors)."""
     flags = ["--comm-hook", "powersgd"]
     full = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "full")))
     plain = last_json(acc_run(2, "train", *LONG, "--output-dir", str(tmp_path / "plain")))
     assert full["losses"][:3] == plain["losses"][:3] and full["losses"][3:] != plain["losses"][3:]  # compression is on
     resumed = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "r"),
                                 "--resume", str(tmp_path / "full" / "checkpoint-3")))
-    assert resumed["losses"][0] == full["losses"][3]
-    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    assert resumed["losses"] == full["losses"][3:]
     from interop.pieces import read_piece
 
     for rank in (0, 1):
@@ -436,12 +433,12 @@ def test_powersgd_state_is_laid_out_again_for_a_new_bucket_order():
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
 def test_accelerate_launch_examples_with_activation_checkpointing(tmp_path, layout):
-    """`accelerate launch --config_file examples/accelerate_<layout>.yaml` with activation checkpointing: two
+    """`accelerate launch --config_file examples/<layout>.yaml` with activation checkpointing: two
     processes whose losses are a torchrun run's without it, exactly (recomputing activations changes nothing);
     each save logs and records the cross-rank memory statistics."""
     env = worker_env()
     env.pop("OMP_NUM_THREADS")
-    cfg = ROOT / "examples" / f"accelerate_{layout}.yaml"
+    cfg = ROOT / "examples" / f"{layout}.yaml"
     result = subprocess.run(
         ["accelerate", "launch", "--config_file", str(cfg), "--main_process_port", str(free_port()),
          str(ROOT / "examples" / "train_accelerate.py"), *RUN, "--activation-checkpointing", "--output-dir", str(tmp_path)],

@@ -1,7 +1,7 @@
 """The reference Accelerate trainer: the base trainer's loop on ``Accelerator``, as DDP or FSDP2.
 
-    accelerate launch --config_file examples/accelerate_ddp.yaml examples/train_accelerate.py --steps 8
-    accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/train_accelerate.py --steps 8
+    accelerate launch --config_file examples/ddp.yaml examples/train_accelerate.py --steps 8
+    accelerate launch --config_file examples/fsdp2.yaml examples/train_accelerate.py --steps 8
     torchrun --nproc_per_node 2 -m trainers.accelerate --fsdp --mixed-precision bf16 --steps 8
 
 ``--batch-size`` is the global batch, split evenly over the processes, so the data order and the losses do
@@ -31,7 +31,8 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
 from .accelerate_compat import enable_cpu_fsdp, has_accelerator
-from .base import BaseTrainer, TrainerConfig, config_parser, configure_logging, param_group_names, run
+from .base import BaseTrainer, TrainerConfig, configure_logging, param_group_names, run
+from .base import parse_config as base_parse_config
 from .comm_hooks import register_compression
 from .state import OptimizerStateful
 
@@ -108,7 +109,16 @@ class AccelerateTrainer(BaseTrainer):
         if self.fsdp:
             enable_cpu_fsdp()
             plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True)
-        self.accelerator = Accelerator(cpu=not has_accelerator(), fsdp_plugin=plugin, mixed_precision=self.cfg.mixed_precision)
+        handlers = []
+        if self.cfg.comm_hook == "powersgd":
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            # DDP re-buckets parameters in gradient order after its first iteration, so a restarted process would
+            # run its first PowerSGD step on another bucket layout than the run it continues (same maths, other
+            # rounding). With find_unused_parameters DDP keeps its first layout: resume is bit-exact.
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        self.accelerator = Accelerator(cpu=not has_accelerator(), fsdp_plugin=plugin, mixed_precision=self.cfg.mixed_precision,
+                                       kwargs_handlers=handlers)
         acc = self.accelerator
         if self.fsdp and acc.distributed_type.value != "FSDP":
             raise RuntimeError(f"asked for FSDP2 but accelerate set up {acc.distributed_type.value} (one process without torchrun?)")
@@ -216,10 +226,7 @@ class AccelerateTrainer(BaseTrainer):
 
 
 def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:
-    from dataclasses import fields
-
-    args = vars(config_parser(AccelerateTrainerConfig, __doc__).parse_args(argv))
-    return AccelerateTrainerConfig(**{f.name: args[f.name] for f in fields(AccelerateTrainerConfig)})
+    return base_parse_config(argv, AccelerateTrainerConfig, __doc__)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -263,8 +263,8 @@ def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse
     return parser
 
 
-def parse_config(argv: list[str] | None = None, cls=TrainerConfig) -> TrainerConfig:
-    args = vars(config_parser(cls).parse_args(argv))
+def parse_config(argv: list[str] | None = None, cls=TrainerConfig, description: str | None = None) -> TrainerConfig:
+    args = vars(config_parser(cls, description).parse_args(argv))
     return cls(**{f.name: args[f.name] for f in fields(cls)})
 
 

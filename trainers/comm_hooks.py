@@ -6,7 +6,8 @@ a flat tensor per DDP *bucket*. Bucket layouts are not stable: DDP rebuilds its 
 iteration in gradient-ready order, so a resumed process starts with a different parameter order inside each
 bucket than the run it continues. Restoring the flat tensors by bucket index would silently apply every residual
 to the wrong parameters. :class:`PowerSGDStateful` therefore saves them by parameter name, cut along the layout
-the hook last saw, and lays them out again for whatever layout the hook sees next.
+the hook last saw, and lays them out again for whatever layout the hook sees next. (The Accelerate trainer also
+keeps DDP from re-bucketing, so the factors sit at the same offsets and even their rounding repeats.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""What the engine benchmarks share: their flags, a checkpoint trained once by the engine on 2 processes
+(kept in --workdir between runs), the page cache warmed with it, and the model line they print."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from hf_roundtrip import model_config
+from measure import disk_floor, measure, print_table, tree_bytes
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=17)
+    p.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
+    p.add_argument("--train", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+@dataclass
+class Prepared:
+    work: str
+    ckpt: str  # our trainer's checkpoint-1
+    native: str  # the engine's own directory inside it
+
+
+def warm(path: str) -> int:
+    """Read every file once, so each step reads from the page cache alike; returns the bytes read."""
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    total += len(chunk)
+    return total
+
+
+def prepare(args, script: str, native_key: str, engine: str, port: int, env: dict[str, str] | None = None) -> Prepared:
+    """Train (``script --train DIR`` on 2 processes) unless --workdir already holds the checkpoint; warm it."""
+    work = args.workdir or tempfile.mkdtemp(prefix=f"interop-bench-{native_key}-")
+    run_dir = os.path.join(work, "run")
+    ckpt = os.path.join(run_dir, "checkpoint-1")
+    if not os.path.isdir(ckpt):
+        wall, _ = measure(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={port}", os.path.abspath(script), "--train", run_dir, "--hidden", str(args.hidden),
+             "--layers", str(args.layers)],
+            env=env,
+        )
+        print(f"trained and saved with {engine} on 2 processes in {wall:.0f} s")
+    params = int(subprocess.check_output([sys.executable, os.path.abspath(__file__), str(args.hidden), str(args.layers)]))
+    native = os.path.join(ckpt, native_key)
+    size = warm(native)
+    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
+          f"{engine} checkpoint on 2 processes: {size / 2**30:.2f} GiB")
+    return Prepared(work, ckpt, native)
+
+
+def report(rows: list, outputs: dict[str, str], work: str, repeat: int, reference: dict[str, str]) -> None:
+    """The table, with the disk floor under the two interop outputs: dd writing as many bytes, with fsync."""
+    rows = rows + [
+        ("dd, the universal output's bytes + fsync (disk floor)", disk_floor(tree_bytes(outputs["universal"]), work, repeat)),
+        ("dd, the HF output's bytes + fsync (disk floor)", disk_floor(tree_bytes(outputs["hf"]), work, repeat)),
+    ]
+    print_table(rows, reference)
+    print(f"\nfiles under {work}")
+
+
+def count_parameters(hidden: int, layers: int) -> int:
+    """In a child process: a parent that imported torch would lend its resident pages to every step's peak RSS
+    (a forked child's high-water mark survives exec)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(hidden, layers)).parameters())
+
+
+if __name__ == "__main__":
+    print(count_parameters(int(sys.argv[1]), int(sys.argv[2])))
