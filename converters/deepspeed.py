@@ -233,6 +233,19 @@ class FlatView:
     def numel(self) -> int:
         return self.starts[-1]
 
+    def views(self, offset: int, numel: int) -> list[torch.Tensor]:
+        """Elements ``offset .. offset + numel`` as views of the parts, no copy."""
+        if offset + numel > self.numel:
+            raise CorruptCheckpointError(
+                self.origin, f"flat partition holds {self.numel} elements; need {offset + numel} (truncated or wrong shapes)"
+            )
+        out = []
+        for part, start in zip(self.parts, self.starts):
+            lo, hi = max(offset, start), min(offset + numel, start + part.numel())
+            if lo < hi:
+                out.append(part[lo - start : hi - start])
+        return out
+
     def read_into(self, out: torch.Tensor, offset: int, numel: int) -> None:
         """Copy elements ``offset .. offset + numel`` into the 1-D ``out``."""
         if offset + numel > self.numel:
@@ -430,16 +443,35 @@ def param_shapes(path: str, trust_pickle: bool = False) -> list[dict[str, tuple[
 def _param_tensor(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> torch.Tensor:
     """``flats``: per rank (ZeRO-3) or one concatenation over ranks (ZeRO-1/2) of the vectors holding ``p``."""
     out = torch.empty(p.numel, dtype=flats[0].parts[0].dtype)
-    if ckpt.info.layout.zero_stage == 3:  # rank r holds elements r*c .. (r+1)*c, the last rank's tail padding
-        per_rank, done = math.ceil(p.numel / len(flats)), 0
-        for f in flats:
-            n = min(per_rank, p.numel - done)
-            if n > 0:
-                f.read_into(out[done : done + n], p.offset, n)
-                done += n
-    else:
-        flats[0].read_into(out, p.offset, p.numel)
+    done = 0
+    for f, offset, n in _param_ranges(ckpt, p, flats):
+        f.read_into(out[done : done + n], offset, n)
+        done += n
     return out.reshape(p.shape)
+
+
+def _param_ranges(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> list[tuple[FlatView, int, int]]:
+    """(flat, offset, numel) pieces that make up ``p`` in order."""
+    if ckpt.info.layout.zero_stage != 3:
+        return [(flats[0], p.offset, p.numel)]
+    per_rank, done, out = math.ceil(p.numel / len(flats)), 0, []  # rank r holds r*c .. (r+1)*c, the last rank's tail padding
+    for f in flats:
+        n = min(per_rank, p.numel - done)
+        if n > 0:
+            out.append((f, p.offset, n))
+            done += n
+    return out
+
+
+def _param_views(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[torch.Tensor]:
+    return [v for f, offset, n in _param_ranges(ckpt, p, _flats(ckpt, p, key)) for v in f.views(offset, n)]
+
+
+def _mapped_pieces(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None):
+    """LazyTensor.mapped_pieces for ``p``, when every rank file is memory-mapped (torch's zip format)."""
+    if not all(o.mapped for o in ckpt.optims):
+        return None
+    return lambda: _param_views(ckpt, p, key)
 
 
 def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatView]:
@@ -506,6 +538,7 @@ def _optimizer(ckpt: DeepSpeedCheckpoint) -> OptimizerState:
                 TensorSpec(p.shape, o0.state[p.flat][key].dtype),
                 lambda p=p, key=key: _param_tensor(ckpt, p, _flats(ckpt, p, key)),
                 f"{o0.path}:{key}",
+                mapped_pieces=_mapped_pieces(ckpt, p, key),
             )
     scalar_out: dict[str, dict[str, dict[str, Any]]] = {}
     for p in ckpt.params:
@@ -529,7 +562,7 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
     ckpt = read_native(path, trust_pickle)
     trainable = {
         p.name: LazyTensor(TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
-                           f"{ckpt.optims[0].path}:fp32")
+                           f"{ckpt.optims[0].path}:fp32", mapped_pieces=_mapped_pieces(ckpt, p, None))
         for p in ckpt.params
     }
     layout = ckpt.info.layout

@@ -19,7 +19,7 @@ import torch
 
 from .dtypes import from_st_code, st_code
 from .errors import CorruptCheckpointError, MissingFileError
-from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, raw_bytes, tensor_from_bytes
+from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, raw_bytes, release_mapped_pages, tensor_from_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -31,6 +31,7 @@ class TensorEntry:
     name: str
     spec: TensorSpec
     fetch: Callable[[], torch.Tensor]
+    mapped_pieces: Callable[[], list[torch.Tensor]] | None = None  # LazyTensor.mapped_pieces: written without a copy
 
 
 @dataclass
@@ -75,8 +76,24 @@ def _start_writeback(f, offset: int, length: int) -> None:
 FILE_DIGEST_ALGO = "sha256-st"
 
 
-def _hash_tensor(data: memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
+def _hash_tensor(data: list[memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for piece in data:
+        h.update(piece)
+    return h.digest()
+
+
+def _fetch(entry: TensorEntry) -> list[torch.Tensor]:
+    """The entry's bytes as contiguous tensors: mapped views when the source offers them, else one loaded tensor."""
+    if entry.mapped_pieces is not None:
+        pieces = entry.mapped_pieces()
+        if sum(p.numel() for p in pieces) != entry.spec.numel or any(p.dtype != entry.spec.dtype for p in pieces):
+            raise ValueError(f"{entry.name}: mapped pieces do not make up {entry.spec.describe()}")
+        return pieces
+    tensor = entry.fetch()
+    if tuple(tensor.shape) != entry.spec.shape or tensor.dtype != entry.spec.dtype:
+        raise ValueError(f"{entry.name}: source gave {tensor.dtype}{list(tensor.shape)}, expected {entry.spec.describe()}")
+    return [tensor]
 
 
 def safetensors_digest(path: str | os.PathLike) -> str:
@@ -126,25 +143,26 @@ def write_safetensors(
         f.write(head)
         file_hash.update(head)
         total += len(head)
-        ahead = pool.submit(entries[0].fetch) if entries else None
+        ahead = pool.submit(_fetch, entries[0]) if entries else None
         for i, entry in enumerate(entries):
-            tensor = ahead.result()  # fetched while the previous tensor was written
-            ahead = pool.submit(entries[i + 1].fetch) if i + 1 < len(entries) else None
-            if tuple(tensor.shape) != entry.spec.shape or tensor.dtype != entry.spec.dtype:
-                raise ValueError(
-                    f"{entry.name}: source gave {tensor.dtype}{list(tensor.shape)}, "
-                    f"expected {entry.spec.describe()}"
-                )
-            data = raw_bytes(tensor)
+            pieces = ahead.result()  # fetched while the previous tensor was written
+            ahead = pool.submit(_fetch, entries[i + 1]) if i + 1 < len(entries) else None
+            data = [raw_bytes(p) for p in pieces]
             pending = pool.submit(_hash_tensor, data) if digests else None
-            f.write(data)
-            _start_writeback(f, total, len(data))
+            nbytes = 0
+            for piece in data:
+                f.write(piece)
+                nbytes += len(piece)
+            _start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()
                 file_hash.update(raw)
                 tensor_digests[entry.name] = f"{DIGEST_ALGO}:" + raw.hex()
-            total += len(data)
-            del tensor, data
+            if entry.mapped_pieces is not None:
+                for p in pieces:
+                    release_mapped_pages(p)  # written and hashed: out of RSS, still in the page cache
+            total += nbytes
+            del pieces, data
             if on_tensor is not None:
                 on_tensor(entry)
         f.flush()

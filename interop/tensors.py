@@ -39,6 +39,9 @@ class LazyTensor:
     loader: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""  # file (and key) it comes from, for error messages and `inspect`
     digest: str | None = None  # known digest of the bytes (from a manifest): lets `diff` skip loading
+    # Optional: the bytes as contiguous 1-D views of memory-mapped files, in order, without a copy. A writer
+    # that only streams bytes out (safetensors) writes and hashes these directly, then releases their pages.
+    mapped_pieces: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, origin: str = "memory") -> "LazyTensor":

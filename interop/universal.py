@@ -84,7 +84,7 @@ def write_sharded(
     Without ``digests`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
     a known digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
     digests = digests or any(t.digest is not None for t in tensors.values())
-    entries = [TensorEntry(name, t.spec, t.load) for name, t in tensors.items()]
+    entries = [TensorEntry(name, t.spec, t.load, t.mapped_pieces) for name, t in tensors.items()]
     shards = shard_groups(entries, max_shard_size)
     result = WriteResult()
     os.makedirs(os.path.join(root, subdir), exist_ok=True)
