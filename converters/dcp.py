@@ -242,7 +242,33 @@ class DCPReader:
         return TensorSpec(tuple(md.size), md.properties.dtype)
 
     def lazy(self, key: str) -> LazyTensor:
-        return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]")
+        pieces = (lambda: self.row_pieces(key)) if self._rows_tile(key) else None
+        return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]", mapped_pieces=pieces)
+
+    def _rows_tile(self, key: str) -> bool:
+        """Whether the chunks are whole-row blocks that tile dim 0 (FSDP2's sharding): then the tensor's bytes
+        are the chunks' bytes one after another."""
+        spec, chunks = self.spec(key), sorted(self._chunks.get(key, []), key=lambda c: c.offsets)
+        if not chunks or not spec.shape:
+            return False
+        row = 0
+        for c in chunks:
+            if c.offsets[0] != row or any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != spec.shape[1:]:
+                return False
+            row += c.sizes[0]
+        return row == spec.shape[0]
+
+    def row_pieces(self, key: str) -> list[torch.Tensor]:
+        """LazyTensor.mapped_pieces: each chunk's bytes as a view of its mapped file, in row order."""
+        spec, out = self.spec(key), []
+        for c in sorted(self._chunks[key], key=lambda c: c.offsets):
+            data = self._mapped(c.file, c.offset, c.length, f"chunk {list(c.offsets)} of {key!r}")
+            if tuple(data.shape) != c.sizes or data.dtype != spec.dtype or not data.is_contiguous():
+                raise CorruptCheckpointError(
+                    os.path.join(self.directory, c.file), f"chunk {list(c.offsets)} of {key!r} is not {spec.dtype}{list(c.sizes)}"
+                )
+            out.append(data.reshape(-1))
+        return out
 
     # the bytes
     def _mapped(self, relative: str, offset: int, length: int, what: str) -> torch.Tensor:
