@@ -21,7 +21,7 @@ from converters.registry import detect, read  # noqa: E402
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
 from interop.tensors import LazyTensor  # noqa: E402
 
-from .conftest import ROOT, free_port, worker_env  # noqa: E402
+from .conftest import ROOT, free_port, run_workers, worker_env  # noqa: E402
 from .odd_model import FROZEN  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -33,9 +33,7 @@ RUN = ["--steps", "4", "--save-every", "2", "--batch-size", "4", "--seq-len", "1
 def acc_run(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", ACC_WORKER, *args]
-    result = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result
+    return run_workers(cmd, worker_env(), timeout)
 
 
 def last_json(result: subprocess.CompletedProcess) -> dict:
@@ -439,18 +437,16 @@ def test_accelerate_launch_examples_with_activation_checkpointing(tmp_path, layo
     env = worker_env()
     env.pop("OMP_NUM_THREADS")
     cfg = ROOT / "examples" / f"{layout}.yaml"
-    result = subprocess.run(
+    result = run_workers(
         ["accelerate", "launch", "--config_file", str(cfg), "--main_process_port", str(free_port()),
          str(ROOT / "examples" / "train_accelerate.py"), *RUN, "--activation-checkpointing", "--output-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env, 300,
     )
-    assert result.returncode == 0, result.stderr[-5000:]
-    plain = subprocess.run(
+    plain = run_workers(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
          "trainers.accelerate", *RUN, *(["--fsdp"] if layout == "fsdp2" else []), "--output-dir", str(tmp_path / "plain")],
-        env=worker_env(), capture_output=True, text=True, timeout=300,
+        worker_env(), 300,
     )
-    assert plain.returncode == 0, plain.stderr[-5000:]
     assert last_json(result)["losses"] == last_json(plain)["losses"]
     memory = json.loads((tmp_path / "checkpoint-4" / "manifest.json").read_text())["memory"]
     assert memory["activation_checkpoints"] == 2 and len(memory["ranks"]) == 2

@@ -20,7 +20,7 @@ from converters.ds_universal import read_ds_universal, write_ds_universal  # noq
 from converters.registry import detect  # noqa: E402
 from interop.errors import CorruptCheckpointError, MissingFileError, TopologyError, UnsupportedStateError  # noqa: E402
 
-from .conftest import ROOT, free_port, worker_env  # noqa: E402
+from .conftest import ROOT, free_port, run_workers, worker_env  # noqa: E402
 from .ds_worker import LAYOUTS  # noqa: E402
 from .odd_model import FROZEN, odd_model  # noqa: E402
 
@@ -35,9 +35,7 @@ def ds_run(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedPr
            f"--master_port={free_port()}", DS_WORKER, *args]
     env = worker_env()
     env["DS_ACCELERATOR"] = "cpu"
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result
+    return run_workers(cmd, env, timeout)
 
 
 def last_json(result: subprocess.CompletedProcess) -> dict:
