@@ -279,7 +279,9 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     if frozen is None:
         trainable = {n for g in (optimizer.param_groups if optimizer else []) for n in g["params"]}
         aliases = {t for t, *_ in tied}
-        frozen = [n for n in model if optimizer is not None and n not in trainable and n not in aliases and _is_param(config, n)]
+        params = _param_names_of(config)
+        frozen = [n for n in model if optimizer is not None and n not in trainable and n not in aliases
+                  and (params is None or n in params)]
     factor = int(((manifest.optimizer or {}) if manifest else {}).get("scheduler_steps_per_step", files.num_processes))
     extra: dict[str, Any] = {}
     rank_state: dict[str, list[Any]] = {}
@@ -315,9 +317,10 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     )
 
 
-def _is_param(config, name: str) -> bool:
+def _param_names_of(config) -> set[str] | None:
+    """The model's parameter names (buffers excluded), from its config on the meta device; None without one."""
     meta = meta_model(config)
-    return meta is None or name in dict(meta.named_parameters())
+    return None if meta is None else {n for n, _ in meta.named_parameters()}
 
 
 def _bin_model(directory: str, trust_pickle: bool) -> dict:

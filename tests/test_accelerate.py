@@ -18,7 +18,7 @@ pytest.importorskip("accelerate", reason="Accelerate tests need accelerate (pip 
 from converters.accelerate import read_accelerate  # noqa: E402
 from converters.dcp import DCPReader, read_metadata, unflatten_lists, write_dcp  # noqa: E402
 from converters.registry import detect, read  # noqa: E402
-from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
 from interop.tensors import LazyTensor  # noqa: E402
 
 from .conftest import ROOT, free_port, run_workers, worker_env  # noqa: E402
@@ -466,3 +466,26 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_masters_and_resumes_exactly(tmp_p
     resumed = last_json(acc_run(2, "train", *RUN, *flags, "--output-dir", str(tmp_path / "r"),
                                 "--resume", str(tmp_path / "full" / "checkpoint-2")))
     assert resumed["losses"] == full["losses"][2:]
+
+
+def test_bare_save_state_directories(runs, tmp_path):
+    """accelerate's own save_state output, without our manifest, beside the model's config.json: FSDP2's DCP
+    files name everything, so it reads exactly as our checkpoint does (frozen parameters found from the config);
+    DDP's optimizer.bin names nothing, and with frozen parameters its ids cannot be placed: a clear error."""
+    for layout in ("fsdp", "ddp"):
+        ckpt = runs[layout][0] / "checkpoint-4"
+        bare = tmp_path / layout
+        shutil.copytree(ckpt / "accelerate", bare)
+        config = json.loads((ckpt / "manifest.json").read_text())["model"]["config"]
+        (bare / "config.json").write_text(json.dumps(config))
+        ours = read_accelerate(str(ckpt))
+        if layout == "ddp":
+            with pytest.raises(ConversionError, match=r"cannot tell which parameter each of optimizer\.bin's 17 entries is \(groups of \[12, 5\], model has 20"):
+                read_accelerate(str(bare))
+            continue
+        theirs = read_accelerate(str(bare))
+        assert theirs.frozen == ours.frozen and theirs.step == 4 and theirs.tied == [TIED]
+        a, b = dict(theirs.tensors()), dict(ours.tensors())
+        assert a.keys() == b.keys() and all(torch.equal(a[k].load(), b[k].load()) for k in a)
+        assert theirs.extra_state["scheduler"] == ours.extra_state["scheduler"]
+        assert len(theirs.rank_state["rng"]) == 2  # accelerate's RNG files become the per-rank rng component
