@@ -22,7 +22,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_bench  # noqa: E402
-from hf_roundtrip import model_config  # noqa: E402
 from measure import REPO, measure  # noqa: E402
 
 REFERENCE = r"""
@@ -61,20 +60,10 @@ for name in sys.argv[2:]:
 
 def train_and_save(out: str, hidden: int, layers: int) -> None:
     """Runs on each process under torch.distributed.run: one FSDP2 step, then the trainer's checkpoint."""
-    import transformers
-
     from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
-    from trainers.base import shutdown
-
-    class BenchTrainer(AccelerateTrainer):
-        def build_model(self):
-            return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
 
     cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=out, keep_last=None)
-    trainer = BenchTrainer(cfg)
-    trainer.train()
-    trainer.save()
-    shutdown()
+    engine_bench.train_one_step(AccelerateTrainer, cfg, hidden, layers)
 
 
 def main() -> None:

@@ -24,26 +24,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_bench  # noqa: E402
-from hf_roundtrip import model_config  # noqa: E402
 from measure import REPO, measure  # noqa: E402
 
 
 def train_and_save(out: str, hidden: int, layers: int) -> None:
-    """Runs on each rank under torch.distributed.run: one ZeRO-3 step, then the trainer's checkpoint."""
-    import transformers
-
-    from trainers.base import shutdown
+    """Runs on each process under torch.distributed.run: one ZeRO-3 step, then the trainer's checkpoint."""
     from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig
 
-    class BenchTrainer(DeepSpeedTrainer):
-        def build_model(self):
-            return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
-
     cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=2, seq_len=16, output_dir=out, keep_last=None)
-    trainer = BenchTrainer(cfg)
-    trainer.train()
-    trainer.save()
-    shutdown()
+    engine_bench.train_one_step(DeepSpeedTrainer, cfg, hidden, layers)
 
 
 def main() -> None:

@@ -31,6 +31,22 @@ class Prepared:
     native: str  # the engine's own directory inside it
 
 
+def train_one_step(trainer_cls, cfg, hidden: int, layers: int) -> None:
+    """On each process: ``trainer_cls`` with the benchmark's Llama, one step, then its checkpoint."""
+    import transformers
+
+    from trainers.base import shutdown
+
+    class BenchTrainer(trainer_cls):
+        def build_model(self):
+            return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
+
+    trainer = BenchTrainer(cfg)
+    trainer.train()
+    trainer.save()
+    shutdown()
+
+
 def warm(path: str) -> int:
     """Read every file once, so each step reads from the page cache alike; returns the bytes read."""
     total = 0

@@ -22,25 +22,29 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
+from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from interop.manifest import MANIFEST, Manifest, read_manifest
 from interop.pieces import read_piece
+from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
-from interop.state import SharingPattern, WorldSizePolicy
+from interop.planner import pieces_for
+from interop.state import ComponentSpec, SharingPattern
 from interop.topology import Topology
-from interop.universal import copy_components, model_entries, read_hf_safetensors, scalar_entry, scalar_value
-from interop.verify import check_files, tree_records
+from interop.universal import model_entries, read_hf_safetensors, scalar_value, split_optimizer_state, write_sharded
+from interop.verify import check_files
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
+from .engine_checkpoint import write_engine_checkpoint
 from .families import meta_model, tied_groups
-from .param_order import engine_order
+from .param_order import EngineOrder, engine_order
 from .pickle_safety import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -186,22 +190,12 @@ def _optimizer_from_bin(directory: str, manifest, config, model, trust_pickle: b
     unknown = sorted(set(per_id) - set(by_id))
     if unknown:
         raise CorruptCheckpointError(path, f"optimizer state for parameter ids no param group holds: {unknown[:5]}")
-    tensors: dict[str, dict] = {}
-    scalars: dict[str, dict] = {}
     for i, entries in per_id.items():
         name = by_id[i]
         if name in model and any(v.dim() > 0 and tuple(v.shape) != model[name].spec.shape for v in entries.values() if isinstance(v, torch.Tensor)):
             raise CorruptCheckpointError(path, f"optimizer state of {name!r} does not have its shape {list(model[name].spec.shape)}")
-        for key, value in entries.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            if t.dim() > 0:
-                from interop.tensors import LazyTensor
-
-                tensors.setdefault(key, {})[name] = LazyTensor.of(t, f"{path}[{i}.{key}]")
-            else:
-                scalars.setdefault(key, {})[name] = scalar_entry(t)
     named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ns} for g, ns in zip(groups, names)]
-    return OptimizerState("AdamW", named_groups, tensors, scalars)
+    return OptimizerState("AdamW", named_groups, *split_optimizer_state({by_id[i]: e for i, e in per_id.items()}, path))
 
 
 def scale_scheduler(state: dict[str, Any], from_factor: int, to_factor: int, where: str = SCHEDULER_BIN) -> dict[str, Any]:
@@ -223,12 +217,9 @@ def scale_scheduler(state: dict[str, Any], from_factor: int, to_factor: int, whe
 
 def rng_from_accelerate(states: dict[str, Any]) -> dict[str, Any]:
     """accelerate's random_states_<rank>.pkl as interop.rng.RNGState's state dict."""
-    version, internal, gauss = states["random_state"]
-    kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
     out = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
-        "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "python": python_state_dict(states["random_state"]),
+        "numpy": numpy_state_dict(states["numpy_random_seed"]),
         "torch": states["torch_manual_seed"],
     }
     if "torch_cuda_manual_seed" in states:
@@ -237,14 +228,10 @@ def rng_from_accelerate(states: dict[str, Any]) -> dict[str, Any]:
 
 
 def rng_to_accelerate(state: dict[str, Any], step: int) -> dict[str, Any]:
-    import numpy as np
-
-    py, n = state["python"], state["numpy"]
-    keys = n["keys"].numpy() if isinstance(n["keys"], torch.Tensor) else np.asarray(n["keys"])
     out = {
         "step": step,
-        "random_state": (py["version"], tuple(py["state"]), py["gauss_next"]),
-        "numpy_random_seed": (n["kind"], keys.astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]),
+        "random_state": python_state_tuple(state["python"]),
+        "numpy_random_seed": numpy_state_tuple(state["numpy"]),
         "torch_manual_seed": state["torch"],
     }
     if "cuda" in state:
@@ -362,24 +349,21 @@ def _rank_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | 
     comp = ckpt.components.get(RNG)
     if comp is None or comp.record.pattern != SharingPattern.PER_RANK.value or len(comp.record.pieces) != world:
         return None
-    return [read_piece(comp.directory, comp.record.pieces[f"rank/{r:05d}"]) for r in range(world)]
+    spec = ComponentSpec(RNG, SharingPattern.PER_RANK)
+    return [read_piece(comp.directory, comp.record.pieces[p.owner]) for p in pieces_for(spec, Topology.uniform(world))]
 
 
-def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp: bool) -> list[str]:
+def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp: bool, order: EngineOrder | None = None) -> list[str]:
     """accelerate's save_state files for ``world_size`` processes into ``directory``; returns notes."""
-    from safetensors.torch import save_file
-
     notes: list[str] = []
     os.makedirs(directory, exist_ok=True)
-    order = engine_order(ckpt)
+    order = order or engine_order(ckpt)
     opt = ckpt.optimizer
     if fsdp:
         write_dcp({"model": model_tree(ckpt, order)}, os.path.join(directory, MODEL_DCP))
         write_dcp({"optimizer": optimizer_tree(ckpt, order)}, os.path.join(directory, OPTIM_DCP))
-    else:
-        tensors = {n: t.load().contiguous() for n, t in model_entries(ckpt).items()}
-        save_file(tensors, os.path.join(directory, SAFE_MODEL), metadata={"format": "pt"})
-        del tensors
+    else:  # model.safetensors, one file whatever its size (load_state reads no index), streamed
+        write_sharded(directory, "", SAFE_MODEL.removesuffix(".safetensors"), model_entries(ckpt), sys.maxsize, digests=False)
         ids = {n: i for i, n in enumerate(n for g in order.groups for n in g)}
         per_id: dict[int, dict[str, Any]] = {}
         for key, per in (opt.scalars.items() if opt else []):
@@ -418,41 +402,15 @@ def write_accelerate(ckpt: LogicalCheckpoint, dst: str, world_size: int, fsdp: b
     ``dst`` with the source's data position and trainer state beside it."""
     import accelerate
 
-    with staged_output(dst, overwrite) as out:
-        notes = write_native(ckpt, os.path.join(out, NATIVE_KEY), world_size, fsdp)
-        files: dict[str, FileRecord] = tree_records(out, NATIVE_KEY)
-        consumed = {SCHEDULER} | {k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")}
-        carried = LogicalCheckpoint(
-            model={}, components={k: v for k, v in ckpt.components.items() if k not in consumed},
-            extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed}, rank_state=ckpt.rank_state,
-        )
-        components = copy_components(carried, out, files)
-        components[NATIVE_KEY] = ComponentRecord(
-            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_KEY}, native=True
-        )
-        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
-            fsync_path(d)
-        order = engine_order(ckpt)
-        sharding = ShardingMetadata(
-            strategy=Strategy.FSDP if fsdp else Strategy.DDP, world_size=world_size, dp=world_size,
-            precision=ckpt.source.get("dtype") or "float32", sharding_strategy="full_shard" if fsdp else None,
-        )
-        manifest = Manifest(
-            format=CHECKPOINT_FORMAT,
-            topology=ckpt.topology or Topology.uniform(world_size).to_json(),  # what the carried components' pieces are for
-            committed_at=now_iso(),
-            producer=producer_versions(accelerate=accelerate.__version__),
-            step=ckpt.step,
-            source=ckpt.source,
-            sharding=sharding.to_json(),
-            model={"family": (ckpt.config or {}).get("model_type"), "config": ckpt.config, "tied": ckpt.tied, "frozen": ckpt.frozen},
-            optimizer={"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups,
-                       "scheduler_steps_per_step": world_size},
-            components=components,
-            files=dict(sorted(files.items())),
-            notes=list(ckpt.notes) + notes,
-        )
-        write_manifest(out, manifest)
-    for note in notes:
-        log.warning("%s", note)
-    return manifest
+    order = engine_order(ckpt)
+    sharding = ShardingMetadata(
+        strategy=Strategy.FSDP if fsdp else Strategy.DDP, world_size=world_size, dp=world_size,
+        precision=ckpt.source.get("dtype") or "float32", sharding_strategy="full_shard" if fsdp else None,
+    )
+    optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups,
+                 "scheduler_steps_per_step": world_size}
+    consumed = frozenset({SCHEDULER} | {k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")})  # in accelerate/ now
+    return write_engine_checkpoint(
+        ckpt, dst, NATIVE_KEY, lambda directory: write_native(ckpt, directory, world_size, fsdp, order), sharding,
+        {"accelerate": accelerate.__version__}, optimizer, overwrite, consumed,
+    )

@@ -25,7 +25,7 @@ import torch
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
-from interop.universal import scalar_entry, scalar_value
+from interop.universal import scalar_value, split_optimizer_state
 
 from .param_order import EngineOrder
 
@@ -355,7 +355,7 @@ class DCPReader:
         for key, path in self.paths.items():
             if path[: len(prefix)] != prefix:
                 continue
-            value = self.lazy(key) if key in self._chunks or hasattr(self.metadata.state_dict_metadata[key], "chunks") else self.read_object(key)
+            value = self.lazy(key) if hasattr(self.metadata.state_dict_metadata[key], "chunks") else self.read_object(key)
             node = root
             for part in path[len(prefix):-1]:
                 node = node.setdefault(part, {})
@@ -423,19 +423,12 @@ def optimizer_from_tree(tree: dict[str, Any], where: str) -> OptimizerState:
     groups = tree.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
         raise CorruptCheckpointError(where, "holds no optimizer param_groups with parameter names")
-    tensors: dict[str, dict[str, LazyTensor]] = {}
-    scalars: dict[str, dict[str, dict[str, Any]]] = {}
     members = {n for g in groups for n in g["params"]}
-    for name, entries in (tree.get("state") or {}).items():
-        if name not in members:
-            raise CorruptCheckpointError(where, f"optimizer state for {name!r}, which no param group holds")
-        for key, value in entries.items():
-            if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
-                tensors.setdefault(key, {})[name] = value
-            else:
-                t = value.load() if isinstance(value, LazyTensor) else torch.tensor(value)
-                scalars.setdefault(key, {})[name] = scalar_entry(t)
-    return OptimizerState("AdamW", groups, tensors, scalars)
+    state = tree.get("state") or {}
+    unknown = [name for name in state if name not in members]
+    if unknown:
+        raise CorruptCheckpointError(where, f"optimizer state for {unknown[0]!r}, which no param group holds")
+    return OptimizerState("AdamW", groups, *split_optimizer_state(state, where))
 
 
 def drop_tied_aliases(model: dict[str, LazyTensor], tied: list[list[str]]) -> dict[str, LazyTensor]:

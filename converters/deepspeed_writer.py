@@ -22,18 +22,15 @@ from typing import Any
 
 import torch
 
-from interop.commit import fsync_path, staged_output, write_manifest
 from interop.dtypes import dtype_from_name
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
-from interop.manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
+from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
-from interop.state import SharingPattern, WorldSizePolicy
-from interop.topology import Topology
-from interop.universal import copy_components, scalar_value
-from interop.verify import tree_records
+from interop.universal import scalar_value
 
 from .deepspeed import NATIVE_KEY, NativeLayout
+from .engine_checkpoint import write_engine_checkpoint
 from .param_order import EngineOrder, engine_order
 
 log = logging.getLogger(__name__)
@@ -361,33 +358,12 @@ def write_deepspeed(
     """An interop checkpoint whose ``deepspeed/`` is a native ZeRO checkpoint of ``layout``, with the source's
     other components (scheduler, data position, RNG, ...) beside it: our DeepSpeed trainer resumes from it,
     and ``engine.load_checkpoint(dst + "/deepspeed")`` and ``zero_to_fp32.py`` work on it directly."""
-    with staged_output(dst, overwrite) as out:
-        native_dir = os.path.join(out, NATIVE_KEY)
-        write_native(ckpt, native_dir, layout, ds_config)
-        files: dict[str, FileRecord] = tree_records(out, NATIVE_KEY)
-        components = copy_components(ckpt, out, files)
-        components[NATIVE_KEY] = ComponentRecord(
-            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_KEY}, native=True
-        )
-        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
-            fsync_path(d)
-        sharding = ShardingMetadata(
-            strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
-            master_precision="float32", zero_stage=layout.zero_stage,
-        )
-        manifest = Manifest(
-            format=CHECKPOINT_FORMAT,
-            topology=ckpt.topology or Topology.uniform(layout.world_size).to_json(),
-            committed_at=now_iso(),
-            producer=producer_versions(deepspeed=_deepspeed()[0].__version__),
-            step=ckpt.step,
-            source=ckpt.source,
-            sharding=sharding.to_json(),
-            model={"family": (ckpt.config or {}).get("model_type"), "config": ckpt.config, "tied": ckpt.tied, "frozen": ckpt.frozen},
-            optimizer={"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None,
-            components=components,
-            files=dict(sorted(files.items())),
-            notes=list(ckpt.notes),
-        )
-        write_manifest(out, manifest)
-    return manifest
+    sharding = ShardingMetadata(
+        strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
+        master_precision="float32", zero_stage=layout.zero_stage,
+    )
+    return write_engine_checkpoint(
+        ckpt, dst, NATIVE_KEY, lambda directory: write_native(ckpt, directory, layout, ds_config), sharding,
+        {"deepspeed": _deepspeed()[0].__version__}, {"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None,
+        overwrite,
+    )

@@ -10,15 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 
 from interop.errors import ConversionError, CorruptCheckpointError
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
 from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, Manifest, read_manifest
 from interop.commit import resolve_checkpoint_dir
 from interop.pieces import read_piece
-from interop.tensors import LazyTensor
-from interop.universal import scalar_entry
+from interop.universal import split_optimizer_state
 from interop.verify import check_files
 
 from .families import tied_groups
@@ -57,18 +55,7 @@ def _optimizer(directory: str, manifest: Manifest) -> OptimizerState:
         groups: list[dict[str, Any]] = state["param_groups"]
     except (KeyError, TypeError):
         raise CorruptCheckpointError(directory, "optimizer component lacks 'state'/'param_groups'") from None
-    tensors: dict[str, dict[str, LazyTensor]] = {}
-    scalars: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, entries in per_param.items():
-        for key, value in entries.items():
-            if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
-                tensors.setdefault(key, {})[name] = value
-            elif isinstance(value, LazyTensor):
-                scalars.setdefault(key, {})[name] = scalar_entry(value.load())
-            elif isinstance(value, (int, float)):
-                scalars.setdefault(key, {})[name] = scalar_entry(torch.tensor(value))
-            else:
-                raise ConversionError(f"{directory}: optimizer state {key!r} of {name!r} is a {type(value).__name__}")
+    tensors, scalars = split_optimizer_state(per_param, directory)
     cls = (manifest.optimizer or {}).get("class", "AdamW")
     return OptimizerState(cls, groups, tensors, scalars)
 

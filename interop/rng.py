@@ -12,15 +12,34 @@ import numpy as np
 import torch
 
 
+def python_state_dict(state: tuple) -> dict[str, Any]:
+    """``random.getstate()`` as plain data."""
+    version, internal, gauss = state
+    return {"version": version, "state": list(internal), "gauss_next": gauss}
+
+
+def python_state_tuple(state: dict[str, Any]) -> tuple:
+    return (state["version"], tuple(state["state"]), state["gauss_next"])
+
+
+def numpy_state_dict(state: tuple) -> dict[str, Any]:
+    """A NumPy ``RandomState.get_state()`` tuple as plain data (its keys an array the codec stores without pickle)."""
+    kind, keys, pos, has_gauss, cached = state
+    return {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def numpy_state_tuple(state: dict[str, Any]) -> tuple:
+    keys = state["keys"].numpy() if isinstance(state["keys"], torch.Tensor) else state["keys"]
+    return (state["kind"], np.asarray(keys, dtype=np.uint32), state["pos"], state["has_gauss"], state["cached_gaussian"])
+
+
 class RNGState:
     """Captures and restores every global generator a training loop draws from."""
 
     def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = random.getstate()
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
-            "python": {"version": version, "state": list(internal), "gauss_next": gauss},
-            "numpy": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "python": python_state_dict(random.getstate()),
+            "numpy": numpy_state_dict(np.random.get_state()),
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -28,10 +47,8 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-        n = state["numpy"]
-        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        random.setstate(python_state_tuple(state["python"]))
+        np.random.set_state(numpy_state_tuple(state["numpy"]))
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             saved = list(state["cuda"])

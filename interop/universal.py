@@ -311,3 +311,25 @@ def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
 
 def scalar_entry(t: torch.Tensor) -> dict[str, Any]:
     return {"value": t.item(), "dtype": dtype_name(t.dtype)}
+
+
+def split_optimizer_state(
+    per_name: dict[str, dict[str, Any]], where: str
+) -> tuple[dict[str, dict[str, LazyTensor]], dict[str, dict[str, dict[str, Any]]]]:
+    """A name-keyed optimizer state (``{name: {key: value}}``) as OptimizerState's ``tensors`` (state key ->
+    name -> tensor) and ``scalars`` (0-dim values and numbers: AdamW's step). Values may be lazy or loaded."""
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, entries in per_name.items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                value = LazyTensor.of(value, f"{where}[{name}.{key}]")
+            if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
+                tensors.setdefault(key, {})[name] = value
+            elif isinstance(value, LazyTensor):
+                scalars.setdefault(key, {})[name] = scalar_entry(value.load())
+            elif isinstance(value, (int, float)):
+                scalars.setdefault(key, {})[name] = scalar_entry(torch.tensor(value))
+            else:
+                raise ConversionError(f"{where}: optimizer state {key!r} of {name!r} is a {type(value).__name__}")
+    return tensors, scalars

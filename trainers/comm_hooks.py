@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from interop.rng import numpy_state_dict, numpy_state_tuple
+
 log = logging.getLogger(__name__)
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -114,23 +116,19 @@ class PowerSGDStateful:
         for index, names in self._layouts.items():
             for key, pieces in self._split_bucket(index, names).items():
                 by_name[key].update(pieces)
-        kind, keys, pos, has_gauss, cached = s.rng.get_state()
         return {
             **by_name,
             "iter": s.iter,
-            "rng": {"kind": kind, "keys": keys, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "rng": numpy_state_dict(s.rng.get_state()),
             "total_numel_before_compression": s.total_numel_before_compression,
             "total_numel_after_compression": s.total_numel_after_compression,
             "next_stats_report": s.next_stats_report,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        import numpy as np
-
         s = self.state
         s.iter = int(state["iter"])
-        r = state["rng"]
-        s.rng.set_state((r["kind"], np.asarray(r["keys"], dtype=np.uint32), r["pos"], r["has_gauss"], r["cached_gaussian"]))
+        s.rng.set_state(numpy_state_tuple(state["rng"]))
         s.total_numel_before_compression = state["total_numel_before_compression"]
         s.total_numel_after_compression = state["total_numel_after_compression"]
         s.next_stats_report = state["next_stats_report"]

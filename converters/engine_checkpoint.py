@@ -1,0 +1,69 @@
+"""An interop checkpoint around an engine's own files (``deepspeed/``, ``accelerate/``): what our engine trainers
+save and resume from, and what ``interop convert --to deepspeed|accelerate`` writes. The engine's directory is
+a native component; the source's other components (data position, trainer state, RNG, ...) are carried beside
+it; everything is staged, listed and digested in the manifest, and published at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from interop.commit import fsync_path, staged_output, write_manifest
+from interop.logical import LogicalCheckpoint
+from interop.manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
+from interop.sharding import ShardingMetadata
+from interop.state import SharingPattern, WorldSizePolicy
+from interop.topology import Topology
+from interop.universal import copy_components
+from interop.verify import tree_records
+
+log = logging.getLogger(__name__)
+
+
+def write_engine_checkpoint(
+    ckpt: LogicalCheckpoint,
+    dst: str,
+    key: str,
+    write_files: Callable[[str], list[str] | None],
+    sharding: ShardingMetadata,
+    producer: dict[str, str],
+    optimizer: dict | None,
+    overwrite: bool = False,
+    consumed: frozenset[str] = frozenset(),
+) -> Manifest:
+    """``write_files(directory)`` writes the engine's files (and may return notes); ``consumed`` names the
+    source components those files already hold, which are therefore not carried beside them."""
+    with staged_output(dst, overwrite) as out:
+        notes = write_files(os.path.join(out, key)) or []
+        files: dict[str, FileRecord] = tree_records(out, key)
+        carried = ckpt
+        if consumed:
+            carried = LogicalCheckpoint(
+                model={}, components={k: v for k, v in ckpt.components.items() if k not in consumed},
+                extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed}, rank_state=ckpt.rank_state,
+            )
+        components = copy_components(carried, out, files)
+        components[key] = ComponentRecord(
+            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": key}, native=True
+        )
+        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
+            fsync_path(d)
+        manifest = Manifest(
+            format=CHECKPOINT_FORMAT,
+            topology=ckpt.topology or Topology.uniform(sharding.world_size).to_json(),  # what the carried pieces are for
+            committed_at=now_iso(),
+            producer=producer_versions(**producer),
+            step=ckpt.step,
+            source=ckpt.source,
+            sharding=sharding.to_json(),
+            model={"family": (ckpt.config or {}).get("model_type"), "config": ckpt.config, "tied": ckpt.tied, "frozen": ckpt.frozen},
+            optimizer=optimizer,
+            components=components,
+            files=dict(sorted(files.items())),
+            notes=list(ckpt.notes) + notes,
+        )
+        write_manifest(out, manifest)
+    for note in notes:
+        log.warning("%s", note)
+    return manifest
