@@ -45,7 +45,7 @@ from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, 
 from .engine_checkpoint import write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .param_order import EngineOrder, engine_order
-from .pickle_safety import load_torch_file
+from .pickle_safety import load_torch_file, numpy_allowlist
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,8 @@ CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 SCHEDULER, RNG = "scheduler", "rng"
 
 
-def _numpy_allowlist() -> list[Any]:
-    import codecs
-
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
-    if hasattr(np, "dtypes"):
-        allow.append(np.dtypes.UInt32DType)
-    return allow
-
-
 def load_accelerate_file(path: str, trust_pickle: bool = False) -> Any:
-    return load_torch_file(path, trust_pickle, allow=_numpy_allowlist())
+    return load_torch_file(path, trust_pickle, allow=numpy_allowlist())
 
 
 # --- where the files are ------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=parse_size(getattr(args, "max_shard_size", None) or "5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl")},
     )
 
 
@@ -239,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
     g.add_argument("--fsdp", action="store_true", help="accelerate: the FSDP2 sharded layout (DCP) instead of DDP's")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="Megatron: tensor-parallel size")
+    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="Megatron: pipeline-parallel size")
+    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
+                   help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

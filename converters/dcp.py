@@ -39,6 +39,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
     import torch.distributed.checkpoint.metadata as md
+    import torch.distributed.checkpoint.planner as planner
     from torch.distributed.checkpoint import filesystem
 
     allowed: dict[tuple[str, str], Any] = {
@@ -54,6 +55,10 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
                  "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         if hasattr(md, name):
             allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(md, name)
+    # megatron-core's torch_dist strategy keeps its save plans in the metadata (to cache them): plain dataclasses
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        if hasattr(planner, name):
+            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     return allowed
 
 

@@ -21,6 +21,19 @@ from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickl
 ALLOWLIST: list[Any] = [collections.OrderedDict, collections.defaultdict, torch.Size]
 
 
+def numpy_allowlist() -> list[Any]:
+    """What a pickled ``np.random.get_state()`` needs (RNG states in accelerate's and Megatron's files)."""
+    import codecs
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    if hasattr(np, "dtypes"):
+        allow.append(np.dtypes.UInt32DType)
+    return allow
+
+
 def is_mapped(path: str) -> bool:
     """Whether ``load_torch_file`` maps ``path`` (torch's zip format) rather than reading it into memory."""
     return zipfile.is_zipfile(path)

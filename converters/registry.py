@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt
+from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt, megatron
 
 
 @dataclass
@@ -139,6 +139,22 @@ register(
         dcp.is_dcp_dir,
         lambda p, o: dcp.read_dcp_checkpoint(p),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
+    )
+)
+def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    tp = o.extra.get("tp") or ckpt.source.get("tp") or 1
+    pp = o.extra.get("pp") or ckpt.source.get("pp") or 1
+    te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
+    megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite)
+
+
+register(
+    Format(
+        "megatron",
+        "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt)",
+        megatron.is_megatron_legacy,
+        lambda p, o: megatron.read_megatron(p, o.trust_pickle),
+        _write_megatron,
     )
 )
 register(

@@ -1,0 +1,659 @@
+"""Megatron-LM's legacy checkpoint format (``--ckpt-format torch``), read and written at any TP and PP.
+
+    <dir>/latest_checkpointed_iteration.txt          the iteration, or "release"
+    <dir>/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   one file per tensor x pipeline rank
+
+Each file is a pickle holding ``args`` (Megatron-LM's argparse Namespace: the model's shape and the layout),
+``checkpoint_version`` 3.0, ``iteration``, ``model`` (``model0``, ``model1``, ... with virtual pipeline
+stages), ``optimizer`` (torch's state dict by parameter position, or mixed precision's dict around it with the
+fp32 master copies), ``opt_param_scheduler`` and ``rng_state``. Each pipeline stage numbers its layers from 0.
+
+Reading maps every tensor to its Hugging Face name through ``megatron_map`` and stays lazy: files are mapped,
+and a tensor's TP pieces are read and merged when a writer asks for it. The pickles are read with
+``weights_only``; Megatron's own objects in ``args`` (enums) become inert stand-ins, never imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from interop.commit import durable_write, staged_output
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
+from interop.tensors import LazyTensor, TensorSpec
+from interop.universal import scalar_entry, scalar_value
+
+from .megatron_arch import MegatronArch, padded_vocab
+from .megatron_map import (
+    LAYER_PREFIX, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows, rules,
+    split, stage_rules, tied_output_rule,
+)
+from .param_order import ADAMW_DEFAULTS
+from .pickle_safety import load_torch_file, numpy_allowlist
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+CHECKPOINT_VERSION = 3.0
+
+
+# --- Megatron's pickled objects, as inert stand-ins ---------------------------------------------------------
+class MegatronObject:
+    """Stands in for an object of Megatron's inside ``args`` (an enum, a config): its arguments, nothing runnable."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    def __repr__(self) -> str:
+        return f"MegatronObject{self.args}"
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_megatron_file(path: str, trust_pickle: bool = False) -> Any:
+    """A Megatron pickle with ``weights_only``: argparse's Namespace is allowed, and each ``megatron.*`` global
+    the file names is replaced by :class:`MegatronObject` (found one at a time from torch's refusal)."""
+    from interop.errors import UnsafePickleError
+
+    allow: list[Any] = [argparse.Namespace, *numpy_allowlist()]
+    for _ in range(64):
+        try:
+            return load_torch_file(path, trust_pickle, allow=allow)
+        except UnsafePickleError as exc:
+            found = re.search(r"references ([\w.]+)", exc.problem)
+            name = found.group(1) if found else ""
+            if not name.startswith("megatron.") or any(isinstance(a, tuple) and a[1] == name for a in allow):
+                raise
+            allow.append((MegatronObject, name))
+    raise CorruptCheckpointError(path, "names too many Megatron objects to stand in for")
+
+
+# --- where the files are -------------------------------------------------------------------------------------
+@dataclass
+class LegacyFiles:
+    root: str | None  # the directory with latest_checkpointed_iteration.txt, when there is one
+    iteration_dir: str
+    iteration: int | None  # None for "release"
+    tp: int
+    pp: int
+    paths: dict[tuple[int, int], str]  # (tp rank, pp rank) -> model_optim_rng.pt
+
+
+def _read_tracker(root: str) -> str:
+    path = os.path.join(root, TRACKER)
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        return "release"
+    if not text.isdigit():
+        raise CorruptCheckpointError(path, f"holds {text[:40]!r}, not an iteration number or 'release'")
+    return f"iter_{int(text):07d}"
+
+
+def _is_iteration_dir(path: str) -> bool:
+    try:
+        return any(RANK_DIR.match(d) and os.path.isfile(os.path.join(path, d, FILE)) for d in os.listdir(path))
+    except OSError:
+        return False
+
+
+def is_megatron_legacy(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        return True
+    return _is_iteration_dir(path)
+
+
+def locate(path: str, args: dict[str, Any] | None = None) -> LegacyFiles:
+    """The iteration directory ``path`` means (the root's latest, or the directory itself), and its rank files.
+
+    Every TP x PP rank must be present: the sizes come from the directory names, and from ``args`` when given,
+    so a rank directory that is missing at either end of the grid is named."""
+    root = None
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        root = path
+        iteration_dir = os.path.join(path, _read_tracker(path))
+        if not os.path.isdir(iteration_dir):
+            raise MissingFileError(iteration_dir, f"named by {TRACKER} but missing")
+    else:
+        iteration_dir = path
+    name = os.path.basename(os.path.normpath(iteration_dir))
+    found = ITER_DIR.match(name)
+    iteration = int(found.group(1)) if found else None
+    ranks: dict[tuple[int, int], str] = {}
+    has_pp = False
+    for d in sorted(os.listdir(iteration_dir)):
+        m = RANK_DIR.match(d)
+        if not m:
+            continue
+        if m.group(3) is not None:
+            raise ConversionError(f"{os.path.join(iteration_dir, d)}: expert-parallel checkpoints are not supported")
+        has_pp = has_pp or m.group(2) is not None
+        ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iteration_dir, d, FILE)
+    if not ranks:
+        raise MissingFileError(iteration_dir, "holds no mp_rank_* directories: not a Megatron checkpoint iteration")
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    if args:
+        tp = max(tp, int(args.get("tensor_model_parallel_size") or 1))
+        pp = max(pp, int(args.get("pipeline_model_parallel_size") or 1))
+    for t in range(tp):
+        for p in range(pp):
+            d = f"mp_rank_{t:02d}" + (f"_{p:03d}" if has_pp or pp > 1 else "")
+            path_tp = os.path.join(iteration_dir, d, FILE)
+            if (t, p) not in ranks or not os.path.isfile(path_tp):
+                raise MissingFileError(
+                    os.path.join(iteration_dir, d), f"missing: a checkpoint with TP {tp} x PP {pp} has one directory per rank"
+                )
+    return LegacyFiles(root, iteration_dir, iteration, tp, pp, ranks)
+
+
+# --- reading --------------------------------------------------------------------------------------------------
+def _model_chunks(state: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    if "model" in state:
+        return [state["model"]]
+    chunks = sorted((int(k[5:]), v) for k, v in state.items() if re.fullmatch(r"model\d+", str(k)))
+    if not chunks:
+        raise CorruptCheckpointError(path, "holds no 'model' entry")
+    return [v for _, v in chunks]
+
+
+def _layers_in(chunk: dict[str, Any]) -> int:
+    found = {layer_of(k) for k in chunk if layer_of(k) is not None}
+    return max(found) + 1 if found else 0
+
+
+def _canonical(all_rules: list[Rule]) -> dict[str, Rule]:
+    names: dict[str, Rule] = {}
+    for r in all_rules:
+        for n in (r.megatron, *r.aliases):
+            names[n] = r
+    return names
+
+
+class _Merged:
+    """The last full Megatron tensor built, so q, k and v (or gate and up) merge their TP pieces once."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.value: list[torch.Tensor] = []
+
+    def get(self, key: tuple, build: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        if key != self.key:
+            self.key, self.value = None, build()
+            self.key = key
+        return self.value
+
+
+def _hf_tensors(
+    rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: _Merged, tag: str,
+    dtype: torch.dtype, shapes: list[tuple[int, ...]],
+) -> dict[str, LazyTensor]:
+    """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded."""
+
+    def build() -> list[torch.Tensor]:
+        loaded = [p() for p in pieces]
+        check_pieces(rule, loaded, where)
+        full = merge(rule, loaded)
+        if rule.split == VOCAB:
+            full = full[: arch.vocab]
+        return rule.unfuse(full)
+
+    out = {}
+    for i, (name, shape) in enumerate(zip(rule.hf, shapes)):
+        out[name] = LazyTensor(
+            TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}"
+        )
+    return out
+
+
+def _hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Shapes of the Hugging Face tensors a rule unfuses into, from the full tensor's shape, without loading."""
+    if rule.split == VOCAB:
+        full_shape = (arch.vocab, *full_shape[1:])
+    return [tuple(t.shape) for t in rule.unfuse(torch.empty(full_shape, device="meta"))]
+
+
+def _full_shape(rule: Rule, piece_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if rule.split in ("rows", "vocab", "gated"):
+        return (piece_shape[0] * tp, *piece_shape[1:])
+    if rule.split == "cols":
+        return (piece_shape[0], piece_shape[1] * tp, *piece_shape[2:])
+    return piece_shape
+
+
+@dataclass
+class _RankModel:
+    """One TP x PP rank's parameters in Megatron's module order, with global layer numbers."""
+
+    names: list[str]  # global Megatron names, canonical (no aliases)
+    tensors: dict[str, torch.Tensor]
+
+
+def _rank_models(files: LegacyFiles, states: dict[tuple[int, int], dict], canon: dict[str, Rule]) -> dict[tuple[int, int], _RankModel]:
+    """Every rank's model with global layer indices: stage p's chunk v starts where the layers before it end
+    (with virtual stages, chunk v of every stage comes before chunk v + 1 of any)."""
+    chunks = {key: _model_chunks(s, files.paths[key]) for key, s in states.items()}
+    vpp = len(chunks[(0, 0)])
+    sizes = [[_layers_in(chunks[(0, p)][v]) for p in range(files.pp)] for v in range(vpp)]
+    offsets, total = {}, 0
+    for v in range(vpp):
+        for p in range(files.pp):
+            offsets[(p, v)] = total
+            total += sizes[v][p]
+    out = {}
+    for (t, p), cs in chunks.items():
+        if len(cs) != vpp:
+            raise CorruptCheckpointError(files.paths[(t, p)], f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
+        names, tensors = [], {}
+        for v, chunk in enumerate(cs):
+            for key, value in chunk.items():
+                if not isinstance(value, torch.Tensor):
+                    continue  # _extra_state
+                name = key
+                if key.startswith(LAYER_PREFIX):
+                    name = local_name(key, -offsets[(p, v)])
+                rule = canon.get(name)
+                if rule is None:
+                    if name == "output_layer.weight":  # tied: the last stage's copy of the embedding
+                        continue
+                    raise ConversionError(
+                        f"{files.paths[(t, p)]}: tensor {key!r} has no Hugging Face name in the "
+                        f"{next(iter(canon.values())).hf[0].split('.')[0]} map (Megatron-LM before megatron-core?)"
+                    )
+                names.append(rule.megatron)
+                tensors[rule.megatron] = value
+        out[(t, p)] = _RankModel(names, tensors)
+    return out
+
+
+def _params_of(rank: _RankModel) -> list[str]:
+    return [n for n in rank.names]
+
+
+def _no_decay(name: str, shape: tuple[int, ...]) -> bool:
+    """Megatron's standard rule: no weight decay for biases and one-dimensional parameters (norms)."""
+    return name.endswith(".bias") or len(shape) == 1
+
+
+def _group_members(groups: list[dict[str, Any]], rank: _RankModel, path: str) -> list[list[str]]:
+    """Which Megatron parameters each optimizer group numbers, in order (ids run over the groups in turn)."""
+    params = _params_of(rank)
+    decay = [n for n in params if not _no_decay(n, tuple(rank.tensors[n].shape))]
+    no_decay = [n for n in params if _no_decay(n, tuple(rank.tensors[n].shape))]
+    members: list[list[str]] = []
+    for g in groups:
+        zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
+        pool = no_decay if zero_wd else decay
+        count = len(g["params"])
+        if count > len(pool):
+            raise ConversionError(f"{path}: optimizer group of {count} parameters; the model has {len(pool)} of that kind")
+        members.append(pool[:count])
+        del pool[:count]
+    left = decay + no_decay
+    if left:
+        raise ConversionError(f"{path}: parameters in no optimizer group: {left[:3]}")
+    return members
+
+
+def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, torch.Tensor]]:
+    """One rank's optimizer: per Megatron name its state entries, the param groups, and fp32 master weights."""
+    opt = state.get("optimizer")
+    if opt is None:
+        return {}, [], {}
+    master: dict[str, torch.Tensor] = {}
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
+    if not isinstance(inner, dict) or "param_groups" not in inner:
+        raise CorruptCheckpointError(path, "optimizer entry is neither torch's state dict nor Megatron's mixed-precision dict")
+    groups = inner["param_groups"]
+    members = _group_members(groups, rank, path)
+    by_id = [n for m in members for n in m]
+    per_name: dict[str, dict[str, Any]] = {}
+    for pid, entries in inner.get("state", {}).items():
+        if not isinstance(pid, int) or pid >= len(by_id):
+            raise CorruptCheckpointError(path, f"optimizer state for parameter id {pid!r}, which no group holds")
+        per_name[by_id[pid]] = entries
+    if "fp32_from_fp16_params" in opt:
+        flat = [t for g in opt["fp32_from_fp16_params"] for t in g]
+        if len(flat) != len(by_id):
+            raise CorruptCheckpointError(path, f"{len(flat)} fp32 master copies for {len(by_id)} parameters")
+        master = dict(zip(by_id, flat))
+    named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(groups, members)]
+    return per_name, named_groups, master
+
+
+def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
+    files = locate(path)
+    first = files.paths[(0, 0)]
+    head = load_megatron_file(first, trust_pickle)
+    args = head.get("args")
+    if args is None:
+        raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown")
+    args_d = vars(args) if not isinstance(args, dict) else args
+    files = locate(path, args_d)  # now also checks the grid the arguments describe
+    arch = MegatronArch.from_args(args_d, first)
+    arch.check_tp(files.tp, first)
+    states = {key: (head if key == (0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.paths.items()}
+    canon = _canonical(rules(arch))
+    ranks = _rank_models(files, states, canon)
+    padded = int(args_d.get("padded_vocab_size") or padded_vocab(arch.vocab, files.tp))
+    _check_vocab(files, ranks, padded)
+
+    placed = {n: key for key, rm in sorted(ranks.items()) for n in rm.names if key[0] == 0}
+    all_rules = rules(arch)
+    missing = [r.megatron for r in all_rules if r.megatron not in placed]
+    if missing:
+        raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
+
+    optim = {key: _rank_optimizer(states[key], ranks[key], files.paths[key]) for key in ranks}
+    has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
+    model_dtype = next(iter(ranks[(0, 0)].tensors.values())).dtype
+    cache = _Merged()
+
+    def pieces_of(rule: Rule, getter: Callable[[tuple[int, int]], torch.Tensor]) -> list[Callable[[], torch.Tensor]]:
+        p = placed[rule.megatron][1]
+        return [lambda t=t: getter((t, p)) for t in range(files.tp)]
+
+    def lazy_for(rule: Rule, tag: str, getter, dtype: torch.dtype, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
+        shapes = _hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
+        where = files.paths[placed[rule.megatron]]
+        return _hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
+
+    model: dict[str, LazyTensor] = {}
+    for rule in all_rules:
+        key0 = placed[rule.megatron]
+        piece = ranks[key0].tensors[rule.megatron]
+        if has_master:
+            getter = lambda key, r=rule: optim[key][2][r.megatron]  # noqa: E731
+            model.update(lazy_for(rule, "master", getter, torch.float32, tuple(piece.shape)))
+        else:
+            getter = lambda key, r=rule: ranks[key].tensors[r.megatron]  # noqa: E731
+            model.update(lazy_for(rule, "model", getter, piece.dtype, tuple(piece.shape)))
+
+    optimizer = _logical_optimizer(all_rules, optim, placed, lazy_for, files)
+    step = files.iteration if files.iteration is not None else int(head.get("iteration") or 0)
+    extra: dict[str, Any] = {}
+    if head.get("opt_param_scheduler") is not None:
+        extra["opt_param_scheduler"] = head["opt_param_scheduler"]
+    rank_state = {}
+    rng = _rng_states(files, states)
+    if rng is not None:
+        rank_state["rng"] = rng
+    source = {
+        "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp,
+        "dtype": str(model_dtype).removeprefix("torch."), "iteration": step,
+    }
+    if has_master:
+        source["master_dtype"] = "float32"
+    config = hf_config(arch, args_d)
+    notes = []
+    if not args_d.get("vocab_size"):
+        notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
+    return LogicalCheckpoint(
+        model=model, config=config, optimizer=optimizer, source=source,
+        tied=[["lm_head.weight", rules(arch)[0].hf[0]]] if arch.tied else [], step=step,
+        extra_state=extra, rank_state=rank_state, notes=notes,
+    )
+
+
+def hf_config(arch: MegatronArch, args: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face config: the one the writer recorded (``args.hf_config``) with the shape from the
+    arguments, else one built from the arguments alone (token ids outside the vocabulary dropped)."""
+    config = arch.to_hf()
+    recorded = args.get("hf_config")
+    if isinstance(recorded, dict) and recorded.get("model_type") == config["model_type"]:
+        return {**recorded, **{k: v for k, v in config.items() if k in _SHAPE_KEYS}}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(config.get(key), int) and config[key] >= arch.vocab:
+            config[key] = None
+    return config
+
+
+_SHAPE_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "max_position_embeddings", "tie_word_embeddings",
+}
+
+
+def _check_vocab(files: LegacyFiles, ranks: dict[tuple[int, int], _RankModel], padded: int) -> None:
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        for (t, p), rm in ranks.items():
+            if name in rm.tensors and rm.tensors[name].shape[0] * files.tp != padded:
+                raise CorruptCheckpointError(
+                    files.paths[(t, p)],
+                    f"{name} has {rm.tensors[name].shape[0]} rows per rank x TP {files.tp} = "
+                    f"{rm.tensors[name].shape[0] * files.tp}, but args.padded_vocab_size is {padded} (mismatched vocabulary padding)",
+                )
+
+
+def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -> OptimizerState | None:
+    if not any(o[0] for o in optim.values()):
+        return None
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    hf_of = {r.megatron: r for r in all_rules}
+    for rule in all_rules:
+        key0 = placed[rule.megatron]
+        entries = optim[key0][0].get(rule.megatron)
+        if entries is None:
+            continue
+        for skey, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                getter = lambda key, r=rule, s=skey: optim[key][0][r.megatron][s]  # noqa: E731
+                tensors.setdefault(skey, {}).update(lazy_for(rule, f"optim:{skey}", getter, value.dtype, tuple(value.shape)))
+            else:
+                for name in rule.hf:
+                    scalars.setdefault(skey, {})[name] = scalar_entry(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    groups = optim[(0, 0)][1]
+    named = []
+    for g in groups:
+        params = [n for m in g["params"] if m in hf_of for n in hf_of[m].hf]
+        named.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    # every rank numbers its own parameters; the logical groups hold all of them
+    for key, (_, rank_groups, _) in optim.items():
+        if key == (0, 0):
+            continue
+        for g, rg in zip(named, rank_groups):
+            for m in rg["params"]:
+                for n in hf_of[m].hf:
+                    if n not in g["params"]:
+                        g["params"].append(n)
+    return OptimizerState("AdamW", named, tensors, scalars)
+
+
+def _rng_states(files: LegacyFiles, states: dict[tuple[int, int], dict]) -> list[dict[str, Any]] | None:
+    """Each rank's generators in our RNG layout, when every file holds one state (one data-parallel replica's)."""
+    out = []
+    for p in range(files.pp):
+        for t in range(files.tp):
+            rng = states[(t, p)].get("rng_state")
+            if not isinstance(rng, list) or len(rng) != 1 or not isinstance(rng[0], dict):
+                return None
+            s = rng[0]
+            try:
+                out.append({"python": python_state_dict(s["random_rng_state"]), "numpy": numpy_state_dict(s["np_rng_state"]),
+                            "torch": s["torch_rng_state"]})
+            except (KeyError, TypeError, ValueError):
+                return None
+    return out
+
+
+# --- writing --------------------------------------------------------------------------------------------------
+def _hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[torch.Tensor] | None:
+    values = [get(n) for n in rule.hf]
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        missing = [n for n, v in zip(rule.hf, values) if v is None]
+        raise ConversionError(f"{rule.megatron} fuses {list(rule.hf)}, but {missing} have no state (frozen in part?)")
+    return values
+
+
+def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int) -> list[torch.Tensor]:
+    full = rule.fuse(values)
+    if rule.split == VOCAB:
+        full = pad_rows(full, padded)
+    return split(rule, full, tp)
+
+
+@dataclass
+class _StageWrite:
+    model: list[OrderedDict]  # per TP rank
+    master: list[list[torch.Tensor]]  # per TP rank, in parameter order
+    state: list[dict[str, dict[str, torch.Tensor]]]  # per TP rank: megatron name -> optimizer entries
+    names: list[str]
+
+
+def write_megatron(
+    ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
+    ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt``. Holds one pipeline stage in memory at a time."""
+    if ckpt.config is None:
+        raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
+    arch = MegatronArch.from_hf(ckpt.config)
+    arch.check_tp(tp)
+    padded = padded_vocab(arch.vocab, tp)
+    dtype_name = ckpt.source.get("dtype") or "float32"
+    dtype = getattr(torch, str(dtype_name).removeprefix("torch."))
+    mixed = dtype != torch.float32
+    all_rules = rules(arch, te_names)
+    stages = stage_rules(all_rules, arch, pp)
+    if arch.tied and pp > 1:
+        stages[-1].append(tied_output_rule(arch))
+    step = int(ckpt.step or 0)
+    opt = ckpt.optimizer
+    args = argparse.Namespace(**arch.to_args(
+        tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp,
+        data_parallel_size=1, use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config),
+    ))
+    hyper = _hyper(opt)
+    model = ckpt.model
+    mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
+    unmapped = sorted(set(model) - mapped)
+    if unmapped:
+        ckpt.notes.append(f"Megatron's model has no place for {len(unmapped)} tensor(s), not written: {unmapped[:5]}")
+        log.warning("%s", ckpt.notes[-1])
+    rng_source = ckpt.rank_state.get("rng")
+    if rng_source is not None and len(rng_source) != tp * pp:
+        ckpt.notes.append(f"RNG streams: the source's {len(rng_source)} do not map onto {tp * pp} ranks; each rank starts a fresh one")
+        rng_source = None
+    with staged_output(dst, overwrite) as out:
+        iteration_dir = os.path.join(out, f"iter_{step:07d}")
+        for p, stage in enumerate(stages):
+            offset = min((r.layer for r in stage if r.layer >= 0), default=0)
+            stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset)
+            for t in range(tp):
+                state = _rank_file(args, step, stage_write, t, hyper, opt is not None, mixed, ckpt, rng_source, t + tp * p)
+                d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+                os.makedirs(d)
+                torch.save(state, os.path.join(d, FILE))
+                if progress:
+                    progress(d)
+            del stage_write
+        durable_write(os.path.join(out, TRACKER), str(step).encode())
+    log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
+
+
+def _hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
+    """The decay and no-decay groups' hyper-parameters, as Megatron's optimizer holds them."""
+    base = [{**ADAMW_DEFAULTS, "weight_decay": 0.01}, {**ADAMW_DEFAULTS, "weight_decay": 0.0}]
+    if opt is not None and opt.param_groups:
+        decay = [g for g in opt.param_groups if float(g.get("weight_decay", 0.0)) != 0.0]
+        none = [g for g in opt.param_groups if float(g.get("weight_decay", 0.0)) == 0.0]
+        if decay:
+            base[0] = {k: v for k, v in decay[0].items() if k != "params"}
+        if none:
+            base[1] = {k: v for k, v in none[0].items() if k != "params"}
+    base[0].update(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    base[1].update(wd_mult=0.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    return base
+
+
+def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, padded: int, dtype, mixed: bool, offset: int) -> _StageWrite:
+    models = [OrderedDict() for _ in range(tp)]
+    masters: list[list[torch.Tensor]] = [[] for _ in range(tp)]
+    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    names = []
+    for rule in stage:
+        values = _hf_values(rule, lambda n: model[n].load() if n in model else None)
+        if values is None:
+            raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+        pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded)
+        name = local_name(rule.megatron, offset)
+        names.append(rule.megatron)
+        for t in range(tp):
+            models[t][name] = pieces[t].to(dtype).clone()
+            masters[t].append(pieces[t].float().clone())
+            extra = extra_state_key(name)
+            if extra is not None:
+                models[t][extra] = None
+        if opt is not None:
+            for skey, per in opt.tensors.items():
+                vals = _hf_values(rule, lambda n: per[n].load() if n in per else None)
+                if vals is None:
+                    continue
+                for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded)):
+                    states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
+            for skey, per in opt.scalars.items():
+                entry = next((per[n] for n in rule.hf if n in per), None)
+                if entry is not None:
+                    for t in range(tp):
+                        states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
+    return _StageWrite(models, masters, states, names)
+
+
+def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, ckpt: LogicalCheckpoint,
+               rng: list[dict[str, Any]] | None, rank: int) -> dict[str, Any]:
+    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": stage.model[t]}
+    if with_optim:
+        shapes = {n: tuple(m.shape) for n, m in zip(stage.names, stage.master[t])}
+        decay = [i for i, n in enumerate(stage.names) if not _no_decay(n, shapes[n])]
+        none = [i for i, n in enumerate(stage.names) if _no_decay(n, shapes[n])]
+        order = decay + none
+        ids = {stage.names[i]: pid for pid, i in enumerate(order)}
+        per_id = {ids[n]: stage.state[t][n] for n in stage.names if n in stage.state[t]}
+        groups = [{**hyper[0], "params": list(range(len(decay)))}, {**hyper[1], "params": list(range(len(decay), len(order)))}]
+        inner = {"state": dict(sorted(per_id.items())), "param_groups": groups}
+        if mixed:
+            state["optimizer"] = {
+                "optimizer": inner,
+                "fp32_from_fp16_params": [[stage.master[t][i] for i in decay], [stage.master[t][i] for i in none]],
+            }
+        else:
+            state["optimizer"] = inner
+    scheduler = ckpt.extra_state.get("opt_param_scheduler")
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler
+    state["rng_state"] = [_megatron_rng(rng[rank] if rng is not None else None)]
+    return state
+
+
+def _megatron_rng(s: dict[str, Any] | None) -> dict[str, Any]:
+    """Megatron's generator state for one rank: the source's, or this process's when there is none."""
+    import random
+
+    import numpy as np
+
+    if s is not None:
+        return {"random_rng_state": python_state_tuple(s["python"]), "np_rng_state": numpy_state_tuple(s["numpy"]),
+                "torch_rng_state": s["torch"], "cuda_rng_state": torch.empty(0, dtype=torch.uint8), "rng_tracker_states": {}}
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.empty(0, dtype=torch.uint8), "rng_tracker_states": {}}

@@ -1,0 +1,250 @@
+"""How Hugging Face tensors become Megatron tensors and how Megatron splits them over tensor-parallel ranks.
+
+One :class:`Rule` per Megatron tensor says which Hugging Face tensors it is made of (q/k/v fused per query
+group, gate and up stacked, GPT-2's Conv1D transposed), how it is split over TP ranks, and which pipeline
+stage holds it. Every Megatron format (legacy per-rank files, torch_dist) and the optimizer state (Adam's
+moments are laid out exactly like their parameters) go through these rules, so there is one place for
+each layout fact:
+
+- rows: column-parallel weights (QKV, fc1 without gating) and their biases, split on dim 0;
+- cols: row-parallel weights (proj, fc2), split on dim 1; their biases are replicated;
+- gated: SwiGLU's fc1: rank r holds ``[gate_r; up_r]``, not the r-th slice of ``[gate; up]``;
+- vocab: embedding and output layer, padded to Megatron's vocabulary size, then split on dim 0;
+- replicated: norms and the biases added after a reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from interop.errors import ConversionError
+
+from .megatron_arch import MegatronArch, stage_layers
+
+ROWS, COLS, GATED, VOCAB, REPLICATED = "rows", "cols", "gated", "vocab", "replicated"
+FIRST, LAST = -1, -2  # stage markers for tensors outside the layers
+LAYER_PREFIX = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str  # name in a TP=1, PP=1 model (global layer index)
+    hf: tuple[str, ...]  # the Hugging Face tensors it is made of, in fuse order
+    split: str
+    layer: int  # global layer index, or FIRST / LAST
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor]
+    unfuse: Callable[[torch.Tensor], list[torch.Tensor]]
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (Transformer Engine fuses norms into linears)
+
+
+def _one(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0]
+
+
+def _as_list(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+def _t(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0].t().contiguous()
+
+
+def _t_back(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t.t().contiguous()]
+
+
+def _qkv(arch: MegatronArch) -> tuple[Callable, Callable]:
+    """Megatron's fused QKV: for each query group g, ``[q heads of g; k_g; v_g]`` (rows of head_dim each)."""
+    g, d = arch.groups, arch.head_dim
+    per = arch.heads // arch.groups
+
+    def fuse(ts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = ts
+        rest = tuple(q.shape[1:])
+        parts = (q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
+        return torch.cat(parts, dim=1).reshape((arch.heads + 2 * g) * d, *rest)
+
+    def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
+        rest = tuple(t.shape[1:])
+        grouped = t.reshape(g, (per + 2) * d, *rest)
+        q, k, v = grouped.split([per * d, d, d], dim=1)
+        return [q.reshape(arch.heads * d, *rest).contiguous(), k.reshape(g * d, *rest).contiguous(), v.reshape(g * d, *rest).contiguous()]
+
+    return fuse, unfuse
+
+
+def _gpt2_qkv(arch: MegatronArch, weight: bool) -> tuple[Callable, Callable]:
+    """GPT-2's c_attn is one Conv1D over ``[q; k; v]`` (all heads each); Megatron interleaves per head."""
+    fuse3, unfuse3 = _qkv(arch)
+
+    def fuse(ts: list[torch.Tensor]) -> torch.Tensor:
+        t = ts[0].t() if weight else ts[0]
+        return fuse3(list(t.chunk(3, dim=0)))
+
+    def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
+        full = torch.cat(unfuse3(t), dim=0)
+        return [full.t().contiguous() if weight else full]
+
+    return fuse, unfuse
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def _halves(t: torch.Tensor) -> list[torch.Tensor]:
+    return [p.contiguous() for p in t.chunk(2, dim=0)]
+
+
+def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
+    """Every tensor of the model in Megatron's order. ``te_names``: norms named as Transformer Engine's fused
+    layers hold them (``linear_qkv.layer_norm_weight``, Megatron-LM's default); otherwise as the local spec's
+    separate modules (``input_layernorm.weight``). Both are accepted when reading."""
+    out: list[Rule] = []
+    gpt2 = arch.family == "gpt2"
+    hf_layer = "transformer.h.{i}." if gpt2 else "model.layers.{i}."
+    norm_params = ("weight", "bias") if arch.norm == "LayerNorm" else ("weight",)
+
+    def add(meg: str, hf: tuple[str, ...], split: str, layer: int, fuse=_one, unfuse=_as_list, aliases=()) -> None:
+        out.append(Rule(meg, hf, split, layer, fuse, unfuse, tuple(aliases)))
+
+    add("embedding.word_embeddings.weight", ("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight",), VOCAB, FIRST)
+    if gpt2:
+        add("embedding.position_embeddings.weight", ("transformer.wpe.weight",), REPLICATED, FIRST)
+    qkv_fuse, qkv_unfuse = _qkv(arch)
+    for i in range(arch.num_layers):
+        m, h = f"{LAYER_PREFIX}{i}.", hf_layer.format(i=i)
+
+        def norm(te: str, local: str, hf: str) -> None:
+            for p in norm_params:
+                names = (f"{m}{te}.layer_norm_{p}", f"{m}{local}.{p}")
+                add(names[0] if te_names else names[1], (f"{h}{hf}.{p}",), REPLICATED, i, aliases=names[1:] if te_names else names[:1])
+
+        # Megatron's module order (its optimizer numbers parameters in it): input norm, proj, qkv, pre-MLP
+        # norm, fc1, fc2; Transformer Engine's norms sit inside qkv and fc1, before their weights.
+        if not te_names:
+            norm("self_attention.linear_qkv", "input_layernorm", "ln_1" if gpt2 else "input_layernorm")
+        if gpt2:
+            add(f"{m}self_attention.linear_proj.weight", (f"{h}attn.c_proj.weight",), COLS, i, _t, _t_back)
+            add(f"{m}self_attention.linear_proj.bias", (f"{h}attn.c_proj.bias",), REPLICATED, i)
+        else:
+            add(f"{m}self_attention.linear_proj.weight", (f"{h}self_attn.o_proj.weight",), COLS, i)
+            if arch.linear_bias:
+                add(f"{m}self_attention.linear_proj.bias", (f"{h}self_attn.o_proj.bias",), REPLICATED, i)
+        if te_names:
+            norm("self_attention.linear_qkv", "input_layernorm", "ln_1" if gpt2 else "input_layernorm")
+        if gpt2:
+            add(f"{m}self_attention.linear_qkv.weight", (f"{h}attn.c_attn.weight",), ROWS, i, *_gpt2_qkv(arch, True))
+            add(f"{m}self_attention.linear_qkv.bias", (f"{h}attn.c_attn.bias",), ROWS, i, *_gpt2_qkv(arch, False))
+        else:
+            attn = f"{h}self_attn."
+            add(f"{m}self_attention.linear_qkv.weight", tuple(f"{attn}{x}_proj.weight" for x in "qkv"), ROWS, i, qkv_fuse, qkv_unfuse)
+            if arch.qkv_bias:
+                add(f"{m}self_attention.linear_qkv.bias", tuple(f"{attn}{x}_proj.bias" for x in "qkv"), ROWS, i, qkv_fuse, qkv_unfuse)
+        norm("mlp.linear_fc1", "pre_mlp_layernorm", "ln_2" if gpt2 else "post_attention_layernorm")
+        if gpt2:
+            add(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.c_fc.weight",), ROWS, i, _t, _t_back)
+            add(f"{m}mlp.linear_fc1.bias", (f"{h}mlp.c_fc.bias",), ROWS, i)
+            add(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.c_proj.weight",), COLS, i, _t, _t_back)
+            add(f"{m}mlp.linear_fc2.bias", (f"{h}mlp.c_proj.bias",), REPLICATED, i)
+        else:
+            mlp = f"{h}mlp."
+            add(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"), GATED, i, _cat, _halves)
+            if arch.linear_bias:
+                add(f"{m}mlp.linear_fc1.bias", (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias"), GATED, i, _cat, _halves)
+            add(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), COLS, i)
+            if arch.linear_bias:
+                add(f"{m}mlp.linear_fc2.bias", (f"{mlp}down_proj.bias",), REPLICATED, i)
+    for p in norm_params:
+        add(f"decoder.final_layernorm.{p}", (f"{'transformer.ln_f' if gpt2 else 'model.norm'}.{p}",), REPLICATED, LAST)
+    if not arch.tied:
+        add("output_layer.weight", ("lm_head.weight",), VOCAB, LAST)
+    return out
+
+
+def tied_output_rule(arch: MegatronArch) -> Rule:
+    """With tied embeddings and more than one stage, the last stage holds its own copy of the embedding as
+    ``output_layer.weight`` (Megatron keeps the two in sync with an all-reduce)."""
+    embed = "transformer.wte.weight" if arch.family == "gpt2" else "model.embed_tokens.weight"
+    return Rule("output_layer.weight", (embed,), VOCAB, LAST, _one, _as_list)
+
+
+LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")
+
+
+def extra_state_key(name: str) -> str | None:
+    """``<linear>._extra_state`` for a linear layer's weight (Transformer Engine's and the local spec's linears
+    have one; Megatron-LM's state dicts hold it, ``None`` without FP8)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf == "weight" and module.endswith(LINEAR_MODULES):
+        return f"{module}._extra_state"
+    return None
+
+
+# --- tensor-parallel split and merge ------------------------------------------------------------------------
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocabulary padded with zero rows to Megatron's padded size."""
+    if t.shape[0] > rows:
+        raise ConversionError(f"vocabulary of {t.shape[0]} rows does not fit Megatron's padded size {rows}")
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def split(rule: Rule, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The TP ranks' pieces of a full Megatron tensor (the vocabulary already padded)."""
+    if rule.split == REPLICATED or tp == 1:
+        return [full] * tp
+    if rule.split in (ROWS, VOCAB):
+        return [p.contiguous() for p in full.chunk(tp, dim=0)]
+    if rule.split == COLS:
+        return [p.contiguous() for p in full.chunk(tp, dim=1)]
+    gate, up = full.chunk(2, dim=0)
+    return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+
+
+def merge(rule: Rule, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The full Megatron tensor from the TP ranks' pieces (inverse of :func:`split`)."""
+    if rule.split == REPLICATED or len(pieces) == 1:
+        return pieces[0]
+    if rule.split in (ROWS, VOCAB):
+        return torch.cat(pieces, dim=0)
+    if rule.split == COLS:
+        return torch.cat(pieces, dim=1)
+    halves = [p.chunk(2, dim=0) for p in pieces]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def check_pieces(rule: Rule, pieces: list[torch.Tensor], where: str) -> None:
+    """Pieces of a split tensor must agree on their shape (otherwise a rank's file belongs to another model)."""
+    shapes = {tuple(p.shape) for p in pieces}
+    if len(shapes) > 1:
+        raise ConversionError(f"{where}: tensor-parallel pieces of {rule.megatron} have different shapes {sorted(shapes)}")
+
+
+# --- pipeline stages ----------------------------------------------------------------------------------------
+def local_name(name: str, offset: int) -> str:
+    """``decoder.layers.<global>.x`` -> ``decoder.layers.<global - offset>.x`` (each stage numbers from 0)."""
+    if not name.startswith(LAYER_PREFIX):
+        return name
+    index, rest = name[len(LAYER_PREFIX):].split(".", 1)
+    return f"{LAYER_PREFIX}{int(index) - offset}.{rest}"
+
+
+def layer_of(name: str) -> int | None:
+    if not name.startswith(LAYER_PREFIX):
+        return None
+    return int(name[len(LAYER_PREFIX):].split(".", 1)[0])
+
+
+def stage_rules(all_rules: list[Rule], arch: MegatronArch, pp: int) -> list[list[Rule]]:
+    """The rules each pipeline stage holds: its layers, the embedding on the first, norm and head on the last."""
+    layers = stage_layers(arch.num_layers, pp)
+    out: list[list[Rule]] = []
+    for p, held in enumerate(layers):
+        mine = [r for r in all_rules if r.layer in held or (r.layer == FIRST and p == 0) or (r.layer == LAST and p == pp - 1)]
+        out.append(mine)
+    return out

@@ -1,0 +1,203 @@
+"""Megatron-LM legacy checkpoints: HF -> Megatron at TP/PP -> HF bit-exact, the per-rank layout facts, optimizer
+state, and bad input. Real megatron-core interop is in test_megatron_core.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from converters.diff import diff_checkpoints
+from converters.hf import read_hf, write_hf
+from converters.megatron import load_megatron_file, read_megatron, write_megatron
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError
+from tests.conftest import ROOT, worker_env
+
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+def llama_config(vocab: int = 250, tied: bool = False):
+    """vocab 250: Megatron pads it to 256 (a multiple of 128 x TP); 4 heads in 2 query groups."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=100, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def gpt2_config(tied: bool = True):
+    return transformers.GPT2Config(vocab_size=250, n_positions=64, n_embd=48, n_layer=2, n_head=4, tie_word_embeddings=tied,
+                                   bos_token_id=1, eos_token_id=2)
+
+
+def make(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def logits(model):
+    ids = torch.arange(40).reshape(2, 20) % 250
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def rank_file(root, t, p, pp, iteration=0):
+    return os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""), "model_optim_rng.pt")
+
+
+MODELS = {"llama": lambda: llama_config(), "llama-tied": lambda: llama_config(tied=True), "gpt2-tied": lambda: gpt2_config()}
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_hf_to_megatron_to_hf_is_bit_exact(tmp_path, kind, tp, pp):
+    model = make(MODELS[kind]())
+    model.save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), tp, pp)
+    write_hf(read_megatron(str(tmp_path / "meg")), str(tmp_path / "back"))
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    original, restored = model.state_dict(), back.eval().state_dict()
+    assert original.keys() == restored.keys()
+    for name, t in original.items():
+        assert torch.equal(t, restored[name]), name
+    assert torch.equal(logits(model), logits(back))
+    assert back.config.to_dict()["vocab_size"] == 250 and back.config.tie_word_embeddings == model.config.tie_word_embeddings
+
+
+def test_rank_files_hold_megatrons_layout(tmp_path):
+    """What Megatron itself expects in each file: fused QKV per query group, [gate_r; up_r] per rank, padded and
+    split vocabulary, each stage numbering its layers from 0, args describing the grid."""
+    model = make(llama_config())
+    model.save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    assert (tmp_path / "meg" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    sd = model.state_dict()
+    files = {(t, p): load_megatron_file(rank_file(tmp_path / "meg", t, p, 2)) for t in range(2) for p in range(2)}
+    args = files[(0, 0)]["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.padded_vocab_size) == (2, 2, 256)
+    assert files[(0, 0)]["checkpoint_version"] == 3.0
+    for t in range(2):
+        stage0, stage1 = files[(t, 0)]["model"], files[(t, 1)]["model"]
+        # layers 2 and 3 live on stage 1 as its layers 0 and 1
+        assert torch.equal(stage1["decoder.layers.0.mlp.linear_fc2.weight"], sd["model.layers.2.mlp.down_proj.weight"].chunk(2, dim=1)[t])
+        assert not any(k.startswith("decoder.layers.2.") for k in stage1)
+        gate, up = sd["model.layers.2.mlp.gate_proj.weight"].chunk(2)[t], sd["model.layers.2.mlp.up_proj.weight"].chunk(2)[t]
+        assert torch.equal(stage1["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]))
+        # one query group per rank: [q heads 2t, 2t+1; k head t; v head t]
+        q = sd["model.layers.1.self_attn.q_proj.weight"].view(4, 12, 48)[2 * t : 2 * t + 2].reshape(24, 48)
+        k = sd["model.layers.1.self_attn.k_proj.weight"].view(2, 12, 48)[t]
+        v = sd["model.layers.1.self_attn.v_proj.weight"].view(2, 12, 48)[t]
+        assert torch.equal(stage0["decoder.layers.1.self_attention.linear_qkv.weight"], torch.cat([q, k, v]))
+        assert torch.equal(stage0["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"], sd["model.layers.1.input_layernorm.weight"])
+        emb = stage0["embedding.word_embeddings.weight"]
+        assert emb.shape == (128, 48)
+        padded = torch.cat([sd["model.embed_tokens.weight"], torch.zeros(6, 48)])
+        assert torch.equal(emb, padded.chunk(2)[t])
+        assert "output_layer.weight" in stage1 and "output_layer.weight" not in stage0
+        assert stage0["decoder.layers.1.self_attention.linear_qkv._extra_state"] is None
+
+
+def test_local_spec_names(tmp_path):
+    """--transformer-impl local names norms as the local spec's modules; reading accepts either naming."""
+    model = make(llama_config())
+    model.save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 1, te_names=False)
+    sd = load_megatron_file(rank_file(tmp_path / "meg", 0, 0, 1))["model"]
+    assert "decoder.layers.0.input_layernorm.weight" in sd and "decoder.layers.0.pre_mlp_layernorm.weight" in sd
+    assert not any("layer_norm_weight" in k for k in sd)
+    back = read_megatron(str(tmp_path / "meg"))
+    assert torch.equal(back.model["model.layers.0.input_layernorm.weight"].load(), model.state_dict()["model.layers.0.input_layernorm.weight"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A base-trainer checkpoint (single process) after 2 AdamW steps: weights, moments, step, scheduler."""
+    out = tmp_path_factory.mktemp("trained")
+    cmd = [sys.executable, "-m", "trainers.base", "--steps", "2", "--output-dir", str(out), "--keep-last", "1"]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=worker_env(), capture_output=True, timeout=300)
+    return str(out / "checkpoint-2")
+
+
+def test_optimizer_state_round_trips_through_tp2_pp2(tmp_path, trained):
+    from converters import registry
+
+    _, src = registry.read(trained)
+    write_megatron(src, str(tmp_path / "meg"), 2, 2)
+    back = read_megatron(str(tmp_path / "meg"))
+    assert back.step == 2 and back.optimizer is not None
+    report = diff_checkpoints(src, back)
+    assert not report.problems, [(e.key, e.status, e.detail) for e in report.problems][:5]
+    assert report.count("exact") == len(report.entries) > 0
+    assert {k for k in back.optimizer.tensors} == {"exp_avg", "exp_avg_sq"}
+    assert back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
+    # every rank numbers its own parameters: decay group first, then biases and norms
+    state = load_megatron_file(rank_file(tmp_path / "meg", 1, 1, 2, iteration=2))
+    opt, model = state["optimizer"], state["model"]
+    decay = [k for k, v in model.items() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    assert opt["param_groups"][0]["params"] == list(range(len(decay)))
+    assert opt["param_groups"][1]["weight_decay"] == 0.0
+
+
+def test_cli_converts_and_refuses_bad_layouts(tmp_path):
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    cli = [sys.executable, "-m", "converters.cli"]
+    done = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg"), "--to", "megatron", "--tp", "2", "--pp", "2"],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path / "meg" / "iter_0000000")) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    bad = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg3"), "--to", "megatron", "--tp", "3"],
+                         capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert bad.returncode != 0
+    assert "tensor-parallel size 3 does not divide the model's attention heads 4, query groups 2" in bad.stderr
+    assert not (tmp_path / "meg3").exists()
+
+
+def test_missing_rank_directory_is_named(tmp_path):
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    import shutil
+
+    shutil.rmtree(tmp_path / "meg" / "iter_0000000" / "mp_rank_01_001")
+    with pytest.raises(MissingFileError, match=r"mp_rank_01_001: missing: a checkpoint with TP 2 x PP 2"):
+        read_megatron(str(tmp_path / "meg"))
+    shutil.rmtree(tmp_path / "meg" / "iter_0000000" / "mp_rank_01_000")  # the grid's edge: only args know TP 2
+    with pytest.raises(MissingFileError, match=r"mp_rank_01_000: missing"):
+        read_megatron(str(tmp_path / "meg"))
+
+
+def test_mismatched_vocab_padding_is_named(tmp_path):
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 1)
+    path = rank_file(tmp_path / "meg", 0, 0, 1)
+    for t in range(2):
+        p = rank_file(tmp_path / "meg", t, 0, 1)
+        state = torch.load(p, weights_only=False)  # not mapped: the file is rewritten below
+        state["args"].padded_vocab_size = 384  # as if written with --make-vocab-size-divisible-by 192
+        torch.save(state, p)
+    with pytest.raises(CorruptCheckpointError, match=r"128 rows per rank x TP 2 = 256, but args.padded_vocab_size is 384") as err:
+        read_megatron(str(tmp_path / "meg"))
+    assert err.value.path == path
+
+
+def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match="tensor-parallel size 4 does not divide the model's query groups 2"):
+        write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 4, 1)
+    assert not (tmp_path / "meg").exists()
+
+
+def test_untrusted_pickle_is_refused(tmp_path):
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 1, 1)
+    path = rank_file(tmp_path / "meg", 0, 0, 1)
+    state = torch.load(path, weights_only=False)  # not mapped: the file is rewritten below
+    state["hook"] = os.getcwd  # a global outside the allowlist: loading would call into os
+    torch.save(state, path)
+    with pytest.raises(UnsafePickleError, match="references posix.getcwd"):
+        read_megatron(str(tmp_path / "meg"))
