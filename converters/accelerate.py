@@ -42,7 +42,7 @@ from interop.universal import model_entries, read_hf_safetensors, scalar_value, 
 from interop.verify import check_files
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import write_engine_checkpoint
+from .engine_checkpoint import component_state, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .param_order import EngineOrder, engine_order
 from .pickle_safety import load_torch_file, numpy_allowlist
@@ -317,18 +317,6 @@ def _step_of(directory: str, optimizer: OptimizerState | None, trust_pickle: boo
 
 
 # --- writing ------------------------------------------------------------------------------------------------
-def _component_state(ckpt: LogicalCheckpoint, key: str) -> Any:
-    """A GLOBAL component's state, from the reader's memory or from the source's files."""
-    if key in ckpt.extra_state:
-        return ckpt.extra_state[key]
-    comp = ckpt.components.get(key)
-    if comp is None:
-        return None
-    if comp.record.pattern not in ("GLOBAL", "REPLICATED") or comp.record.native:
-        raise ConversionError(f"component {key!r} is {comp.record.pattern}; accelerate keeps one copy")
-    return read_piece(comp.directory, comp.record.pieces["global"])
-
-
 def _rank_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
     """Each target rank's RNG state when the source has one per rank at this world size; None otherwise."""
     if RNG in ckpt.rank_state:
@@ -362,7 +350,7 @@ def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp:
                 per_id.setdefault(ids[name], {})[key] = t.load()
         groups = [{**h, "params": [ids[n] for n in g]} for h, g in zip(order.hyper, order.groups)]
         torch.save({"state": dict(sorted(per_id.items())), "param_groups": groups}, os.path.join(directory, OPTIM_BIN))
-    scheduler = _component_state(ckpt, SCHEDULER)
+    scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         torch.save(scale_scheduler(scheduler, 1, world_size), os.path.join(directory, SCHEDULER_BIN))
     for key in sorted(k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from interop.commit import fsync_path, staged_output, write_manifest
+from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
+from interop.pieces import read_piece
 from interop.manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
 from interop.sharding import ShardingMetadata
 from interop.state import SharingPattern, WorldSizePolicy
@@ -19,6 +21,19 @@ from interop.universal import copy_components
 from interop.verify import tree_records
 
 log = logging.getLogger(__name__)
+
+
+def component_state(ckpt: LogicalCheckpoint, key: str) -> Any:
+    """A GLOBAL component's state (a scheduler, carried extra state), from the reader's memory or from the
+    source's files (a universal checkpoint keeps it as a component)."""
+    if key in ckpt.extra_state:
+        return ckpt.extra_state[key]
+    comp = ckpt.components.get(key)
+    if comp is None:
+        return None
+    if comp.record.pattern not in ("GLOBAL", "REPLICATED") or comp.record.native:
+        raise ConversionError(f"component {key!r} is {comp.record.pattern}; the target keeps one copy")
+    return read_piece(comp.directory, comp.record.pieces["global"])
 
 
 def write_engine_checkpoint(

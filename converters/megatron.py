@@ -38,6 +38,7 @@ from .megatron_map import (
     split, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
+from .engine_checkpoint import component_state
 from .pickle_safety import load_torch_file, numpy_allowlist
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 CHECKPOINT_VERSION = 3.0
+SCHEDULER = "opt_param_scheduler"  # Megatron's OptimizerParamScheduler state, carried as it is
+PADDING = "megatron_vocab_padding"  # extra state: the padded vocabulary rows, per "<model|master|optim:key>/<name>"
 
 
 # --- Megatron's pickled objects, as inert stand-ins ---------------------------------------------------------
@@ -369,7 +372,12 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         p = placed[rule.megatron][1]
         return [lambda t=t: getter((t, p)) for t in range(files.tp)]
 
+    padding: dict[str, torch.Tensor] = {}
+
     def lazy_for(rule: Rule, tag: str, getter, dtype: torch.dtype, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
+        extra_rows = piece_shape[0] * files.tp - arch.vocab
+        if rule.split == VOCAB and 0 < extra_rows <= piece_shape[0]:  # the padded rows: all in the last TP piece
+            padding[f"{tag}/{rule.megatron}"] = getter((files.tp - 1, placed[rule.megatron][1]))[-extra_rows:].clone()
         shapes = _hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
         return _hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
@@ -388,8 +396,10 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
     optimizer = _logical_optimizer(all_rules, optim, placed, lazy_for, files)
     step = files.iteration if files.iteration is not None else int(head.get("iteration") or 0)
     extra: dict[str, Any] = {}
+    if any(bool(t.any()) for t in padding.values()):
+        extra[PADDING] = padding  # not part of the Hugging Face model, but of Megatron's softmax: kept for a Megatron target
     if head.get("opt_param_scheduler") is not None:
-        extra["opt_param_scheduler"] = head["opt_param_scheduler"]
+        extra[SCHEDULER] = head["opt_param_scheduler"]
     rank_state = {}
     rng = _rng_states(files, states)
     if rng is not None:
@@ -504,10 +514,10 @@ def _hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[to
     return values
 
 
-def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int) -> list[torch.Tensor]:
+def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int, fill: torch.Tensor | None = None) -> list[torch.Tensor]:
     full = rule.fuse(values)
     if rule.split == VOCAB:
-        full = pad_rows(full, padded)
+        full = pad_rows(full, padded, fill)
     return split(rule, full, tp)
 
 
@@ -551,6 +561,8 @@ def write_megatron(
     if unmapped:
         ckpt.notes.append(f"Megatron's model has no place for {len(unmapped)} tensor(s), not written: {unmapped[:5]}")
         log.warning("%s", ckpt.notes[-1])
+    padding = component_state(ckpt, PADDING) or {}
+    scheduler = component_state(ckpt, SCHEDULER)
     rng_source = ckpt.rank_state.get("rng")
     if rng_source is not None and len(rng_source) != tp * pp:
         ckpt.notes.append(f"RNG streams: the source's {len(rng_source)} do not map onto {tp * pp} ranks; each rank starts a fresh one")
@@ -559,9 +571,9 @@ def write_megatron(
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
         for p, stage in enumerate(stages):
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
-            stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset)
+            stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
             for t in range(tp):
-                state = _rank_file(args, step, stage_write, t, hyper, opt is not None, mixed, ckpt, rng_source, t + tp * p)
+                state = _rank_file(args, step, stage_write, t, hyper, opt is not None, mixed, scheduler, rng_source, t + tp * p)
                 d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
                 os.makedirs(d)
                 torch.save(state, os.path.join(d, FILE))
@@ -587,7 +599,8 @@ def _hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
     return base
 
 
-def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, padded: int, dtype, mixed: bool, offset: int) -> _StageWrite:
+def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, padded: int, dtype, mixed: bool, offset: int,
+                 padding: dict[str, torch.Tensor]) -> _StageWrite:
     models = [OrderedDict() for _ in range(tp)]
     masters: list[list[torch.Tensor]] = [[] for _ in range(tp)]
     states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
@@ -596,7 +609,8 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
         values = _hf_values(rule, lambda n: model[n].load() if n in model else None)
         if values is None:
             raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-        pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded)
+        fill = next((padding[f"{tag}/{n}"] for n in (rule.megatron, *rule.aliases) for tag in ("master", "model") if f"{tag}/{n}" in padding), None)
+        pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
         name = local_name(rule.megatron, offset)
         names.append(rule.megatron)
         for t in range(tp):
@@ -610,7 +624,8 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                 vals = _hf_values(rule, lambda n: per[n].load() if n in per else None)
                 if vals is None:
                     continue
-                for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded)):
+                fill = next((padding[f"optim:{skey}/{n}"] for n in (rule.megatron, *rule.aliases) if f"optim:{skey}/{n}" in padding), None)
+                for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded, fill)):
                     states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
             for skey, per in opt.scalars.items():
                 entry = next((per[n] for n in rule.hf if n in per), None)
@@ -620,7 +635,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
     return _StageWrite(models, masters, states, names)
 
 
-def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, ckpt: LogicalCheckpoint,
+def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
                rng: list[dict[str, Any]] | None, rank: int) -> dict[str, Any]:
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": stage.model[t]}
     if with_optim:
@@ -639,7 +654,6 @@ def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: b
             }
         else:
             state["optimizer"] = inner
-    scheduler = ckpt.extra_state.get("opt_param_scheduler")
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler
     state["rng_state"] = [_megatron_rng(rng[rank] if rng is not None else None)]

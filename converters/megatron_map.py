@@ -169,7 +169,7 @@ def tied_output_rule(arch: MegatronArch) -> Rule:
     """With tied embeddings and more than one stage, the last stage holds its own copy of the embedding as
     ``output_layer.weight`` (Megatron keeps the two in sync with an all-reduce)."""
     embed = "transformer.wte.weight" if arch.family == "gpt2" else "model.embed_tokens.weight"
-    return Rule("output_layer.weight", (embed,), VOCAB, LAST, _one, _as_list)
+    return Rule("output_layer.weight", (embed,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
 
 
 LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")
@@ -185,13 +185,17 @@ def extra_state_key(name: str) -> str | None:
 
 
 # --- tensor-parallel split and merge ------------------------------------------------------------------------
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """The vocabulary padded with zero rows to Megatron's padded size."""
+def pad_rows(t: torch.Tensor, rows: int, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """The vocabulary padded to Megatron's padded size: with ``fill`` (the rows a Megatron source had there,
+    which take part in its softmax) when it fits, else with zeros."""
     if t.shape[0] > rows:
         raise ConversionError(f"vocabulary of {t.shape[0]} rows does not fit Megatron's padded size {rows}")
     if t.shape[0] == rows:
         return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    shape = (rows - t.shape[0], *t.shape[1:])
+    if fill is not None and tuple(fill.shape) == shape:
+        return torch.cat([t, fill.to(t.dtype)])
+    return torch.cat([t, t.new_zeros(shape)])
 
 
 def split(rule: Rule, full: torch.Tensor, tp: int) -> list[torch.Tensor]:

@@ -1,0 +1,233 @@
+"""A torchrun worker running megatron-core 0.16.1 itself on CPU (gloo): a GPTModel shaped like the tests' Llama.
+
+    save-legacy CKPT OUT: one AdamW step through megatron-core's FP32Optimizer, then each rank's file as
+        Megatron-LM's save_checkpoint writes it with --ckpt-format torch (its generate_state_dict: args,
+        checkpoint_version, iteration, model, optimizer, rng_state); then the logits on a fixed batch
+        (OUT/logits.pt) and the uninterrupted run's remaining steps (OUT/losses.json, every step's loss).
+    save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist), model only.
+    load-legacy[+optimizer] CKPT OUT, load-dist CKPT OUT: load a checkpoint we wrote into megatron-core, then
+        train on the same batches: from step 1 with its optimizer state (+optimizer), else from step 0 with a
+        fresh optimizer. The losses go to OUT/losses.json.
+
+megatron-core's CPU patches live here, in the tests only: its GPT model asks for the CUDA device and RNG
+tracker where a CPU run has neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+VOCAB, PADDED, SEQ = 250, 256, 16
+STEPS, LR = 3, 1e-2
+
+
+def cpu_patches() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):  # FP32Optimizer keeps its loss scale on device='cuda'
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return real_tensor(*args, **kwargs)
+
+    torch.tensor = tensor
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+
+
+def megatron_args(tp: int, pp: int) -> argparse.Namespace:
+    """The Megatron-LM arguments of this model (the ones a converter reads), with a Megatron enum among them."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=2, hidden_size=48, ffn_hidden_size=100, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, kv_channels=12, max_position_embeddings=64, seq_length=SEQ, position_embedding_type="rope",
+        rotary_base=10000, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, untie_embeddings_and_output_weights=True,
+        add_bias_linear=False, add_qkv_bias=False, vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32, bf16=False, fp16=False,
+        ckpt_format="torch", attention_backend=AttnBackend.auto, iteration=1,
+    )
+
+
+def build(tp: int, pp: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.initialize_model_parallel(tp, pp)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=48, ffn_hidden_size=100, num_attention_heads=4, num_query_groups=2, kv_channels=12,
+        normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+    )
+    return GPTModel(
+        cfg, get_gpt_layer_local_spec(), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    )
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+
+
+def forward(model, tokens: torch.Tensor, labels: torch.Tensor | None = None):
+    """(output, input): the last stage's logits (gathered over TP) or per-token loss, another stage's hidden
+    states (sent on, as Megatron's pipeline schedule does), and the hidden states it received."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = tokens.shape
+    pos = torch.arange(s).expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+    received = None
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(s, b, 48)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        received.requires_grad_(True)
+        model.set_input_tensor(received)
+    out = model(tokens, pos, attention_mask=mask, labels=labels)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    elif labels is None:
+        out = gather_from_tensor_model_parallel_region(out)
+    return out, received
+
+
+def train_step(model, optimizer, step: int) -> float | None:
+    """One step; the backward pass crosses pipeline stages as gradients sent back."""
+    from megatron.core import parallel_state as ps
+
+    data = batch(step)
+    optimizer.zero_grad()
+    out, received = forward(model, data[:, :-1], data[:, 1:])
+    loss = None
+    if ps.is_pipeline_last_stage():
+        mean = out.float().mean()
+        mean.backward()
+        loss = float(mean)
+    else:
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        torch.autograd.backward(out, grad)
+    if received is not None:
+        dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    optimizer.step()
+    return loss
+
+
+def megatron_optimizer(model):
+    """megatron-core's own non-distributed fp32 optimizer (its parameter groups, its state layout)."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
+    groups = _get_param_groups([model], config, None)
+    for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
+        g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
+    adam = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    return FP32Optimizer(adam, config, None)
+
+
+def legacy_path(root: str, tp: int, pp: int, iteration: int) -> str:
+    """Megatron-LM's get_checkpoint_name for this rank."""
+    t, p = ps_ranks()
+    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+    return os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
+
+
+def write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def save_logits(model, out: str) -> None:
+    """Logits of the model as it is now, on a fixed batch, from the last stage (full vocabulary)."""
+    model.eval()
+    with torch.no_grad():
+        logits, _ = forward(model, batch(99)[:, :-1])
+    if dist.get_rank() == dist.get_world_size() - 1:
+        torch.save(logits, os.path.join(out, "logits.pt"))
+    model.train()
+
+
+def main() -> None:
+    scenario, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    tp, pp = int(os.environ["MCORE_TP"]), int(os.environ["MCORE_PP"])
+    dist.init_process_group("gloo")
+    cpu_patches()
+    model = build(tp, pp)
+    optimizer = megatron_optimizer(model)
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    losses = []
+    if scenario.startswith("save"):
+        model.train()
+        losses.append(train_step(model, optimizer, 0))
+        if scenario == "save-legacy":
+            state = {"args": megatron_args(tp, pp), "checkpoint_version": 3.0, "iteration": 1,
+                     "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                     "rng_state": [{"random_rng_state": __import__("random").getstate(),
+                                    "np_rng_state": __import__("numpy").random.get_state(), "torch_rng_state": torch.get_rng_state()}]}
+            file = legacy_path(path, tp, pp, 1)
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            torch.save(state, file)
+            dist.barrier()
+            if rank == 0:
+                with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write("1")
+        else:
+            from megatron.core import dist_checkpointing
+
+            if rank == 0:
+                os.makedirs(path, exist_ok=True)
+            dist.barrier()
+            sharded = model.sharded_state_dict()
+            state = {"args": megatron_args(tp, pp), "checkpoint_version": 3.0, "iteration": 1, "model": sharded}
+            dist_checkpointing.save(state, path)
+        save_logits(model, out)
+    else:  # load-legacy / load-dist: a checkpoint we wrote; with-optimizer resumes it, otherwise a fresh optimizer
+        with_optimizer = scenario.endswith("+optimizer")
+        if scenario.startswith("load-legacy"):
+            from converters.megatron import load_megatron_file, locate
+
+            files = locate(path)
+            t, p = ps_ranks()
+            state = load_megatron_file(files.paths[(t, p)])
+            result = model.load_state_dict(state["model"], strict=True)
+            assert not result.missing_keys and not result.unexpected_keys, result
+            if with_optimizer:
+                optimizer.load_state_dict(state["optimizer"])
+        else:
+            from megatron.core import dist_checkpointing
+
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+            model.load_state_dict(loaded["model"], strict=True)
+        model.train()
+    first = 1 if scenario.startswith("save") or scenario.endswith("+optimizer") else 0
+    losses += [train_step(model, optimizer, step) for step in range(first, STEPS)]
+    if rank == last:
+        write_json(os.path.join(out, "losses.json"), losses)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ps_ranks() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+if __name__ == "__main__":  # megatron-core's checkpoint writer starts helper processes that import this module
+    main()
