@@ -29,7 +29,7 @@ from interop.commit import durable_write, staged_output
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
-from interop.tensors import LazyTensor, TensorSpec
+from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import MegatronArch, padded_vocab
@@ -190,15 +190,21 @@ def _canonical(all_rules: list[Rule]) -> dict[str, Rule]:
 
 
 class _Merged:
-    """The last full Megatron tensor built, so q, k and v (or gate and up) merge their TP pieces once."""
+    """The last full Megatron tensor built, so q, k and v (or gate and up) merge their TP pieces once. When
+    the next one is built, the pages of the mapped files under the previous one's pieces are let go, so
+    streaming a checkpoint costs the memory of a tensor, not of the files."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.value: list[torch.Tensor] = []
+        self.pieces: list[torch.Tensor] = []
 
-    def get(self, key: tuple, build: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    def get(self, key: tuple, build: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]) -> list[torch.Tensor]:
         if key != self.key:
-            self.key, self.value = None, build()
+            for piece in self.pieces:
+                release_mapped_pages(piece)
+            self.key, self.value, self.pieces = None, [], []
+            self.value, self.pieces = build()
             self.key = key
         return self.value
 
@@ -209,13 +215,13 @@ def _hf_tensors(
 ) -> dict[str, LazyTensor]:
     """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded."""
 
-    def build() -> list[torch.Tensor]:
+    def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         loaded = [p() for p in pieces]
         check_pieces(rule, loaded, where)
         full = merge(rule, loaded)
         if rule.split == VOCAB:
             full = full[: arch.vocab]
-        return rule.unfuse(full)
+        return rule.unfuse(full), loaded
 
     out = {}
     for i, (name, shape) in enumerate(zip(rule.hf, shapes)):

@@ -89,29 +89,26 @@ class MegatronArch:
         raise ConversionError(f"model_type {kind!r} has no Megatron name map (llama, mistral, qwen2 and gpt2 do)")
 
     def to_hf(self) -> dict[str, Any]:
-        import transformers
-
+        """A config.json (only what differs from transformers' defaults matters; no transformers import)."""
+        arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        config: dict[str, Any] = {"architectures": [arch[self.model_type]], "model_type": self.model_type, "vocab_size": self.vocab,
+                                  "tie_word_embeddings": self.tied}
         if self.family == "gpt2":
-            cfg = transformers.GPT2Config(
-                vocab_size=self.vocab, n_positions=self.max_positions, n_embd=self.hidden, n_layer=self.num_layers,
-                n_head=self.heads, n_inner=self.ffn if self.ffn != 4 * self.hidden else None,
-                layer_norm_epsilon=self.eps, tie_word_embeddings=self.tied,
-                bos_token_id=50256 if self.vocab > 50256 else None, eos_token_id=50256 if self.vocab > 50256 else None,
-            )
-        else:
-            cls = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}.get(self.model_type, transformers.LlamaConfig)
-            extra = {} if self.model_type == "qwen2" else {"attention_bias": self.qkv_bias, "mlp_bias": self.linear_bias}
-            if self.model_type == "qwen2" and self.linear_bias:
-                raise ConversionError("qwen2 has no MLP biases; this checkpoint has them")
-            cfg = cls(
-                vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ffn, num_hidden_layers=self.num_layers,
-                num_attention_heads=self.heads, num_key_value_heads=self.groups, head_dim=self.head_dim,
-                rms_norm_eps=self.eps, max_position_embeddings=self.max_positions, tie_word_embeddings=self.tied,
-                rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"}, **extra,
-            )
-        config = cfg.to_dict()
-        config["architectures"] = [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                    "qwen2": "Qwen2ForCausalLM"}[self.model_type]]
+            token = 50256 if self.vocab > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+            config.update(n_positions=self.max_positions, n_embd=self.hidden, n_layer=self.num_layers, n_head=self.heads,
+                          n_inner=self.ffn if self.ffn != 4 * self.hidden else None, layer_norm_epsilon=self.eps,
+                          activation_function="gelu_new", bos_token_id=token, eos_token_id=token)
+            return config
+        if self.model_type == "qwen2" and self.linear_bias:
+            raise ConversionError("qwen2 has no MLP biases; this checkpoint has them")
+        config.update(
+            hidden_size=self.hidden, intermediate_size=self.ffn, num_hidden_layers=self.num_layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.groups, head_dim=self.head_dim, hidden_act="silu", rms_norm_eps=self.eps,
+            max_position_embeddings=self.max_positions, rope_theta=self.rope_theta,
+            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+        )
+        if self.model_type != "qwen2":
+            config.update(attention_bias=self.qkv_bias, mlp_bias=self.linear_bias)
         return config
 
     # --- Megatron-LM arguments ------------------------------------------------------------------------------

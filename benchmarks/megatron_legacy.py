@@ -1,0 +1,97 @@
+"""Megatron-LM legacy TP2 x PP2 -> Hugging Face: interop's streaming reader against loading and merging with
+plain torch.load.
+
+    python benchmarks/megatron_legacy.py [--hidden 1024 --layers 18] [--workdir DIR] [--repeat 3]
+
+Builds the benchmarks' Llama (270M parameters at the defaults), takes one AdamW step with the interop base
+trainer so the files carry optimizer state as Megatron's do, and writes it as a Megatron-LM checkpoint at TP 2 x
+PP 2 (four model_optim_rng.pt files: weights, fp32 Adam moments, args, RNG). Then, each in its own process
+(median wall time, peak RSS):
+
+  interop convert MEG HF --to hf        maps each file, merges one tensor's TP pieces at a time, streams out
+  torch.load + merge + save_file        loads the four files whole (as Megatron-LM's checkpoint tools do), merges
+                                        every tensor with the same rules, writes the state dict with safetensors
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_bench  # noqa: E402
+from measure import REPO, measure  # noqa: E402
+
+REFERENCE = r"""
+import argparse, os, sys, torch
+from safetensors.torch import save_file
+from converters.megatron import locate
+from converters.megatron_arch import MegatronArch
+from converters.megatron_map import rules, merge, local_name, layer_of, VOCAB
+
+src, out = sys.argv[1], sys.argv[2]
+files = locate(src)
+states = {k: torch.load(p, map_location="cpu", weights_only=False) for k, p in files.paths.items()}
+arch = MegatronArch.from_args(vars(states[(0, 0)]["args"]), src)
+per_stage = arch.num_layers // files.pp
+tensors = {}
+for rule in rules(arch):
+    p = 0 if rule.layer == -1 else files.pp - 1 if rule.layer == -2 else rule.layer // per_stage
+    name = local_name(rule.megatron, p * per_stage)
+    full = merge(rule, [states[(t, p)]["model"][name] for t in range(files.tp)])
+    if rule.split == VOCAB:
+        full = full[: arch.vocab]
+    tensors.update(zip(rule.hf, (t.contiguous() for t in rule.unfuse(full))))
+os.makedirs(out, exist_ok=True)
+save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd); os.close(fd)
+"""
+
+
+def train_and_save(out: str, hidden: int, layers: int) -> None:
+    """One AdamW step of the base trainer (one process), then its checkpoint."""
+    from trainers.base import BaseTrainer, TrainerConfig
+
+    cfg = TrainerConfig(steps=1, batch_size=2, seq_len=16, output_dir=out, keep_last=None)
+    engine_bench.train_one_step(BaseTrainer, cfg, hidden, layers)
+
+
+def main() -> None:
+    p = engine_bench.parser(__doc__)
+    p.set_defaults(layers=18)
+    args = p.parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    import tempfile
+
+    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-megatron-")
+    meg = os.path.join(work, "megatron")
+    cli = [sys.executable, "-m", "converters.cli"]
+    if not os.path.isdir(meg):
+        run = os.path.join(work, "run")
+        wall, _ = measure([sys.executable, os.path.abspath(__file__), "--train", run, "--hidden", str(args.hidden), "--layers", str(args.layers)])
+        print(f"one base-trainer step in {wall:.0f} s")
+        subprocess.run(cli + ["convert", os.path.join(run, "checkpoint-1"), meg, "--to", "megatron", "--tp", "2", "--pp", "2"],
+                       check=True, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL)
+    params = int(subprocess.check_output([sys.executable, engine_bench.__file__, str(args.hidden), str(args.layers)]))
+    size = engine_bench.warm(meg)
+    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
+          f"Megatron legacy checkpoint, TP 2 x PP 2: {size / 2**30:.2f} GiB (weights, Adam moments, args, RNG)")
+    outputs = {k: os.path.join(work, k) for k in ("hf", "ref_hf", "universal")}
+    n = args.repeat
+    interop, reference = "Megatron TP2xPP2 -> HF safetensors (interop)", "torch.load x4 + merge + save_file"
+    rows = [
+        ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
+        (interop, measure(cli + ["convert", meg, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        (reference, measure([sys.executable, "-c", REFERENCE, meg, outputs["ref_hf"]], None, n, outputs["ref_hf"])),
+        ("Megatron TP2xPP2 -> universal (interop)", measure(cli + ["convert", meg, outputs["universal"], "--to", "universal"],
+                                                           None, n, outputs["universal"])),
+    ]
+    engine_bench.report(rows, outputs, work, n, {interop: reference})
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", REPO)
+    main()
