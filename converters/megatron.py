@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from interop.commit import durable_write, staged_output
+from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
@@ -34,7 +35,7 @@ from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import MegatronArch, padded_vocab
 from .megatron_map import (
-    LAYER_PREFIX, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows, rules,
+    COLS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows, rules,
     split, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
@@ -239,9 +240,9 @@ def _hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> l
 
 
 def _full_shape(rule: Rule, piece_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if rule.split in ("rows", "vocab", "gated"):
+    if rule.split in (ROWS, VOCAB, GATED):
         return (piece_shape[0] * tp, *piece_shape[1:])
-    if rule.split == "cols":
+    if rule.split == COLS:
         return (piece_shape[0], piece_shape[1] * tp, *piece_shape[2:])
     return piece_shape
 
@@ -282,17 +283,12 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int], dict], canon:
                     if name == "output_layer.weight":  # tied: the last stage's copy of the embedding
                         continue
                     raise ConversionError(
-                        f"{files.paths[(t, p)]}: tensor {key!r} has no Hugging Face name in the "
-                        f"{next(iter(canon.values())).hf[0].split('.')[0]} map (Megatron-LM before megatron-core?)"
+                        f"{files.paths[(t, p)]}: tensor {key!r} has no Hugging Face name (Megatron-LM from before megatron-core?)"
                     )
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
         out[(t, p)] = _RankModel(names, tensors)
     return out
-
-
-def _params_of(rank: _RankModel) -> list[str]:
-    return [n for n in rank.names]
 
 
 def _no_decay(name: str, shape: tuple[int, ...]) -> bool:
@@ -302,7 +298,7 @@ def _no_decay(name: str, shape: tuple[int, ...]) -> bool:
 
 def _group_members(groups: list[dict[str, Any]], rank: _RankModel, path: str) -> list[list[str]]:
     """Which Megatron parameters each optimizer group numbers, in order (ids run over the groups in turn)."""
-    params = _params_of(rank)
+    params = rank.names
     decay = [n for n in params if not _no_decay(n, tuple(rank.tensors[n].shape))]
     no_decay = [n for n in params if _no_decay(n, tuple(rank.tensors[n].shape))]
     members: list[list[str]] = []
@@ -358,13 +354,12 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
     arch = MegatronArch.from_args(args_d, first)
     arch.check_tp(files.tp, first)
     states = {key: (head if key == (0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.paths.items()}
-    canon = _canonical(rules(arch))
-    ranks = _rank_models(files, states, canon)
+    all_rules = rules(arch)
+    ranks = _rank_models(files, states, _canonical(all_rules))
     padded = int(args_d.get("padded_vocab_size") or padded_vocab(arch.vocab, files.tp))
     _check_vocab(files, ranks, padded)
 
     placed = {n: key for key, rm in sorted(ranks.items()) for n in rm.names if key[0] == 0}
-    all_rules = rules(arch)
     missing = [r.megatron for r in all_rules if r.megatron not in placed]
     if missing:
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
@@ -412,7 +407,7 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         rank_state["rng"] = rng
     source = {
         "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp,
-        "dtype": str(model_dtype).removeprefix("torch."), "iteration": step,
+        "dtype": dtype_name(model_dtype), "iteration": step,
     }
     if has_master:
         source["master_dtype"] = "float32"
@@ -422,7 +417,7 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
     return LogicalCheckpoint(
         model=model, config=config, optimizer=optimizer, source=source,
-        tied=[["lm_head.weight", rules(arch)[0].hf[0]]] if arch.tied else [], step=step,
+        tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step,
         extra_state=extra, rank_state=rank_state, notes=notes,
     )
 
@@ -527,12 +522,18 @@ def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: in
     return split(rule, full, tp)
 
 
+def _padding_rows(padding: dict[str, torch.Tensor], rule: Rule, *tags: str) -> torch.Tensor | None:
+    """The padded vocabulary rows a Megatron source had under this rule's name (or an alias), first tag first."""
+    return next((padding[f"{tag}/{n}"] for tag in tags for n in (rule.megatron, *rule.aliases) if f"{tag}/{n}" in padding), None)
+
+
 @dataclass
 class _StageWrite:
     model: list[OrderedDict]  # per TP rank
-    master: list[list[torch.Tensor]]  # per TP rank, in parameter order
+    master: list[list[torch.Tensor]]  # per TP rank, in parameter order (mixed precision only)
     state: list[dict[str, dict[str, torch.Tensor]]]  # per TP rank: megatron name -> optimizer entries
     names: list[str]
+    no_decay: list[bool]  # per parameter: Megatron's no-weight-decay group
 
 
 def write_megatron(
@@ -546,8 +547,7 @@ def write_megatron(
     arch = MegatronArch.from_hf(ckpt.config)
     arch.check_tp(tp)
     padded = padded_vocab(arch.vocab, tp)
-    dtype_name = ckpt.source.get("dtype") or "float32"
-    dtype = getattr(torch, str(dtype_name).removeprefix("torch."))
+    dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
     stages = stage_rules(all_rules, arch, pp)
@@ -610,18 +610,20 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
     models = [OrderedDict() for _ in range(tp)]
     masters: list[list[torch.Tensor]] = [[] for _ in range(tp)]
     states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
-    names = []
+    names, no_decay = [], []
     for rule in stage:
         values = _hf_values(rule, lambda n: model[n].load() if n in model else None)
         if values is None:
             raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-        fill = next((padding[f"{tag}/{n}"] for n in (rule.megatron, *rule.aliases) for tag in ("master", "model") if f"{tag}/{n}" in padding), None)
+        fill = _padding_rows(padding, rule, "master", "model")
         pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
         name = local_name(rule.megatron, offset)
         names.append(rule.megatron)
+        no_decay.append(_no_decay(rule.megatron, tuple(pieces[0].shape)))
         for t in range(tp):
             models[t][name] = pieces[t].to(dtype).clone()
-            masters[t].append(pieces[t].float().clone())
+            if mixed:
+                masters[t].append(pieces[t].float().clone())
             extra = extra_state_key(name)
             if extra is not None:
                 models[t][extra] = None
@@ -630,7 +632,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                 vals = _hf_values(rule, lambda n: per[n].load() if n in per else None)
                 if vals is None:
                     continue
-                fill = next((padding[f"optim:{skey}/{n}"] for n in (rule.megatron, *rule.aliases) if f"optim:{skey}/{n}" in padding), None)
+                fill = _padding_rows(padding, rule, f"optim:{skey}")
                 for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded, fill)):
                     states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
             for skey, per in opt.scalars.items():
@@ -638,16 +640,15 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                 if entry is not None:
                     for t in range(tp):
                         states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
-    return _StageWrite(models, masters, states, names)
+    return _StageWrite(models, masters, states, names, no_decay)
 
 
 def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
                rng: list[dict[str, Any]] | None, rank: int) -> dict[str, Any]:
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": stage.model[t]}
     if with_optim:
-        shapes = {n: tuple(m.shape) for n, m in zip(stage.names, stage.master[t])}
-        decay = [i for i, n in enumerate(stage.names) if not _no_decay(n, shapes[n])]
-        none = [i for i, n in enumerate(stage.names) if _no_decay(n, shapes[n])]
+        decay = [i for i, nd in enumerate(stage.no_decay) if not nd]
+        none = [i for i, nd in enumerate(stage.no_decay) if nd]
         order = decay + none
         ids = {stage.names[i]: pid for pid, i in enumerate(order)}
         per_id = {ids[n]: stage.state[t][n] for n in stage.names if n in stage.state[t]}
