@@ -13,10 +13,12 @@ the state dict and a planner that loads each tensor only when the writer reaches
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -230,7 +232,10 @@ class DCPReader:
                     os.path.join(self.directory, info.relative_path),
                     f"entry {index.fqn!r} is stored with transforms {info.transform_descriptors}; only plain DCP storage is read",
                 )
-            chunk_md = tensor_md.chunks[index.index] if index.index is not None else None
+            if index.index is not None:
+                chunk_md = tensor_md.chunks[index.index]
+            else:  # megatron-core records the chunk by its offset only
+                chunk_md = next((c for c in tensor_md.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
             offsets = tuple(index.offset) if index.offset is not None else tuple(chunk_md.offsets)
             sizes = tuple(chunk_md.sizes) if chunk_md is not None else tuple(tensor_md.size)
             self._chunks.setdefault(index.fqn, []).append(_Chunk(offsets, sizes, info.relative_path, info.offset, info.length))
@@ -378,6 +383,23 @@ def unflatten_lists(node: Any) -> Any:
 
 
 # --- writing ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it 'assumes' a single process whenever there is no process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def save_dcp(state: dict[str, Any], directory: str) -> None:
+    """``dcp.save`` of a live state dict by every rank of the run (or by one process without a group)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=not dist.is_initialized())
+
+
 def write_dcp(
     state: dict[str, Any],
     directory: str,
@@ -385,8 +407,6 @@ def write_dcp(
 ) -> None:
     """Save the nested ``state`` (LazyTensor leaves are loaded one at a time, as the writer reaches them) as a
     DCP checkpoint in ``directory``, which must be empty. Readable by ``dcp.load`` on any number of ranks."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -414,12 +434,49 @@ def write_dcp(
                 return lazies[id(obj)].load()
             return obj
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    with _single_process_quiet():
         dcp.save(skeleton, storage_writer=dcp.FileSystemWriter(directory), planner=_LazyPlanner(), no_dist=True)
     if count[0] != len(lazies):
         raise RuntimeError(f"DCP save resolved {count[0]} of {len(lazies)} tensors")  # would be a torch behaviour change
     log.info("wrote DCP checkpoint %s (%d tensors)", directory, len(lazies))
+
+
+def load_dcp(state: dict[str, Any], directory: str) -> None:
+    """``dcp.load`` of ``directory`` into ``state`` (DTensors reshard to whatever layout they have now), reading
+    only data: ``.metadata`` through DCP's own types, stored objects with ``weights_only``. torch's own reader
+    unpickles both without restriction."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_metadata(str(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class _SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            where = f"entry {read_item.dest_index.fqn!r} of {directory}"
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsafePickleError(where, f"is not plain data ({str(exc).splitlines()[0]}); it was not loaded") from None
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    import torch.distributed as dist
+
+    read_metadata(directory)  # a clear error for a missing or damaged directory before any collective
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=_SafeReader(directory), planner=_SafePlanner(), no_dist=not dist.is_initialized())
 
 
 # --- logical checkpoints ------------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ def _canonical(all_rules: list[Rule]) -> dict[str, Rule]:
     return names
 
 
-class _Merged:
+class MergedCache:
     """The last full Megatron tensor built, so q, k and v (or gate and up) merge their TP pieces once. When
     the next one is built, the pages of the mapped files under the previous one's pieces are let go, so
     streaming a checkpoint costs the memory of a tensor, not of the files."""
@@ -210,8 +210,8 @@ class _Merged:
         return self.value
 
 
-def _hf_tensors(
-    rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: _Merged, tag: str,
+def hf_tensors(
+    rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: MergedCache, tag: str,
     dtype: torch.dtype, shapes: list[tuple[int, ...]],
 ) -> dict[str, LazyTensor]:
     """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded."""
@@ -232,7 +232,7 @@ def _hf_tensors(
     return out
 
 
-def _hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+def hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Shapes of the Hugging Face tensors a rule unfuses into, from the full tensor's shape, without loading."""
     if rule.split == VOCAB:
         full_shape = (arch.vocab, *full_shape[1:])
@@ -291,7 +291,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int], dict], canon:
     return out
 
 
-def _no_decay(name: str, shape: tuple[int, ...]) -> bool:
+def is_no_decay(name: str, shape: tuple[int, ...]) -> bool:
     """Megatron's standard rule: no weight decay for biases and one-dimensional parameters (norms)."""
     return name.endswith(".bias") or len(shape) == 1
 
@@ -299,8 +299,8 @@ def _no_decay(name: str, shape: tuple[int, ...]) -> bool:
 def _group_members(groups: list[dict[str, Any]], rank: _RankModel, path: str) -> list[list[str]]:
     """Which Megatron parameters each optimizer group numbers, in order (ids run over the groups in turn)."""
     params = rank.names
-    decay = [n for n in params if not _no_decay(n, tuple(rank.tensors[n].shape))]
-    no_decay = [n for n in params if _no_decay(n, tuple(rank.tensors[n].shape))]
+    decay = [n for n in params if not is_no_decay(n, tuple(rank.tensors[n].shape))]
+    no_decay = [n for n in params if is_no_decay(n, tuple(rank.tensors[n].shape))]
     members: list[list[str]] = []
     for g in groups:
         zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
@@ -367,7 +367,7 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
     optim = {key: _rank_optimizer(states[key], ranks[key], files.paths[key]) for key in ranks}
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
     model_dtype = next(iter(ranks[(0, 0)].tensors.values())).dtype
-    cache = _Merged()
+    cache = MergedCache()
 
     def pieces_of(rule: Rule, getter: Callable[[tuple[int, int]], torch.Tensor]) -> list[Callable[[], torch.Tensor]]:
         p = placed[rule.megatron][1]
@@ -379,9 +379,9 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         extra_rows = piece_shape[0] * files.tp - arch.vocab
         if rule.split == VOCAB and 0 < extra_rows <= piece_shape[0]:  # the padded rows: all in the last TP piece
             padding[f"{tag}/{rule.megatron}"] = getter((files.tp - 1, placed[rule.megatron][1]))[-extra_rows:].clone()
-        shapes = _hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
+        shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
-        return _hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
+        return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
 
     model: dict[str, LazyTensor] = {}
     for rule in all_rules:
@@ -505,7 +505,7 @@ def _rng_states(files: LegacyFiles, states: dict[tuple[int, int], dict]) -> list
 
 
 # --- writing --------------------------------------------------------------------------------------------------
-def _hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[torch.Tensor] | None:
+def hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[torch.Tensor] | None:
     values = [get(n) for n in rule.hf]
     if all(v is None for v in values):
         return None
@@ -522,7 +522,7 @@ def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: in
     return split(rule, full, tp)
 
 
-def _padding_rows(padding: dict[str, torch.Tensor], rule: Rule, *tags: str) -> torch.Tensor | None:
+def padding_rows(padding: dict[str, torch.Tensor], rule: Rule, *tags: str) -> torch.Tensor | None:
     """The padded vocabulary rows a Megatron source had under this rule's name (or an alias), first tag first."""
     return next((padding[f"{tag}/{n}"] for tag in tags for n in (rule.megatron, *rule.aliases) if f"{tag}/{n}" in padding), None)
 
@@ -560,7 +560,7 @@ def write_megatron(
         ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp,
         data_parallel_size=1, use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config),
     ))
-    hyper = _hyper(opt)
+    hyper = megatron_hyper(opt)
     model = ckpt.model
     mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
     unmapped = sorted(set(model) - mapped)
@@ -590,7 +590,7 @@ def write_megatron(
     log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
 
 
-def _hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
+def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
     """The decay and no-decay groups' hyper-parameters, as Megatron's optimizer holds them."""
     base = [{**ADAMW_DEFAULTS, "weight_decay": 0.01}, {**ADAMW_DEFAULTS, "weight_decay": 0.0}]
     if opt is not None and opt.param_groups:
@@ -612,14 +612,14 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
     states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
     names, no_decay = [], []
     for rule in stage:
-        values = _hf_values(rule, lambda n: model[n].load() if n in model else None)
+        values = hf_values(rule, lambda n: model[n].load() if n in model else None)
         if values is None:
             raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-        fill = _padding_rows(padding, rule, "master", "model")
+        fill = padding_rows(padding, rule, "master", "model")
         pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
         name = local_name(rule.megatron, offset)
         names.append(rule.megatron)
-        no_decay.append(_no_decay(rule.megatron, tuple(pieces[0].shape)))
+        no_decay.append(is_no_decay(rule.megatron, tuple(pieces[0].shape)))
         for t in range(tp):
             models[t][name] = pieces[t].to(dtype).clone()
             if mixed:
@@ -629,10 +629,10 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                 models[t][extra] = None
         if opt is not None:
             for skey, per in opt.tensors.items():
-                vals = _hf_values(rule, lambda n: per[n].load() if n in per else None)
+                vals = hf_values(rule, lambda n: per[n].load() if n in per else None)
                 if vals is None:
                     continue
-                fill = _padding_rows(padding, rule, f"optim:{skey}")
+                fill = padding_rows(padding, rule, f"optim:{skey}")
                 for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded, fill)):
                     states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
             for skey, per in opt.scalars.items():

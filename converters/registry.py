@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt, megatron
+from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt, interop_dcp, megatron, megatron_dist
 
 
 @dataclass
@@ -69,6 +69,15 @@ register(
         "checkpoint saved by an interop trainer (single process or DDP)",
         interop_ckpt.is_interop_checkpoint,
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
+    )
+)
+register(
+    Format(
+        "interop-dcp",
+        "checkpoint of the interop Megatron-style trainer (DTensor TP x pipelining): model and optimizer as DCP, any layout",
+        interop_dcp.is_interop_dcp,
+        lambda p, o: interop_dcp.read_interop_dcp(p, o.verify_digests),
+        lambda c, d, o: interop_dcp.write_interop_dcp(c, d, o.overwrite),
     )
 )
 
@@ -130,6 +139,19 @@ register(
         accelerate.is_accelerate_checkpoint,
         lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests),
         _write_accelerate,
+    )
+)
+def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite)
+
+
+register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
+    Format(
+        "megatron-dist",
+        "Megatron torch_dist checkpoint (metadata.json, common.pt, DCP data with stacked layers); loads at any TP x PP",
+        megatron_dist.is_megatron_dist,
+        lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle),
+        _write_megatron_dist,
     )
 )
 register(

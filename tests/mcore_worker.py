@@ -4,8 +4,9 @@
         Megatron-LM's save_checkpoint writes it with --ckpt-format torch (its generate_state_dict: args,
         checkpoint_version, iteration, model, optimizer, rng_state); then the logits on a fixed batch
         (OUT/logits.pt) and the uninterrupted run's remaining steps (OUT/losses.json, every step's loss).
-    save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist), model only.
-    load-legacy[+optimizer] CKPT OUT, load-dist CKPT OUT: load a checkpoint we wrote into megatron-core, then
+    save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist): args, iteration,
+        model and optimizer as Megatron-LM's save_checkpoint hands them to it with --ckpt-format torch_dist.
+    load-legacy[+optimizer] CKPT OUT, load-dist[+optimizer] CKPT OUT: load a checkpoint we wrote into megatron-core, then
         train on the same batches: from step 1 with its optimizer state (+optimizer), else from step 0 with a
         fresh optimizer. The losses go to OUT/losses.json.
 
@@ -138,7 +139,15 @@ def megatron_optimizer(model):
     for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
         g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
     adam = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    return FP32Optimizer(adam, config, None)
+
+    def init_state_fn(opt, config=None):  # megatron.core.optimizer's for Adam: zero moments to load into
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    return FP32Optimizer(adam, config, init_state_fn)
 
 
 def legacy_path(root: str, tp: int, pp: int, iteration: int) -> str:
@@ -194,7 +203,8 @@ def main() -> None:
                 os.makedirs(path, exist_ok=True)
             dist.barrier()
             sharded = model.sharded_state_dict()
-            state = {"args": megatron_args(tp, pp), "checkpoint_version": 3.0, "iteration": 1, "model": sharded}
+            state = {"args": megatron_args(tp, pp), "checkpoint_version": 3.0, "iteration": 1, "model": sharded,
+                     "optimizer": optimizer.sharded_state_dict(sharded)}
             dist_checkpointing.save(state, path)
         save_logits(model, out)
     else:  # load-legacy / load-dist: a checkpoint we wrote; with-optimizer resumes it, otherwise a fresh optimizer
@@ -212,8 +222,14 @@ def main() -> None:
         else:
             from megatron.core import dist_checkpointing
 
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+            sharded = model.sharded_state_dict()
+            state = {"model": sharded}
+            if with_optimizer:
+                state["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+            loaded = dist_checkpointing.load(state, path)
             model.load_state_dict(loaded["model"], strict=True)
+            if with_optimizer:
+                optimizer.load_state_dict(loaded["optimizer"])
         model.train()
     first = 1 if scenario.startswith("save") or scenario.endswith("+optimizer") else 0
     losses += [train_step(model, optimizer, step) for step in range(first, STEPS)]

@@ -107,3 +107,40 @@ def test_megatron_core_checkpoint_through_universal_keeps_every_byte(tmp_path, m
         for pid in sa:
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(sa[pid][k], sb[pid][k]), (key, pid, k)
+
+
+# --- torch_dist ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def megatron_dist_saved(tmp_path_factory):
+    """megatron-core's own dist_checkpointing.save (torch_dist) after one step at TP2: model and optimizer."""
+    root = tmp_path_factory.mktemp("mcore_dist")
+    megatron_run("save-dist", root / "ckpt", root / "out", 2, 1)
+    with open(root / "out" / "losses.json") as f:
+        losses = json.load(f)
+    return root / "ckpt", torch.load(root / "out" / "logits.pt"), losses
+
+
+def test_megatron_core_torch_dist_to_hf_has_its_logits(tmp_path, megatron_dist_saved):
+    ckpt, logits, _ = megatron_dist_saved
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf"],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours = model(input_ids=batch(99)[:, :-1]).logits
+    torch.testing.assert_close(ours, logits[..., :VOCAB], rtol=0, atol=1e-5)
+
+
+def test_megatron_core_loads_our_torch_dist_on_another_layout(tmp_path, megatron_dist_saved):
+    """megatron-core's TP2 torch_dist -> universal -> ours (`--to megatron-dist`) -> megatron-core at PP2 loads
+    model and optimizer with dist_checkpointing.load and trains on with the uninterrupted run's losses."""
+    ckpt, _, uninterrupted = megatron_dist_saved
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    for src, dst, extra in ((ckpt, tmp_path / "uni", ["--to", "universal"]),
+                            (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron-dist", "--tp", "2"])):
+        done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+    megatron_run("load-dist+optimizer", tmp_path / "ours" / "iter_0000001", tmp_path / "out", 1, 2)
+    with open(tmp_path / "out" / "losses.json") as f:
+        resumed = json.load(f)
+    assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)

@@ -1,0 +1,269 @@
+"""Megatron's ``torch_dist`` checkpoint format (``--ckpt-format torch_dist``, megatron-core's dist_checkpointing).
+
+One directory (``iter_XXXXXXX/`` under a ``latest_checkpointed_iteration.txt``, or on its own) holds:
+
+- ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``;
+- ``common.pt``: what is not sharded (``args``, ``iteration``, the optimizer's param groups and common step);
+- torch.distributed.checkpoint data: every tensor as one global tensor whatever the TP x PP of the run, the
+  decoder's layers stacked on a leading dimension (``decoder.layers.self_attention.linear_qkv.weight`` is
+  ``[layers, (heads + 2 groups) x head_dim, hidden]``), fused tensors in their TP=1 layout (QKV by query
+  group, SwiGLU's fc1 ``[gate; up]``), norms under Transformer Engine's names, the vocabulary padded, Adam's
+  moments under ``optimizer.state.<key>.<name>``, each linear layer's ``_extra_state`` as one object per layer
+  (``<name>/shard_<layer>_<layers>``).
+
+The same rules as the legacy format map each tensor to Hugging Face names (``megatron_map``), with one
+tensor-parallel piece: the stored tensor. Reading is lazy (one layer's slice at a time); writing goes through
+torch's own ``dcp.save`` with whole tensors, which megatron-core loads onto any TP x PP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from interop.commit import durable_write, staged_output
+from interop.dtypes import dtype_from_name, dtype_name
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.tensors import LazyTensor, TensorSpec
+from interop.universal import scalar_entry
+
+from .dcp import DCPReader, write_dcp
+from .engine_checkpoint import component_state
+from .megatron import (
+    CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
+    is_no_decay, load_megatron_file, megatron_hyper, padding_rows,
+)
+from .megatron_arch import MegatronArch, padded_vocab
+from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, pad_rows, rules
+
+log = logging.getLogger(__name__)
+
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+OPTIM_PREFIX = "optimizer.state."
+LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def stacked_name(megatron: str) -> str:
+    """``decoder.layers.<i>.x`` -> ``decoder.layers.x`` (torch_dist stacks the layers on dimension 0)."""
+    if not megatron.startswith(LAYER_PREFIX):
+        return megatron
+    return LAYER_PREFIX + megatron[len(LAYER_PREFIX):].split(".", 1)[1]
+
+
+# --- where a checkpoint is ----------------------------------------------------------------------------------
+def _backend(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, METADATA_JSON)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(path, f"unreadable ({exc})") from None
+    return data if isinstance(data, dict) else None
+
+
+def locate(path: str) -> str:
+    """The torch_dist directory: ``path`` itself, or the iteration ``latest_checkpointed_iteration.txt`` names."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker) and not os.path.isfile(os.path.join(path, METADATA_JSON)):
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is None:
+            raise CorruptCheckpointError(tracker, f"names iteration {text!r}, not a number or 'release'")
+        path = os.path.join(path, name)
+        if not os.path.isdir(path):
+            raise MissingFileError(path, f"missing: {tracker} names it as the latest checkpoint")
+    return path
+
+
+def is_megatron_dist(path: str) -> bool:
+    try:
+        backend = _backend(locate(path))
+    except Exception:  # detection never raises; reading does
+        return False
+    return bool(backend) and backend.get("sharded_backend") == "torch_dist"
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+def read_megatron_dist(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
+    directory = locate(path)
+    backend = _backend(directory)
+    if not backend or backend.get("sharded_backend") != "torch_dist":
+        raise CorruptCheckpointError(os.path.join(directory, METADATA_JSON), f"is not a torch_dist checkpoint ({backend})")
+    common_path = os.path.join(directory, COMMON)
+    if not os.path.isfile(common_path):
+        raise MissingFileError(common_path, "missing: torch_dist keeps args and iteration there")
+    common = load_megatron_file(common_path, trust_pickle)
+    args = common.get("args")
+    if args is None:
+        raise CorruptCheckpointError(common_path, "holds no 'args': the model's shape is unknown")
+    args_d = vars(args) if not isinstance(args, dict) else args
+    arch = MegatronArch.from_args(args_d, common_path)
+    reader = DCPReader(directory)
+    stored = set(reader.tensor_keys())
+    all_rules = rules(arch)
+    names = {r.megatron: next((stacked_name(n) for n in (r.megatron, *r.aliases) if stacked_name(n) in stored), None) for r in all_rules}
+    missing = [r.megatron for r in all_rules if names[r.megatron] is None]
+    if missing:
+        raise CorruptCheckpointError(directory, f"holds no {stacked_name(missing[0])} ({len(missing)} tensors missing)")
+    padded = reader.spec(names[all_rules[0].megatron]).shape[0]
+    if args_d.get("padded_vocab_size") and int(args_d["padded_vocab_size"]) != padded:
+        raise CorruptCheckpointError(directory, f"embedding has {padded} rows, but args.padded_vocab_size is {args_d['padded_vocab_size']}")
+    cache = MergedCache()
+    padding: dict[str, torch.Tensor] = {}
+
+    def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
+        spec = reader.spec(key)
+        layer = layer_of(rule.megatron)
+        shape = spec.shape[1:] if layer is not None else spec.shape
+        if layer is not None and spec.shape[0] != arch.num_layers:
+            raise CorruptCheckpointError(directory, f"{key} stacks {spec.shape[0]} layers; args say {arch.num_layers}")
+
+        def full() -> torch.Tensor:
+            if layer is None:
+                return reader.read(key)
+            return reader.read(key, (layer,) + (0,) * len(shape), (1, *shape))[0]
+
+        if rule.split == VOCAB and shape[0] > arch.vocab:
+            padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
+        return hf_tensors(rule, [full], arch, f"{directory}[{key}]", cache, tag, spec.dtype, hf_shapes(rule, arch, shape))
+
+    model: dict[str, LazyTensor] = {}
+    for rule in all_rules:
+        model.update(lazy_for(rule, names[rule.megatron], "model"))
+    optimizer = _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path)
+    step = int(common.get("iteration") or 0)
+    extra: dict[str, Any] = {}
+    if any(bool(t.any()) for t in padding.values()):
+        extra[PADDING] = padding
+    if common.get(SCHEDULER) is not None:
+        extra[SCHEDULER] = common[SCHEDULER]
+    layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"))}
+    return LogicalCheckpoint(
+        model=model, config=hf_config(arch, args_d), optimizer=optimizer,
+        source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
+                "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step},
+        tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
+    )
+
+
+def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) -> OptimizerState | None:
+    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)})
+    if not state_keys:
+        return None
+    saved = common.get("optimizer") or {}
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != 2:
+        raise CorruptCheckpointError(common_path, "optimizer state without Megatron's two param groups (decay, no decay) in common.pt")
+    tensors: dict[str, dict[str, LazyTensor]] = {}
+    members: list[list[str]] = [[], []]
+    for rule in all_rules:
+        name = names[rule.megatron]
+        for skey in state_keys:
+            key = f"{OPTIM_PREFIX}{skey}.{name}"
+            if key in stored:
+                tensors.setdefault(skey, {}).update(lazy_for(rule, key, f"optim:{skey}"))
+        shape = reader.spec(name).shape[1:] if layer_of(rule.megatron) is not None else reader.spec(name).shape
+        members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
+    decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
+    param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(decay_first, members)]
+    scalars = {}
+    step = (saved.get("state") or {}).get("common_step")
+    if step is not None:
+        entry = scalar_entry(step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
+        scalars["step"] = {n: entry for n in (n for m in members for n in m)}
+    return OptimizerState("AdamW", param_groups, tensors, scalars)
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+def _stacked(rules_: list[Rule], values, padded: int, fill_for) -> LazyTensor | None:
+    """One stored tensor: the rules' full Megatron tensors (one per layer, or one), stacked when per layer."""
+    first = rules_[0]
+    probe = values(first)
+    if probe is None:
+        return None
+    probe_full = _full(first, probe, padded, fill_for(first))
+    shape = (len(rules_), *probe_full.shape) if layer_of(first.megatron) is not None else tuple(probe_full.shape)
+
+    def load() -> torch.Tensor:
+        fulls = [_full(r, values(r), padded, fill_for(r)) for r in rules_]
+        return torch.stack(fulls) if layer_of(first.megatron) is not None else fulls[0]
+
+    return LazyTensor(TensorSpec(shape, probe_full.dtype), load, origin=stacked_name(first.megatron))
+
+
+def _full(rule: Rule, values: list[torch.Tensor] | None, padded: int, fill: torch.Tensor | None) -> torch.Tensor:
+    if values is None:
+        raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+    full = rule.fuse(values)
+    return pad_rows(full, padded, fill) if rule.split == VOCAB else full
+
+
+def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False) -> None:
+    """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
+    ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
+    vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time."""
+    if ckpt.config is None:
+        raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
+    arch = MegatronArch.from_hf(ckpt.config)
+    arch.check_tp(tp)
+    padded = padded_vocab(arch.vocab, tp)
+    dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
+    all_rules = rules(arch, te_names=True)
+    by_key: dict[str, list[Rule]] = {}
+    for rule in all_rules:
+        by_key.setdefault(stacked_name(rule.megatron), []).append(rule)
+    padding = component_state(ckpt, PADDING) or {}
+    model, opt = ckpt.model, ckpt.optimizer
+    state: dict[str, Any] = {}
+    for key, rs in by_key.items():
+        state[key] = _stacked(rs, lambda r: hf_values(r, lambda n: model[n].load().to(dtype) if n in model else None), padded,
+                              lambda r: padding_rows(padding, r, "model", "master"))
+        if state[key] is None:
+            raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
+    for skey, per in (opt.tensors.items() if opt else []):
+        for key, rs in by_key.items():
+            t = _stacked(rs, lambda r, per=per: hf_values(r, lambda n: per[n].load() if n in per else None), padded,
+                         lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
+            if t is not None:
+                state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
+    for module in LAYER_LINEARS:  # megatron-core's linears keep an extra state per layer (None without FP8), stored
+        for i in range(arch.num_layers):  # as torch_dist stores every sharded object: a list of its replicas' data
+            state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{arch.num_layers}"] = [None]
+    step = int(ckpt.step or 0)
+    args = argparse.Namespace(**arch.to_args(
+        tp, 1, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        ckpt_format="torch_dist", transformer_impl="transformer_engine", world_size=1, data_parallel_size=1,
+        use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
+    ))
+    common: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
+    if opt is not None:
+        steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
+        if len(steps) > 1:
+            raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
+        common["optimizer"] = {"state": {"common_step": torch.tensor(steps.pop())} if steps else {},
+                               "param_groups": megatron_hyper(opt)}
+    scheduler = component_state(ckpt, SCHEDULER)
+    if scheduler is not None:
+        common[SCHEDULER] = scheduler
+    with staged_output(dst, overwrite) as out:
+        directory = os.path.join(out, f"iter_{step:07d}")
+        write_dcp(state, directory)
+        buffer = io.BytesIO()
+        torch.save(common, buffer)
+        durable_write(os.path.join(directory, COMMON), buffer.getvalue())
+        durable_write(os.path.join(directory, METADATA_JSON), json.dumps(BACKEND).encode())
+        durable_write(os.path.join(out, TRACKER), str(step).encode())
+    log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
+

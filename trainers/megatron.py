@@ -1,0 +1,321 @@
+"""The reference Megatron-style trainer: DP x TP x PP on a device mesh with torch's own machinery.
+
+    torchrun --nproc_per_node 2 -m trainers.megatron --tp 2 --steps 8
+    torchrun --nproc_per_node 2 -m trainers.megatron --pp 2 --microbatches 4 --pipeline-schedule 1f1b
+    torchrun --nproc_per_node 4 examples/train_megatron.py --tp 2 --pp 2 --activation-checkpointing
+    torchrun --nproc_per_node 2 -m trainers.megatron --tp 2 --resume path/to/universal   # any layout, any format
+
+The mesh is (pp, dp, tp) with tp fastest, as Megatron places ranks; dp is the world size over tp x pp.
+Tensor parallelism is DTensor's (``trainers.megatron_model``), pipeline parallelism is
+``torch.distributed.pipelining`` (GPipe or 1F1B over ``--microbatches``), data parallelism an all-reduce of
+the gradients over the dp group. ``--batch-size`` is the global batch, split over the dp replicas and then
+into microbatches, so the data order and the losses do not depend on the layout.
+
+Model and optimizer are one torch.distributed.checkpoint directory (``<checkpoint>/dcp``) holding logical
+tensors under canonical names, so a run of any other layout loads it directly. ``--resume`` also takes a
+checkpoint of another format (universal, Hugging Face, Megatron-LM, ...): it is converted in-process first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from converters import dcp as dcp_format
+from converters import interop_dcp
+from interop import SharingPattern, StateComponent, WorldSizePolicy
+from interop.errors import LoadFailedError
+from interop.sharding import ShardingMetadata, Strategy, TensorSharding
+from interop.state import NativeLoad
+
+from . import memory
+from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, param_group_names, run
+from .base import parse_config as base_parse_config
+from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass
+class MegatronTrainerConfig(TrainerConfig):
+    tp: int = 1  # tensor-parallel size (Megatron's --tensor-model-parallel-size)
+    pp: int = 1  # pipeline-parallel size (Megatron's --pipeline-model-parallel-size)
+    microbatches: int = 0  # per pipeline step; 0: as many as pipeline stages
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
+    recompute_granularity: str = "layer"  # with --activation-checkpointing: layer | stage
+    output_dir: str = "out/megatron"
+
+
+class DCPModelOptimizer:
+    """Model and optimizer through torch.distributed.checkpoint: each rank writes its own shards of the logical
+    tensors, and loading reads whatever part of them this rank's layout needs."""
+
+    def __init__(self, trainer: "MegatronTrainer"):
+        self.trainer = trainer
+
+    def save_native(self, directory: str) -> None:
+        dcp_format.save_dcp(self.trainer.model_and_optimizer_state(), directory)
+
+    def load_native(self, load: NativeLoad) -> None:
+        trainer = self.trainer
+        state = trainer.model_and_optimizer_state()
+        saved = dcp_format.read_metadata(load.directory).state_dict_metadata
+        if not any(key.startswith("optimizer.") for key in saved):
+            log.warning("%s holds no optimizer state: the optimizer starts afresh", load.directory)
+            del state["optimizer"]
+        dcp_format.load_dcp(state, load.directory)
+        trainer.set_model_and_optimizer_state(state)
+
+
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]).mean()
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross entropy (Hugging Face's loss for unpadded batches); with vocabulary-split
+    logits it runs inside ``loss_parallel`` and never gathers them."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class MegatronTrainer(BaseTrainer):
+    cfg: MegatronTrainerConfig
+
+    def init_distributed(self) -> tuple[int, int]:
+        rank, world = super().init_distributed()
+        cfg = self.cfg
+        if cfg.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule!r}: one of {', '.join(SCHEDULES)}")
+        if world % (cfg.tp * cfg.pp):
+            raise ValueError(f"world size {world} is not a multiple of tp x pp = {cfg.tp} x {cfg.pp}")
+        self.dp = world // (cfg.tp * cfg.pp)
+        self.mesh = None
+        if world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.mesh = init_device_mesh(device, (cfg.pp, self.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
+        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        return rank, world
+
+    def build_model(self) -> torch.nn.Module:
+        cfg = self.cfg
+        full = build_model(replace(cfg, activation_checkpointing=False))  # the whole model, then this rank's part
+        self.hf_config = full.config
+        self.architecture = type(full).__name__
+        self.full_param_groups = param_group_names(full)
+        self.frozen = [n for n, p in full.named_parameters() if not p.requires_grad]
+        self.layout = stage_layouts(full.config.num_hidden_layers, cfg.pp)[self.pp_rank]
+        stage = CausalLMStage(full, self.layout)
+        del full
+        if cfg.tp > 1:
+            apply_tensor_parallel(stage, self.mesh["tp"])
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(stage, cfg.recompute_granularity)
+        return stage
+
+    def __init__(self, cfg: MegatronTrainerConfig):
+        super().__init__(cfg)
+        if cfg.batch_size % self.dp:
+            raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over {self.dp} data-parallel replicas")
+        self.microbatches = cfg.microbatches or cfg.pp
+        if (cfg.batch_size // self.dp) % self.microbatches:
+            raise ValueError(f"{cfg.batch_size // self.dp} samples per replica do not split into {self.microbatches} microbatches")
+        self.schedule = self._build_schedule() if cfg.pp > 1 else None
+
+    def _build_schedule(self):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(self.model, self.pp_rank, self.cfg.pp, torch.device("cpu"), group=self.mesh["pp"].get_group())
+        kind = ScheduleGPipe if self.cfg.pipeline_schedule == "gpipe" else Schedule1F1B
+        return kind(stage, self.microbatches, loss_fn=causal_lm_loss)
+
+    def get_process_groups(self) -> dict[str, Any]:
+        if self.mesh is None:
+            return {}
+        return {name: self.mesh[name].get_group() for name in ("pp", "dp", "tp")}
+
+    def core_model(self) -> torch.nn.Module:
+        return self.model
+
+    # --- the adapter's view ------------------------------------------------------------------------
+    def model_and_optimizer_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        # flattened optimizer state: one entry per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"),
+        # so stages holding other parameters than at save time still find theirs (torch's option for pipelines)
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
+
+    def set_model_and_optimizer_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def get_state_components(self) -> list[StateComponent]:
+        return [
+            # shards identical across a dp group, different across tp and pp: one writer per dp group (DCP
+            # deduplicates the replicas); any other layout reshards on load
+            StateComponent(interop_dcp.NATIVE_KEY, DCPModelOptimizer(self), SharingPattern.PER_GROUP, process_group_name="dp",
+                           on_world_size_change=WorldSizePolicy.RESHARD),
+            StateComponent("scheduler", self.scheduler, SharingPattern.REPLICATED, validate_replication=True),
+            StateComponent("data", self.data, SharingPattern.GLOBAL),
+            StateComponent("trainer", self.state, SharingPattern.GLOBAL),
+            StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
+        ]
+
+    def get_checkpoint_metadata(self) -> dict[str, Any]:
+        config = self.hf_config.to_dict()
+        config["architectures"] = [self.architecture]
+        from converters.families import tied_groups
+
+        return {
+            "model": {"family": config.get("model_type"), "config": config, "tied": tied_groups(config), "frozen": self.frozen},
+            "sharding": self.sharding_metadata().to_json(),
+            "optimizer": {"class": type(self.optimizer).__name__, "param_names": self.full_param_groups},
+        }
+
+    def sharding_metadata(self) -> ShardingMetadata:
+        cfg = self.cfg
+        parallel = [n for n, size in (("dp", self.dp), ("tp", cfg.tp), ("pp", cfg.pp)) if size > 1]
+        strategy = {(): Strategy.SINGLE, ("dp",): Strategy.DDP, ("tp",): Strategy.TENSOR_PARALLEL,
+                    ("pp",): Strategy.PIPELINE_PARALLEL}.get(tuple(parallel), Strategy.HYBRID)
+        per_stage = len(self.layout.layers)
+        return ShardingMetadata(
+            strategy=strategy, world_size=self.world_size, precision=cfg.dtype, dp=self.dp, tp=cfg.tp, pp=cfg.pp,
+            tensors=tensor_sharding(self.hf_config.num_hidden_layers, cfg.tp),
+            pp_stage_of_layer={f"model.layers.{i}": i // per_stage for i in range(self.hf_config.num_hidden_layers)},
+        )
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def next_batch(self) -> torch.Tensor:
+        per_replica = self.cfg.batch_size // self.dp
+        return self.data.next_batch(self.dataset, per_replica, replica=self.dp_rank, num_replicas=self.dp)
+
+    def _loss_parallel(self):
+        import contextlib
+
+        if self.cfg.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        self.model.train()
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with self._loss_parallel():  # the backward too: it differentiates the vocabulary-parallel loss
+            if self.schedule is None:
+                loss = causal_lm_loss(self.model(inputs), targets)
+                loss.backward()
+                local = _mean([loss.detach()])
+            else:
+                losses: list[torch.Tensor] = []
+                args = (inputs,) if self.layout.first else ()
+                self.schedule.step(*args, target=targets if self.layout.last else None, losses=losses)
+                local = _mean([x.detach() for x in losses]) if self.layout.last else None
+        self._all_reduce_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._global_loss(local)
+
+    def _all_reduce_gradients(self) -> None:
+        """Data parallelism: every replica steps on the mean of the replicas' gradients."""
+        if self.dp == 1:
+            return
+        group = self.mesh["dp"].get_group()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, group=group)
+                grad.div_(self.dp)
+
+    def _global_loss(self, local: torch.Tensor | None) -> float:
+        """The global batch's loss on every rank: the last stage's tp-rank-0 of each replica contributes."""
+        if self.mesh is None:
+            return float(local)
+        value = torch.zeros((), dtype=torch.float64)
+        if self.layout.last and self.tp_rank == 0:
+            value += float(local) / self.dp
+        dist.all_reduce(value)
+        return float(value)
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Every rank's memory and activation checkpoints: stages differ, so counts are summed over ranks."""
+        count = memory.activation_checkpoints(self.model)
+        gathered = self.checkpoints.collective.all_gather_object((memory.sample(self.rank), count))
+        summary = memory.summarize([s for s, _ in gathered], sum(c for _, c in gathered))
+        summary["activation_checkpoints_per_rank"] = [c for _, c in gathered]
+        return summary
+
+    # --- resuming from another format --------------------------------------------------------------
+    def resume(self, path: str | None = None) -> int:
+        if path in (None, "latest") or interop_dcp.is_interop_dcp(path):
+            return super().resume(path)
+        scratch = os.path.join(os.path.abspath(self.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(path))}")
+        self._import(path, scratch)
+        try:
+            return super().resume(scratch)
+        finally:
+            self.checkpoints.collective.barrier()
+            if self.rank == 0:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _import(self, path: str, scratch: str) -> None:
+        """Rank 0 converts ``path`` (any readable format) into this trainer's layout-free format; every rank
+        learns whether it worked."""
+        error = None
+        if self.rank == 0:
+            try:
+                from converters import registry
+
+                fmt, ckpt = registry.read(path)
+                log.info("converting %s (%s) for this run", path, fmt.name)
+                interop_dcp.write_interop_dcp(ckpt, scratch, overwrite=True)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                error = exc
+        outcome = self.checkpoints.collective.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise LoadFailedError(f"converting {path} failed on rank 0: {outcome[0]}")
+
+
+def tensor_sharding(num_layers: int, tp: int) -> dict[str, TensorSharding]:
+    """Which tensors tensor parallelism splits, and along which axis (recorded in the manifest)."""
+    if tp == 1:
+        return {}
+    out = {"model.embed_tokens.weight": TensorSharding(tp, 0), "lm_head.weight": TensorSharding(tp, 0)}
+    for i in range(num_layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            out[f"model.layers.{i}.{name}.weight"] = TensorSharding(tp, 0)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            out[f"model.layers.{i}.{name}.weight"] = TensorSharding(tp, 1)
+    return out
+
+
+def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
+    return base_parse_config(argv, MegatronTrainerConfig, __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    run(MegatronTrainer(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    main()

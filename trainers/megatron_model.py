@@ -1,0 +1,127 @@
+"""A Llama-family causal LM cut into pipeline stages, tensor-parallel with DTensor, as Megatron lays it out.
+
+A stage keeps the Hugging Face modules and their canonical names (``model.layers.5.mlp.up_proj.weight`` is
+the same name on stage 1 of 2 as in the whole model), so its state dict, its optimizer state and a
+checkpoint of it need no renaming. Tensor parallelism follows Megatron: q/k/v, gate and up column-parallel;
+o and down row-parallel; the embedding and the output layer split over the vocabulary, with the loss taken
+over vocabulary shards (``loss_parallel``) rather than on gathered logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which decoder layers a pipeline stage holds, and whether it holds the embedding and the head."""
+
+    stage: int
+    num_stages: int
+    layers: tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def stage_layouts(num_layers: int, num_stages: int) -> list[StageLayout]:
+    """Megatron's even split: stage s holds layers [s*L/P, (s+1)*L/P)."""
+    if num_stages < 1 or num_layers % num_stages:
+        raise ValueError(f"{num_layers} decoder layers do not split evenly over {num_stages} pipeline stages")
+    per = num_layers // num_stages
+    return [StageLayout(s, num_stages, tuple(range(s * per, (s + 1) * per))) for s in range(num_stages)]
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a Hugging Face Llama-family model: embedding (first stage), some decoder layers,
+    final norm and output layer (last stage). Input: token ids on the first stage, hidden states after it.
+    Output: hidden states, or the logits on the last stage."""
+
+    def __init__(self, hf_model: nn.Module, layout: StageLayout):
+        super().__init__()
+        config = hf_model.config
+        if config.model_type not in LLAMA_FAMILY:
+            raise ValueError(f"the Megatron-style trainer runs Llama-family models ({', '.join(LLAMA_FAMILY)}), not {config.model_type!r}")
+        if layout.num_stages > 1 and config.tie_word_embeddings:
+            raise ValueError("tied input and output embeddings live on the first and last stage; untie them to run pipeline parallel")
+        self.config = config
+        self.layout = layout
+        self.checkpoint_stage = False  # recompute the whole stage in backward (set by enable_activation_checkpointing)
+        self.model = nn.Module()
+        if layout.first:
+            self.model.embed_tokens = hf_model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): hf_model.model.layers[i] for i in layout.layers})
+        if layout.last:
+            self.model.norm = hf_model.model.norm
+            self.lm_head = hf_model.lm_head
+        self.model.rotary_emb = hf_model.model.rotary_emb  # a buffer only (inv_freq), not in the state dict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_stage and self.training:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.layout.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = self.model.rotary_emb(h, positions)
+        for layer in self.model.layers.values():  # no mask: sdpa/eager attention are causal without one
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        if self.layout.last:
+            h = self.lm_head(self.model.norm(h))
+        return h
+
+
+def tensor_parallel_plan(stage: CausalLMStage) -> dict:
+    """Megatron's split of every linear layer, embedding and output layer of the stage."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict = {}
+    if stage.layout.first:  # vocabulary-parallel embedding: rows split, each rank looks up its own tokens
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for i in stage.layout.layers:
+        prefix = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    if stage.layout.last:  # vocabulary-parallel output layer: logits stay split over the vocabulary
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(stage: CausalLMStage, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    config, tp = stage.config, tp_mesh.size()
+    for what, n in (("attention heads", config.num_attention_heads), ("key/value heads", config.num_key_value_heads),
+                    ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide the {what} ({n})")
+    parallelize_module(stage, tp_mesh, tensor_parallel_plan(stage))
+
+
+def enable_activation_checkpointing(stage: CausalLMStage, granularity: str) -> None:
+    """``layer``: each decoder layer recomputed in backward (Hugging Face's own hook, so the base trainer's
+    memory statistics count them); ``stage``: the whole stage recomputed, keeping only its input per microbatch."""
+    if granularity == "layer":
+        for layer in stage.model.layers.values():
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    elif granularity == "stage":
+        stage.checkpoint_stage = True
+        stage.gradient_checkpointing = True  # what memory.activation_checkpoints counts
+    else:
+        raise ValueError(f"activation checkpointing granularity {granularity!r}: layer or stage")
