@@ -76,6 +76,9 @@ def _print_topology(manifest: Manifest | None, ckpt: LogicalCheckpoint) -> None:
         print("source:    " + ", ".join(f"{k}={v}" for k, v in src.items()))
     if manifest is not None and manifest.sharding:
         s = {k: v for k, v in manifest.sharding.items() if v not in (None, {}, [])}
+        for key, what in (("tensors", "split tensors"), ("pp_stage_of_layer", "layers")):  # per-tensor maps: a count
+            if key in s:
+                s[key] = f"{len(s[key])} {what}"
         print("sharding:  " + ", ".join(f"{k}={v}" for k, v in s.items()))
 
 

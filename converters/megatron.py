@@ -536,18 +536,24 @@ class _StageWrite:
     no_decay: list[bool]  # per parameter: Megatron's no-weight-decay group
 
 
+def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, torch.dtype]:
+    """What a Megatron writer needs from the source: the architecture (checked against ``tp``), the padded
+    vocabulary at ``tp`` and the dtype to store weights in."""
+    if ckpt.config is None:
+        raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
+    arch = MegatronArch.from_hf(ckpt.config)
+    arch.check_tp(tp)
+    dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
+    return arch, padded_vocab(arch.vocab, tp), dtype
+
+
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt``. Holds one pipeline stage in memory at a time."""
-    if ckpt.config is None:
-        raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
-    arch = MegatronArch.from_hf(ckpt.config)
-    arch.check_tp(tp)
-    padded = padded_vocab(arch.vocab, tp)
-    dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
+    arch, padded, dtype = target_shape(ckpt, tp)
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
     stages = stage_rules(all_rules, arch, pp)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from interop.commit import durable_write, staged_output
-from interop.dtypes import dtype_from_name, dtype_name
+from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
@@ -38,9 +38,9 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import component_state
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
-    is_no_decay, load_megatron_file, megatron_hyper, padding_rows,
+    is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
 )
-from .megatron_arch import MegatronArch, padded_vocab
+from .megatron_arch import MegatronArch
 from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, pad_rows, rules
 
 log = logging.getLogger(__name__)
@@ -214,12 +214,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time."""
-    if ckpt.config is None:
-        raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
-    arch = MegatronArch.from_hf(ckpt.config)
-    arch.check_tp(tp)
-    padded = padded_vocab(arch.vocab, tp)
-    dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
+    arch, padded, dtype = target_shape(ckpt, tp)
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:

@@ -121,13 +121,17 @@ def test_resume_tp2_on_one_process(runs, tmp_path, through_universal):
     assert trainer.train() == pytest.approx(losses[2:], rel=1e-5)
 
 
-def test_resume_pp2_through_universal_on_tp2(runs, tmp_path):
-    """PP2 -> universal -> TP2 on 2 processes (converted in-process by the trainer): the PP2 run's losses."""
+def test_resume_pp2_through_universal_on_dp2_tp2(runs, tmp_path):
+    """PP2 -> universal -> TP2 with two data-parallel replicas (4 processes; converted in-process by the
+    trainer): the PP2 run's losses, the global batch split over the replicas."""
     directory, losses = runs["pp2"]
     cli("convert", str(directory / "checkpoint-2"), str(tmp_path / "u"), "--to", "universal")
-    summary, log = megatron_run(2, *RUN, "--tp", "2", "--output-dir", str(tmp_path / "r"), "--resume", str(tmp_path / "u"))
+    summary, log = megatron_run(4, *RUN, "--tp", "2", "--output-dir", str(tmp_path / "r"), "--resume", str(tmp_path / "u"))
     assert "(universal) for this run" in log
     assert summary["losses"] == pytest.approx(losses[2:], rel=1e-5)
+    manifest = json.loads((tmp_path / "r" / "checkpoint-4" / "manifest.json").read_text())
+    assert (manifest["sharding"]["strategy"], manifest["sharding"]["dp"], manifest["sharding"]["tp"]) == ("hybrid", 2, 2)
+    assert "PER_RANK component 'rng' was saved with 2 ranks, now 4: not restored, reseeded per rank" in log
 
 
 def test_convert_to_interop_dcp_is_lossless(runs, tmp_path):

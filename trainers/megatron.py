@@ -31,13 +31,13 @@ from converters import dcp as dcp_format
 from converters import interop_dcp
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.errors import LoadFailedError
-from interop.sharding import ShardingMetadata, Strategy, TensorSharding
+from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
 from . import memory
 from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, param_group_names, run
 from .base import parse_config as base_parse_config
-from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts
+from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +96,15 @@ class MegatronTrainer(BaseTrainer):
         if world % (cfg.tp * cfg.pp):
             raise ValueError(f"world size {world} is not a multiple of tp x pp = {cfg.tp} x {cfg.pp}")
         self.dp = world // (cfg.tp * cfg.pp)
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():  # one GPU per process, as torchrun numbers them
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
         self.mesh = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.mesh = init_device_mesh(device, (cfg.pp, self.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.mesh = init_device_mesh(self.device.type, (cfg.pp, self.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
@@ -115,7 +118,7 @@ class MegatronTrainer(BaseTrainer):
         self.full_param_groups = param_group_names(full)
         self.frozen = [n for n, p in full.named_parameters() if not p.requires_grad]
         self.layout = stage_layouts(full.config.num_hidden_layers, cfg.pp)[self.pp_rank]
-        stage = CausalLMStage(full, self.layout)
+        stage = CausalLMStage(full, self.layout).to(self.device)
         del full
         if cfg.tp > 1:
             apply_tensor_parallel(stage, self.mesh["tp"])
@@ -135,7 +138,7 @@ class MegatronTrainer(BaseTrainer):
     def _build_schedule(self):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage = PipelineStage(self.model, self.pp_rank, self.cfg.pp, torch.device("cpu"), group=self.mesh["pp"].get_group())
+        stage = PipelineStage(self.model, self.pp_rank, self.cfg.pp, self.device, group=self.mesh["pp"].get_group())
         kind = ScheduleGPipe if self.cfg.pipeline_schedule == "gpipe" else Schedule1F1B
         return kind(stage, self.microbatches, loss_fn=causal_lm_loss)
 
@@ -216,6 +219,7 @@ class MegatronTrainer(BaseTrainer):
 
     def train_step(self, batch: torch.Tensor) -> float:
         self.model.train()
+        batch = batch.to(self.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with self._loss_parallel():  # the backward too: it differentiates the vocabulary-parallel loss
             if self.schedule is None:
@@ -248,7 +252,7 @@ class MegatronTrainer(BaseTrainer):
         """The global batch's loss on every rank: the last stage's tp-rank-0 of each replica contributes."""
         if self.mesh is None:
             return float(local)
-        value = torch.zeros((), dtype=torch.float64)
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.layout.last and self.tp_rank == 0:
             value += float(local) / self.dp
         dist.all_reduce(value)
@@ -293,19 +297,6 @@ class MegatronTrainer(BaseTrainer):
             raise error
         if outcome[0] is not None:
             raise LoadFailedError(f"converting {path} failed on rank 0: {outcome[0]}")
-
-
-def tensor_sharding(num_layers: int, tp: int) -> dict[str, TensorSharding]:
-    """Which tensors tensor parallelism splits, and along which axis (recorded in the manifest)."""
-    if tp == 1:
-        return {}
-    out = {"model.embed_tokens.weight": TensorSharding(tp, 0), "lm_head.weight": TensorSharding(tp, 0)}
-    for i in range(num_layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            out[f"model.layers.{i}.{name}.weight"] = TensorSharding(tp, 0)
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            out[f"model.layers.{i}.{name}.weight"] = TensorSharding(tp, 1)
-    return out
 
 
 def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,26 @@ def tensor_parallel_plan(stage: CausalLMStage) -> dict:
     if stage.layout.first:  # vocabulary-parallel embedding: rows split, each rank looks up its own tokens
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     for i in stage.layout.layers:
-        prefix = f"model.layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{prefix}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"{prefix}.{name}"] = RowwiseParallel()
+        for name in COLUMN_PARALLEL:
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ROW_PARALLEL:
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
     if stage.layout.last:  # vocabulary-parallel output layer: logits stay split over the vocabulary
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return plan
+
+
+def tensor_sharding(num_layers: int, tp: int) -> dict:
+    """Which weights the plan splits over ``tp`` ranks, and along which axis (for the manifest)."""
+    from interop.sharding import TensorSharding
+
+    if tp == 1:
+        return {}
+    out = {"model.embed_tokens.weight": TensorSharding(tp, 0), "lm_head.weight": TensorSharding(tp, 0)}
+    for i in range(num_layers):
+        out.update({f"model.layers.{i}.{name}.weight": TensorSharding(tp, 0) for name in COLUMN_PARALLEL})
+        out.update({f"model.layers.{i}.{name}.weight": TensorSharding(tp, 1) for name in ROW_PARALLEL})
+    return out
 
 
 def apply_tensor_parallel(stage: CausalLMStage, tp_mesh) -> None:
