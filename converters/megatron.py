@@ -515,7 +515,7 @@ def hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[tor
     return values
 
 
-def _megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int, fill: torch.Tensor | None = None) -> list[torch.Tensor]:
+def megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int, fill: torch.Tensor | None = None) -> list[torch.Tensor]:
     full = rule.fuse(values)
     if rule.split == VOCAB:
         full = pad_rows(full, padded, fill)
@@ -622,7 +622,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
         if values is None:
             raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
         fill = padding_rows(padding, rule, "master", "model")
-        pieces = _megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
+        pieces = megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
         name = local_name(rule.megatron, offset)
         names.append(rule.megatron)
         no_decay.append(is_no_decay(rule.megatron, tuple(pieces[0].shape)))
@@ -639,7 +639,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                 if vals is None:
                     continue
                 fill = padding_rows(padding, rule, f"optim:{skey}")
-                for t, piece in enumerate(_megatron_pieces(rule, vals, tp, padded, fill)):
+                for t, piece in enumerate(megatron_pieces(rule, vals, tp, padded, fill)):
                     states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
             for skey, per in opt.scalars.items():
                 entry = next((per[n] for n in rule.hf if n in per), None)

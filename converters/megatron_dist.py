@@ -38,10 +38,10 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import component_state
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
-    is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
+    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
-from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, pad_rows, rules
+from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, rules
 
 log = logging.getLogger(__name__)
 
@@ -187,27 +187,29 @@ def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) 
 
 
 # --- writing ------------------------------------------------------------------------------------------------
-def _stacked(rules_: list[Rule], values, padded: int, fill_for) -> LazyTensor | None:
-    """One stored tensor: the rules' full Megatron tensors (one per layer, or one), stacked when per layer."""
+def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None = None) -> LazyTensor | None:
+    """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
+    (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
+    from the specs; the tensors load when the writer reaches them."""
     first = rules_[0]
-    probe = values(first)
-    if probe is None:
+    specs = hf_values(first, lambda n: source[n].spec if n in source else None)
+    if specs is None:
         return None
-    probe_full = _full(first, probe, padded, fill_for(first))
-    shape = (len(rules_), *probe_full.shape) if layer_of(first.megatron) is not None else tuple(probe_full.shape)
+    meta = first.fuse([torch.empty(s.shape, dtype=dtype or s.dtype, device="meta") for s in specs])
+    full_shape = (padded, *meta.shape[1:]) if first.split == VOCAB else tuple(meta.shape)
+    per_layer = layer_of(first.megatron) is not None
+
+    def full(rule: Rule) -> torch.Tensor:
+        values = hf_values(rule, lambda n: (source[n].load().to(dtype) if dtype else source[n].load()) if n in source else None)
+        if values is None:
+            raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+        return megatron_pieces(rule, values, 1, padded, fill_for(rule))[0]
 
     def load() -> torch.Tensor:
-        fulls = [_full(r, values(r), padded, fill_for(r)) for r in rules_]
-        return torch.stack(fulls) if layer_of(first.megatron) is not None else fulls[0]
+        return torch.stack([full(r) for r in rules_]) if per_layer else full(first)
 
-    return LazyTensor(TensorSpec(shape, probe_full.dtype), load, origin=stacked_name(first.megatron))
-
-
-def _full(rule: Rule, values: list[torch.Tensor] | None, padded: int, fill: torch.Tensor | None) -> torch.Tensor:
-    if values is None:
-        raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-    full = rule.fuse(values)
-    return pad_rows(full, padded, fill) if rule.split == VOCAB else full
+    shape = (len(rules_), *full_shape) if per_layer else full_shape
+    return LazyTensor(TensorSpec(shape, meta.dtype), load, origin=stacked_name(first.megatron))
 
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False) -> None:
@@ -223,14 +225,12 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     model, opt = ckpt.model, ckpt.optimizer
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
-        state[key] = _stacked(rs, lambda r: hf_values(r, lambda n: model[n].load().to(dtype) if n in model else None), padded,
-                              lambda r: padding_rows(padding, r, "model", "master"))
+        state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), dtype)
         if state[key] is None:
             raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
     for skey, per in (opt.tensors.items() if opt else []):
         for key, rs in by_key.items():
-            t = _stacked(rs, lambda r, per=per: hf_values(r, lambda n: per[n].load() if n in per else None), padded,
-                         lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
+            t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
             if t is not None:
                 state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
     for module in LAYER_LINEARS:  # megatron-core's linears keep an extra state per layer (None without FP8), stored
