@@ -441,10 +441,10 @@ def write_dcp(
     log.info("wrote DCP checkpoint %s (%d tensors)", directory, len(lazies))
 
 
-def load_dcp(state: dict[str, Any], directory: str) -> None:
+def load_dcp(state: dict[str, Any], directory: str, metadata=None) -> None:
     """``dcp.load`` of ``directory`` into ``state`` (DTensors reshard to whatever layout they have now), reading
-    only data: ``.metadata`` through DCP's own types, stored objects with ``weights_only``. torch's own reader
-    unpickles both without restriction."""
+    only data: ``.metadata`` through DCP's own types (or the ``metadata`` the caller already read), stored
+    objects with ``weights_only``. torch's own reader unpickles both without restriction."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -452,7 +452,6 @@ def load_dcp(state: dict[str, Any], directory: str) -> None:
         def read_metadata(self, *args, **kwargs):
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            metadata = read_metadata(str(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -474,7 +473,8 @@ def load_dcp(state: dict[str, Any], directory: str) -> None:
 
     import torch.distributed as dist
 
-    read_metadata(directory)  # a clear error for a missing or damaged directory before any collective
+    if metadata is None:
+        metadata = read_metadata(directory)  # a clear error for a missing or damaged directory before any collective
     with _single_process_quiet():
         dcp.load(state, storage_reader=_SafeReader(directory), planner=_SafePlanner(), no_dist=not dist.is_initialized())
 

@@ -25,16 +25,23 @@ MODEL, OPTIMIZER = "model", "optimizer"
 STRATEGIES = ("single", "ddp")
 
 
-def is_interop_checkpoint(path: str) -> bool:
+def committed_manifest(path: str) -> Manifest | None:
+    """The manifest of the interop checkpoint at ``path`` (or its ``latest``), or None: for detection, which
+    never raises (reading does)."""
     try:
-        path = resolve_checkpoint_dir(path)
-        if not os.path.isfile(os.path.join(path, MANIFEST)):
-            return False
-        m = read_manifest(path)
-    except Exception:  # detection never raises; reading does
-        return False
+        directory = resolve_checkpoint_dir(path)
+        if not os.path.isfile(os.path.join(directory, MANIFEST)):
+            return None
+        return read_manifest(directory)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def is_interop_checkpoint(path: str) -> bool:
+    m = committed_manifest(path)
     return (
-        m.format == CHECKPOINT_FORMAT
+        m is not None
+        and m.format == CHECKPOINT_FORMAT
         and (m.sharding or {}).get("strategy", "single") in STRATEGIES
         and MODEL in m.components
         and not m.components[MODEL].native

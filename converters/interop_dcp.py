@@ -15,7 +15,7 @@ from typing import Any
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, Manifest, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, Manifest, read_manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import check_files
@@ -23,6 +23,7 @@ from interop.verify import check_files
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
 from .engine_checkpoint import write_engine_checkpoint
 from .families import tied_groups
+from .interop_ckpt import committed_manifest
 from .param_order import EngineOrder, engine_order
 
 NATIVE_KEY = "dcp"
@@ -30,15 +31,9 @@ STATE, GROUPS = "state.", "param_groups."
 
 
 def is_interop_dcp(path: str) -> bool:
-    try:
-        directory = resolve_checkpoint_dir(path)
-        if not os.path.isfile(os.path.join(directory, MANIFEST)):
-            return False
-        manifest = read_manifest(directory)
-    except Exception:  # detection never raises; reading does
-        return False
-    record = manifest.components.get(NATIVE_KEY)
-    return manifest.format == CHECKPOINT_FORMAT and record is not None and record.native
+    manifest = committed_manifest(path)
+    record = manifest.components.get(NATIVE_KEY) if manifest is not None else None
+    return manifest is not None and manifest.format == CHECKPOINT_FORMAT and record is not None and record.native
 
 
 # --- reading ------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class LoadResult:
         return self.manifest.step
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -78,13 +78,21 @@ class CheckpointManager:
     def topology(self) -> Topology:
         return runtime_topology(self.collective, getattr(self.provider, "get_process_groups", None))
 
-    def _agree(self, error: str | None, payload: Any = None, failure=SaveFailedError, what: str = "save") -> list[Any]:
-        """All-gather (error, payload); raise the same error on every rank if any rank failed."""
+    def agree(self, error: str | None, payload: Any = None, failure=SaveFailedError, what: str = "save",
+              own: BaseException | None = None) -> list[Any]:
+        """All-gather (error, payload) and return the payloads; if any rank failed, every rank raises: ``failure``
+        naming the first failed rank, or, on a rank that failed itself, its own exception ``own`` (chained to
+        that; unchained in a single process). A collective step for work one rank may do for all."""
+        if own is not None and self.collective.world_size == 1:
+            raise own
         gathered = self.collective.all_gather_object((error, payload))
         failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
         if failed:
             rank, message = failed[0]
-            raise failure(f"{what} failed on rank {rank}: {message}")
+            agreed = failure(f"{what} failed on rank {rank}: {message}")
+            if own is not None:
+                raise own from agreed
+            raise agreed
         return [p for _, p in gathered]
 
     # ------------------------------------------------------------------------------------------------
@@ -113,8 +121,8 @@ class CheckpointManager:
                 if spec.validate_replication:
                     prints[comp.key] = state_fingerprint(states[comp.key])
         except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
-            error = _describe(exc)
-        gathered = self._agree(error, prints, what=what)
+            error = describe_error(exc)
+        gathered = self.agree(error, prints, what=what)
         for spec in specs:
             if spec.validate_replication:
                 message = find_mismatches(
@@ -137,11 +145,11 @@ class CheckpointManager:
             for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
                 fsync_path(d)
         except Exception as exc:  # noqa: BLE001
-            error = _describe(exc)
+            error = describe_error(exc)
         try:
-            all_records = self._agree(error, records, what=what)
+            all_records = self.agree(error, records, what=what)
             if native:
-                all_records.extend(self._agree(*self._native_records(staging, native), what=what))
+                all_records.extend(self.agree(*self._native_records(staging, native), what=what))
         except SaveFailedError:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -158,9 +166,9 @@ class CheckpointManager:
                 if self.keep_last:
                     prune(self.root, self.keep_last)
             except Exception as exc:  # noqa: BLE001
-                error = _describe(exc)
+                error = describe_error(exc)
                 shutil.rmtree(staging, ignore_errors=True)
-        self._agree(error, what=what)
+        self.agree(error, what=what)
         log.info("saved %s (%d files)", final, sum(len(r) for r in all_records))
         return final
 
@@ -174,7 +182,7 @@ class CheckpointManager:
                     raise ComponentError(f"native component {comp.key!r} wrote nothing into {os.path.join(staging, comp.key)}")
                 records.update(tree_records(staging, comp.key, share))
         except Exception as exc:  # noqa: BLE001
-            return _describe(exc), records
+            return describe_error(exc), records
         return None, records
 
     def _manifest(self, step, specs, topology, plan, all_records, metadata, native: set[str]) -> Manifest:
@@ -231,16 +239,10 @@ class CheckpointManager:
                     notes.append(note)
             result = LoadResult(directory, manifest, notes)
         except Exception as exc:  # noqa: BLE001
-            error, own_exc = _describe(exc), exc
+            error, own_exc = describe_error(exc), exc
 
         try:
-            if self.collective.world_size == 1 and own_exc is not None:
-                raise own_exc
-            self._agree(error, failure=LoadFailedError, what="load")  # every rank is done with the scratch space
-        except LoadFailedError as agreed:
-            if own_exc is not None:
-                raise own_exc from agreed
-            raise
+            self.agree(error, failure=LoadFailedError, what="load", own=own_exc)  # every rank is done with the scratch space
         finally:
             if rank == 0 and scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)

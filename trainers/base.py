@@ -119,6 +119,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
 
 
+def model_metadata(config, architecture: str, frozen: list[str]) -> dict[str, Any]:
+    """The manifest's model section: the Hugging Face config (with its architecture), tied and frozen names."""
+    data = config.to_dict()
+    data["architectures"] = [architecture]
+    return {"family": data.get("model_type"), "config": data, "tied": tied_groups(data), "frozen": frozen}
+
+
 def resolve_backend(name: str) -> str:
     if name != "auto":
         return name
@@ -183,15 +190,9 @@ class BaseTrainer:
 
     def get_checkpoint_metadata(self) -> dict[str, Any]:
         model = self.core_model()
-        config = model.config.to_dict()
-        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         return {
-            "model": {
-                "family": config.get("model_type"),
-                "config": config,
-                "tied": tied_groups(config),
-                "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
-            },
+            "model": model_metadata(model.config, type(model).__name__.removeprefix("FSDP"), frozen),
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__},
         }

@@ -30,12 +30,13 @@ import torch.distributed as dist
 from converters import dcp as dcp_format
 from converters import interop_dcp
 from interop import SharingPattern, StateComponent, WorldSizePolicy
+from interop.checkpoint import describe_error
 from interop.errors import LoadFailedError
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
 from . import memory
-from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, param_group_names, run
+from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
 
@@ -67,11 +68,11 @@ class DCPModelOptimizer:
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer
         state = trainer.model_and_optimizer_state()
-        saved = dcp_format.read_metadata(load.directory).state_dict_metadata
-        if not any(key.startswith("optimizer.") for key in saved):
+        metadata = dcp_format.read_metadata(load.directory)
+        if not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
             log.warning("%s holds no optimizer state: the optimizer starts afresh", load.directory)
             del state["optimizer"]
-        dcp_format.load_dcp(state, load.directory)
+        dcp_format.load_dcp(state, load.directory, metadata)
         trainer.set_model_and_optimizer_state(state)
 
 
@@ -181,12 +182,8 @@ class MegatronTrainer(BaseTrainer):
         ]
 
     def get_checkpoint_metadata(self) -> dict[str, Any]:
-        config = self.hf_config.to_dict()
-        config["architectures"] = [self.architecture]
-        from converters.families import tied_groups
-
         return {
-            "model": {"family": config.get("model_type"), "config": config, "tied": tied_groups(config), "frozen": self.frozen},
+            "model": model_metadata(self.hf_config, self.architecture, self.frozen),
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__, "param_names": self.full_param_groups},
         }
@@ -196,11 +193,11 @@ class MegatronTrainer(BaseTrainer):
         parallel = [n for n, size in (("dp", self.dp), ("tp", cfg.tp), ("pp", cfg.pp)) if size > 1]
         strategy = {(): Strategy.SINGLE, ("dp",): Strategy.DDP, ("tp",): Strategy.TENSOR_PARALLEL,
                     ("pp",): Strategy.PIPELINE_PARALLEL}.get(tuple(parallel), Strategy.HYBRID)
-        per_stage = len(self.layout.layers)
+        layers = self.hf_config.num_hidden_layers
         return ShardingMetadata(
             strategy=strategy, world_size=self.world_size, precision=cfg.dtype, dp=self.dp, tp=cfg.tp, pp=cfg.pp,
-            tensors=tensor_sharding(self.hf_config.num_hidden_layers, cfg.tp),
-            pp_stage_of_layer={f"model.layers.{i}": i // per_stage for i in range(self.hf_config.num_hidden_layers)},
+            tensors=tensor_sharding(layers, cfg.tp),
+            pp_stage_of_layer={f"model.layers.{i}": s.stage for s in stage_layouts(layers, cfg.pp) for i in s.layers},
         )
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -282,7 +279,7 @@ class MegatronTrainer(BaseTrainer):
     def _import(self, path: str, scratch: str) -> None:
         """Rank 0 converts ``path`` (any readable format) into this trainer's layout-free format; every rank
         learns whether it worked."""
-        error = None
+        error, own = None, None
         if self.rank == 0:
             try:
                 from converters import registry
@@ -291,12 +288,8 @@ class MegatronTrainer(BaseTrainer):
                 log.info("converting %s (%s) for this run", path, fmt.name)
                 interop_dcp.write_interop_dcp(ckpt, scratch, overwrite=True)
             except Exception as exc:  # noqa: BLE001 - reported to every rank
-                error = exc
-        outcome = self.checkpoints.collective.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if outcome[0] is not None:
-            raise LoadFailedError(f"converting {path} failed on rank 0: {outcome[0]}")
+                error, own = describe_error(exc), exc
+        self.checkpoints.agree(error, failure=LoadFailedError, what=f"converting {path}", own=own)
 
 
 def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
