@@ -282,5 +282,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The console script: ``main``, then exit without the interpreter's teardown. Unloading torch costs about
+    0.4 s per call, a tenth of a large conversion; every output is fsynced before ``main`` returns, and the
+    streams are flushed here."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

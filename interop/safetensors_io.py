@@ -8,6 +8,7 @@ standard one, so transformers and safetensors read what we write.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,7 +20,7 @@ import torch
 
 from .dtypes import from_st_code, st_code
 from .errors import CorruptCheckpointError, MissingFileError
-from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, raw_bytes, release_mapped_pages, tensor_from_bytes
+from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, mapped_file_range, raw_bytes, release_mapped_pages, tensor_from_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -74,6 +75,42 @@ def _start_writeback(f, offset: int, length: int) -> None:
 # sha256 over the header (length prefix and JSON, padding included) followed by the raw sha256 of each
 # tensor's bytes in file order. ``safetensors_digest`` recomputes it from a file.
 FILE_DIGEST_ALGO = "sha256-st"
+
+
+@contextlib.contextmanager
+def _closing(fds: dict[str, int]):
+    try:
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _copy_mapped(f, piece: torch.Tensor, sources: dict[str, int]) -> int | None:
+    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no
+    copy through this process); the bytes written, or None when it is not such a view or the kernel refuses."""
+    where = mapped_file_range(piece) if hasattr(os, "copy_file_range") else None
+    if where is None:
+        return None
+    path, offset = where
+    if path not in sources:
+        sources[path] = os.open(path, os.O_RDONLY)
+    f.flush()
+    start = position = f.tell()
+    remaining = piece.numel() * piece.element_size()
+    try:
+        while remaining:
+            n = os.copy_file_range(sources[path], f.fileno(), remaining, offset + position - start, position)
+            if n == 0:
+                raise OSError(f"{path}: ended {remaining} bytes early")
+            position += n
+            remaining -= n
+    except OSError:
+        if position != start:
+            raise
+        return None  # nothing copied (another filesystem, an old kernel): written the ordinary way
+    f.seek(position)
+    return position - start
 
 
 def _hash_tensor(data: list[memoryview]) -> bytes:
@@ -138,7 +175,8 @@ def write_safetensors(
     file_hash = hashlib.sha256()
     tensor_digests: dict[str, str] = {}
     total = 0
-    with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool:
+    sources: dict[str, int] = {}  # mapped source files copied from, open
+    with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool, _closing(sources):
         head = _header(entries, metadata)
         f.write(head)
         file_hash.update(head)
@@ -147,12 +185,21 @@ def write_safetensors(
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(_fetch, entries[i + 1]) if i + 1 < len(entries) else None
-            data = [raw_bytes(p) for p in pieces]
-            pending = pool.submit(_hash_tensor, data) if digests else None
             nbytes = 0
-            for piece in data:
-                f.write(piece)
-                nbytes += len(piece)
+            if digests:
+                data = [raw_bytes(p) for p in pieces]
+                pending = pool.submit(_hash_tensor, data)
+                for piece in data:
+                    f.write(piece)
+                    nbytes += len(piece)
+                del data
+            else:  # nothing to hash: mapped pieces go file to file
+                pending = None
+                for p in pieces:
+                    copied = _copy_mapped(f, p, sources) if entry.mapped_pieces is not None else None
+                    if copied is None:
+                        copied = f.write(raw_bytes(p))
+                    nbytes += copied
             _start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()
@@ -162,7 +209,7 @@ def write_safetensors(
                 for p in pieces:
                     release_mapped_pages(p)  # written and hashed: out of RSS, still in the page cache
             total += nbytes
-            del pieces, data
+            del pieces
             if on_tensor is not None:
                 on_tensor(entry)
         f.flush()

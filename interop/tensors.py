@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,27 +62,61 @@ class LazyTensor:
 
 
 _MADV_DONTNEED = 4  # Linux
-_file_maps: list[tuple[int, int]] = []  # (start, end) of this process's file-backed mappings, sorted
+# this process's file-backed mappings, sorted: (start, end, offset in the file, path, inode)
+_file_maps: list[tuple[int, int, int, str, int]] = []
+
+
+def _remembered(lo: int, hi: int) -> tuple[int, int, int, str, int] | None:
+    import bisect
+
+    i = bisect.bisect_right(_file_maps, (lo, float("inf"))) - 1
+    return _file_maps[i] if i >= 0 and _file_maps[i][0] <= lo and hi <= _file_maps[i][1] else None
+
+
+def _mapping(lo: int, hi: int) -> tuple[int, int, int, str, int] | None:
+    """The file-backed mapping that holds all of ``lo .. hi`` now. A remembered mapping is checked against
+    /proc/self/map_files (an address freed since may belong to another file, or to anonymous memory);
+    /proc/self/maps is read again when that fails or nothing is remembered."""
+    found = _remembered(lo, hi)
+    if found is not None:
+        try:
+            if os.readlink(f"/proc/self/map_files/{found[0]:x}-{found[1]:x}") == found[3]:
+                return found
+        except OSError:  # unmapped, or map_files not readable here
+            pass
+    maps = []
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):  # a path: file-backed
+                a, b = fields[0].split("-")
+                maps.append((int(a, 16), int(b, 16), int(fields[2], 16), fields[5], int(fields[4])))
+    _file_maps[:] = sorted(maps)
+    return _remembered(lo, hi)
 
 
 def _file_backed(lo: int, hi: int) -> bool:
-    """Whether ``lo .. hi`` lies inside one file-backed mapping (from /proc/self/maps, re-read on a miss)."""
-    import bisect
+    return _mapping(lo, hi) is not None
 
-    for attempt in range(2):
-        i = bisect.bisect_right(_file_maps, (lo, float("inf"))) - 1
-        if i >= 0 and _file_maps[i][0] <= lo and hi <= _file_maps[i][1]:
-            return True
-        if attempt == 0:
-            maps = []
-            with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
-                for line in f:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith("/"):  # a path: file-backed
-                        a, b = fields[0].split("-")
-                        maps.append((int(a, 16), int(b, 16)))
-            _file_maps[:] = sorted(maps)
-    return False
+
+def mapped_file_range(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(path, byte offset) of a contiguous tensor that is a view of a mapped file (``torch.load(mmap=True)``):
+    its bytes can then be copied file to file by the kernel. None for anything else, and off Linux."""
+    import sys
+
+    if sys.platform != "linux" or tensor.numel() == 0 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return None
+    start = tensor.data_ptr()
+    found = _mapping(start, start + tensor.numel() * tensor.element_size())
+    if found is None:
+        return None
+    map_start, _, offset, path, inode = found
+    try:
+        if os.stat(path).st_ino != inode:  # replaced since it was mapped
+            return None
+    except OSError:  # " (deleted)", or gone
+        return None
+    return path, offset + start - map_start
 
 
 def release_mapped_pages(tensor: torch.Tensor) -> None:

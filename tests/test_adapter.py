@@ -307,3 +307,36 @@ def test_release_mapped_pages_keeps_data_and_never_touches_anonymous_memory(tmp_
     anonymous = data.clone()
     release_mapped_pages(anonymous)
     assert torch.equal(anonymous, data)
+
+
+def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
+    """A view of a torch.load(mmap=True) file is found in the file it maps (path and offset), and an export
+    without digests copies those ranges in the kernel: the file equals the one written through memory, and
+    an in-memory tensor mixed in is written the ordinary way."""
+    from interop.safetensors_io import TensorEntry, write_safetensors
+    from interop.tensors import TensorSpec, mapped_file_range
+
+    data = torch.arange(3 << 18, dtype=torch.float32)
+    torch.save({"t": data}, tmp_path / "t.pt")
+    mapped = torch.load(tmp_path / "t.pt", mmap=True, weights_only=True)["t"]
+    piece = mapped[1000:(1 << 18) + 1000]
+    path, offset = mapped_file_range(piece)
+    assert path == str(tmp_path / "t.pt")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(16) == piece[:4].numpy().tobytes()
+    assert mapped_file_range(data) is None and mapped_file_range(mapped[::2]) is None
+
+    tail = torch.randn(5, 7)
+    pieces = lambda: [piece, mapped[-100:]]  # noqa: E731
+    entries = [
+        TensorEntry("a", TensorSpec((piece.numel() + 100,), torch.float32), lambda: torch.cat(pieces()), pieces),
+        TensorEntry("b", TensorSpec((5, 7), torch.float32), lambda: tail),
+    ]
+    write_safetensors(tmp_path / "copied.safetensors", entries, digests=False)
+    write_safetensors(tmp_path / "through_memory.safetensors", entries, digests=True)
+    assert (tmp_path / "copied.safetensors").read_bytes() == (tmp_path / "through_memory.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    loaded = load_file(tmp_path / "copied.safetensors")
+    assert torch.equal(loaded["a"], torch.cat(pieces())) and torch.equal(loaded["b"], tail)
