@@ -185,21 +185,12 @@ def write_safetensors(
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(_fetch, entries[i + 1]) if i + 1 < len(entries) else None
+            data = [raw_bytes(p) for p in pieces]  # views: no copy of a contiguous tensor
+            pending = pool.submit(_hash_tensor, data) if digests else None
             nbytes = 0
-            if digests:
-                data = [raw_bytes(p) for p in pieces]
-                pending = pool.submit(_hash_tensor, data)
-                for piece in data:
-                    f.write(piece)
-                    nbytes += len(piece)
-                del data
-            else:  # nothing to hash: mapped pieces go file to file
-                pending = None
-                for p in pieces:
-                    copied = _copy_mapped(f, p, sources) if entry.mapped_pieces is not None else None
-                    if copied is None:
-                        copied = f.write(raw_bytes(p))
-                    nbytes += copied
+            for piece, view in zip(pieces, data):  # a mapped piece goes file to file; hashing reads it meanwhile
+                copied = _copy_mapped(f, piece, sources) if entry.mapped_pieces is not None else None
+                nbytes += f.write(view) if copied is None else copied
             _start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()
@@ -209,7 +200,7 @@ def write_safetensors(
                 for p in pieces:
                     release_mapped_pages(p)  # written and hashed: out of RSS, still in the page cache
             total += nbytes
-            del pieces
+            del pieces, data
             if on_tensor is not None:
                 on_tensor(entry)
         f.flush()
