@@ -66,11 +66,7 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     engine_bench.train_one_step(AccelerateTrainer, cfg, hidden, layers)
 
 
-def main() -> None:
-    args = engine_bench.parser(__doc__).parse_args()
-    if args.train:
-        train_and_save(args.train, args.hidden, args.layers)
-        return
+def collect(args) -> engine_bench.Section:
     prepared = engine_bench.prepare(args, __file__, "accelerate", "Accelerate FSDP2 (DCP)", 29518)
     work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
     outputs = {k: os.path.join(work, k) for k in ("universal", "hf", "ref_universal", "ref_hf")}
@@ -88,10 +84,18 @@ def main() -> None:
         ("dcp_to_torch_save + save_file, model (torch)", measure(
             [sys.executable, "-c", REFERENCE, outputs["ref_hf"], model_dcp], None, n, outputs["ref_hf"])),
     ]
-    engine_bench.report(rows, outputs, work, n, {
+    return engine_bench.Section(rows, {
         "FSDP2 -> universal, safetensors (interop)": "dcp_to_torch_save + save_file, model + optimizer (torch)",
         "FSDP2 -> HF safetensors (interop)": "dcp_to_torch_save + save_file, model (torch)",
-    })
+    }, outputs, work)
+
+
+def main() -> None:
+    args = engine_bench.parser(__doc__).parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    engine_bench.report(collect(args), args.repeat)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,8 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     engine_bench.train_one_step(DeepSpeedTrainer, cfg, hidden, layers)
 
 
-def main() -> None:
-    args = engine_bench.parser(__doc__).parse_args()
-    if args.train:
-        train_and_save(args.train, args.hidden, args.layers)
-        return
+def collect(args) -> engine_bench.Section:
+    """Train (once per workdir), then measure every step; the rows and which row each is compared with."""
     prepared = engine_bench.prepare(args, __file__, "deepspeed", "DeepSpeed ZeRO-3", 29517, {"DS_ACCELERATOR": "cpu"})
     work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
     outputs = {k: os.path.join(work, k) for k in ("universal", "ds_universal", "hf", "ref_universal", "ref_hf")}
@@ -67,11 +64,19 @@ def main() -> None:
             ds_env, n, outputs["ref_hf"],
         )),
     ]
-    engine_bench.report(rows, outputs, work, n, {
+    return engine_bench.Section(rows, {
         "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",
-    })
+    }, outputs, work)
+
+
+def main() -> None:
+    args = engine_bench.parser(__doc__).parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    engine_bench.report(collect(args), args.repeat)
 
 
 if __name__ == "__main__":

@@ -79,14 +79,27 @@ def prepare(args, script: str, native_key: str, engine: str, port: int, env: dic
     return Prepared(work, ckpt, native)
 
 
-def report(rows: list, outputs: dict[str, str], work: str, repeat: int, reference: dict[str, str]) -> None:
-    """The table, with the disk floor under the two interop outputs: dd writing as many bytes, with fsync."""
-    rows = rows + [
-        ("dd, the universal output's bytes + fsync (disk floor)", disk_floor(tree_bytes(outputs["universal"]), work, repeat)),
-        ("dd, the HF output's bytes + fsync (disk floor)", disk_floor(tree_bytes(outputs["hf"]), work, repeat)),
-    ]
-    print_table(rows, reference)
-    print(f"\nfiles under {work}")
+@dataclass
+class Section:
+    """One benchmark's measurements: rows (name, (wall s, peak RSS bytes)), the row each interop row is
+    compared with, the output directories, and where the files are."""
+
+    rows: list
+    reference: dict[str, str]
+    outputs: dict[str, str]
+    work: str
+
+    def with_disk_floor(self, repeat: int) -> list:
+        """The rows, and below them the floor under the interop outputs: dd writing as many bytes, with fsync."""
+        return self.rows + [
+            (f"dd, {name} output's bytes + fsync (disk floor)", disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
+            for name in ("universal", "hf") if name in self.outputs
+        ]
+
+
+def report(section: Section, repeat: int) -> None:
+    print_table(section.with_disk_floor(repeat), section.reference)
+    print(f"\nfiles under {section.work}")
 
 
 def count_parameters(hidden: int, layers: int) -> int:

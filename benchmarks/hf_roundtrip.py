@@ -47,16 +47,18 @@ def build(src: str, hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--build", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.build:
-        build(args.build, args.hidden, args.layers)
-        return
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--repeat", type=int, default=1, help="runs of each step; the median wall time is reported")
+    p.add_argument("--build", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def collect(args) -> tuple[list, dict[str, str], str]:
+    """Build the model (once per workdir), then measure; the rows, which row each is compared with, the files."""
     work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-")
     src, uni, out, ref = (os.path.join(work, d) for d in ("src_hf", "universal", "out_hf", "ref_hf"))
     for d in (uni, out, ref):
@@ -67,14 +69,24 @@ def main() -> None:
     size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
     print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, fp32 safetensors {size / 2**30:.2f} GiB")
     cli = [sys.executable, "-m", "converters.cli"]
+    n = args.repeat
     rows = [
-        ("import torch + transformers (baseline)", measure([sys.executable, "-c", "import torch, transformers"])),
-        ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"])),
-        ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"])),
-        ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref])),
+        ("import torch + transformers (baseline)", measure([sys.executable, "-c", "import torch, transformers"], None, n)),
+        ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"], None, n, uni)),
+        ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"], None, n, out)),
+        ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref], None, n, ref)),
     ]
-    ref = rows[-1][0]
-    print_table(rows, {name: ref for name, _ in rows[1:-1]})
+    reference = rows[-1][0]
+    return rows, {name: reference for name, _ in rows[1:-1]}, work
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.build:
+        build(args.build, args.hidden, args.layers)
+        return
+    rows, reference, work = collect(args)
+    print_table(rows, reference)
     print(f"\nfiles under {work}")
 
 

@@ -57,13 +57,10 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     engine_bench.train_one_step(BaseTrainer, cfg, hidden, layers)
 
 
-def main() -> None:
-    p = engine_bench.parser(__doc__)
-    p.set_defaults(layers=18)
-    args = p.parse_args()
-    if args.train:
-        train_and_save(args.train, args.hidden, args.layers)
-        return
+LAYERS = 18  # 268M parameters at hidden 1024
+
+
+def collect(args) -> engine_bench.Section:
     import tempfile
 
     work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-megatron-")
@@ -89,7 +86,17 @@ def main() -> None:
         ("Megatron TP2xPP2 -> universal (interop)", measure(cli + ["convert", meg, outputs["universal"], "--to", "universal"],
                                                            None, n, outputs["universal"])),
     ]
-    engine_bench.report(rows, outputs, work, n, {interop: reference})
+    return engine_bench.Section(rows, {interop: reference}, outputs, work)
+
+
+def main() -> None:
+    p = engine_bench.parser(__doc__)
+    p.set_defaults(layers=LAYERS)
+    args = p.parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    engine_bench.report(collect(args), args.repeat)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from interop.verify import check_files
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .engine_checkpoint import component_state, write_engine_checkpoint
 from .families import meta_model, tied_groups
-from .param_order import EngineOrder, engine_order
+from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,10 @@ def _param_names(directory: str, manifest: Manifest | None, config, model: dict,
     )
 
 
-def _optimizer_from_bin(directory: str, manifest, config, model, trust_pickle: bool) -> OptimizerState:
-    path = os.path.join(directory, OPTIM_BIN)
+def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: bool) -> OptimizerState:
+    """A torch optimizer state dict saved by position (accelerate's optimizer.bin, transformers' optimizer.pt),
+    by parameter name: the manifest's ``param_names``, or the model's parameters split as trainers split them."""
+    directory = os.path.dirname(path)
     state = load_accelerate_file(path, trust_pickle)
     try:
         groups, per_id = state["param_groups"], state["state"]
@@ -247,7 +249,7 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     if files.fsdp and os.path.isdir(os.path.join(directory, OPTIM_DCP)):
         optimizer = _optimizer_from_dcp(directory)
     elif os.path.isfile(os.path.join(directory, OPTIM_BIN)):
-        optimizer = _optimizer_from_bin(directory, manifest, config, model, trust_pickle)
+        optimizer = optimizer_from_torch_file(os.path.join(directory, OPTIM_BIN), manifest, config, model, trust_pickle)
     if optimizer is not None and manifest and (manifest.optimizer or {}).get("class"):
         optimizer.cls = manifest.optimizer["class"]
     frozen = ((manifest.model or {}).get("frozen") if manifest else None)
@@ -317,7 +319,7 @@ def _step_of(directory: str, optimizer: OptimizerState | None, trust_pickle: boo
 
 
 # --- writing ------------------------------------------------------------------------------------------------
-def _rank_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
+def rank_rng_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
     """Each target rank's RNG state when the source has one per rank at this world size; None otherwise."""
     if RNG in ckpt.rank_state:
         states = ckpt.rank_state[RNG]
@@ -329,44 +331,56 @@ def _rank_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | 
     return [read_piece(comp.directory, comp.record.pieces[p.owner]) for p in pieces_for(spec, Topology.uniform(world))]
 
 
+def torch_optimizer_state(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of a torch optimizer given ``order``'s groups: parameters by integer id."""
+    opt = ckpt.optimizer
+    ids = {n: i for i, n in enumerate(n for g in order.groups for n in g)}
+    per_id: dict[int, dict[str, Any]] = {}
+    for key, per in (opt.scalars.items() if opt else []):
+        for name, entry in per.items():
+            per_id.setdefault(ids[name], {})[key] = scalar_value(entry)
+    for key, per in (opt.tensors.items() if opt else []):
+        for name, t in per.items():
+            per_id.setdefault(ids[name], {})[key] = t.load()
+    groups = [{**h, "params": [ids[n] for n in g]} for h, g in zip(order.hyper, order.groups)]
+    return {"state": dict(sorted(per_id.items())), "param_groups": groups}
+
+
+def fresh_rng_states(step: int, world: int) -> list[dict[str, Any]]:
+    """RNG states for ``world`` ranks when the source's cannot be mapped onto them: seeded by step and rank."""
+    from interop.rng import RNGState
+
+    fresh = RNGState()
+    saved = fresh.state_dict()
+    states = []
+    for r in range(world):
+        fresh.reseed(1_000_003 * step + r)
+        states.append(fresh.state_dict())
+    fresh.load_state_dict(saved)
+    return states
+
+
 def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp: bool, order: EngineOrder | None = None) -> list[str]:
     """accelerate's save_state files for ``world_size`` processes into ``directory``; returns notes."""
     notes: list[str] = []
     os.makedirs(directory, exist_ok=True)
     order = order or engine_order(ckpt)
-    opt = ckpt.optimizer
     if fsdp:
         write_dcp({"model": model_tree(ckpt, order)}, os.path.join(directory, MODEL_DCP))
-        write_dcp({"optimizer": optimizer_tree(ckpt, order)}, os.path.join(directory, OPTIM_DCP))
+        # DCP loads only what the target state dict asks for, and a prepared optimizer asks for every entry
+        write_dcp({"optimizer": optimizer_tree(with_initial_optimizer(ckpt, order), order)}, os.path.join(directory, OPTIM_DCP))
     else:  # model.safetensors, one file whatever its size (load_state reads no index), streamed
         write_sharded(directory, "", SAFE_MODEL.removesuffix(".safetensors"), model_entries(ckpt), sys.maxsize, digests=False)
-        ids = {n: i for i, n in enumerate(n for g in order.groups for n in g)}
-        per_id: dict[int, dict[str, Any]] = {}
-        for key, per in (opt.scalars.items() if opt else []):
-            for name, entry in per.items():
-                per_id.setdefault(ids[name], {})[key] = scalar_value(entry)
-        for key, per in (opt.tensors.items() if opt else []):
-            for name, t in per.items():
-                per_id.setdefault(ids[name], {})[key] = t.load()
-        groups = [{**h, "params": [ids[n] for n in g]} for h, g in zip(order.hyper, order.groups)]
-        torch.save({"state": dict(sorted(per_id.items())), "param_groups": groups}, os.path.join(directory, OPTIM_BIN))
+        torch.save(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_BIN))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         torch.save(scale_scheduler(scheduler, 1, world_size), os.path.join(directory, SCHEDULER_BIN))
     for key in sorted(k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")):
         torch.save(ckpt.extra_state[key], os.path.join(directory, key + ".pkl"))
-    states = _rank_states(ckpt, world_size)
+    states = rank_rng_states(ckpt, world_size)
     if states is None:
-        from interop.rng import RNGState
-
         notes.append(f"RNG streams: the source's do not map onto {world_size} processes; each process starts fresh ones (seeded by rank)")
-        fresh = RNGState()
-        saved = fresh.state_dict()
-        states = []
-        for r in range(world_size):
-            fresh.reseed(1_000_003 * (ckpt.step or 0) + r)
-            states.append(fresh.state_dict())
-        fresh.load_state_dict(saved)
+        states = fresh_rng_states(ckpt.step or 0, world_size)
     for r, s in enumerate(states):
         torch.save(rng_to_accelerate(s, ckpt.step or 0), os.path.join(directory, f"random_states_{r}.pkl"))
     return notes

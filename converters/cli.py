@@ -157,7 +157,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     finally:
         close()
     print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): {human_bytes(total)}")
-    for note in ckpt.notes:
+    written = os.path.join(args.dst, MANIFEST)  # what was lost on the way is recorded there too (reader's and writer's)
+    notes = read_manifest(args.dst).notes if os.path.isfile(written) else list(ckpt.notes)
+    lost = registry.left_out(ckpt, target)
+    for note in notes + ([lost] if lost and lost not in notes else []):
         print(f"note: {note}")
     return 0
 

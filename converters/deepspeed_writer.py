@@ -362,8 +362,11 @@ def write_deepspeed(
         strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
         master_precision="float32", zero_stage=layout.zero_stage,
     )
+    def write_files(directory: str) -> None:
+        write_native(ckpt, directory, layout, ds_config)
+
     return write_engine_checkpoint(
-        ckpt, dst, NATIVE_KEY, lambda directory: write_native(ckpt, directory, layout, ds_config), sharding,
+        ckpt, dst, NATIVE_KEY, write_files, sharding,
         {"deepspeed": _deepspeed()[0].__version__}, {"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None,
         overwrite,
     )

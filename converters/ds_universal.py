@@ -277,7 +277,7 @@ def write_ds_universal(
                 json.dump(ckpt.config, f, indent=2)
         dropped = sorted(ckpt.components)
         if dropped:
-            log.warning("components %s are not written: DeepSpeed's universal layout has no place for them", dropped)
+            log.info("components %s are not written: DeepSpeed's universal layout has no place for them", dropped)
     log.info("wrote DeepSpeed universal checkpoint %s", os.path.join(dst, tag))
     return tag
 

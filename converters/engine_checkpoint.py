@@ -36,6 +36,16 @@ def component_state(ckpt: LogicalCheckpoint, key: str) -> Any:
     return read_piece(comp.directory, comp.record.pieces["global"])
 
 
+def per_rank_notes(components: dict[str, ComponentRecord], topology: dict | None, world_size: int) -> list[str]:
+    """One line per carried per-rank component that a run on ``world_size`` ranks cannot restore as saved."""
+    saved = Topology.from_json(topology).world_size if topology else None
+    if saved is None or saved == world_size:
+        return []
+    return [f"{key}: per-rank state saved by {saved} ranks cannot follow onto {world_size}; the resumed run "
+            f"applies its policy '{rec.policy}'" + (" (fresh streams per rank)" if rec.policy == WorldSizePolicy.RESEED.value else "")
+            for key, rec in components.items() if rec.pattern == SharingPattern.PER_RANK.value and not rec.native]
+
+
 def write_engine_checkpoint(
     ckpt: LogicalCheckpoint,
     dst: str,
@@ -56,9 +66,11 @@ def write_engine_checkpoint(
         if consumed:
             carried = LogicalCheckpoint(
                 model={}, components={k: v for k, v in ckpt.components.items() if k not in consumed},
-                extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed}, rank_state=ckpt.rank_state,
+                extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed},
+                rank_state={k: v for k, v in ckpt.rank_state.items() if k not in consumed},
             )
         components = copy_components(carried, out, files)
+        notes += per_rank_notes(components, ckpt.topology, sharding.world_size)
         components[key] = ComponentRecord(
             pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": key}, native=True
         )
@@ -80,5 +92,5 @@ def write_engine_checkpoint(
         )
         write_manifest(out, manifest)
     for note in notes:
-        log.warning("%s", note)
+        log.info("%s", note)
     return manifest

@@ -8,11 +8,14 @@ AdamW defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from interop.errors import ConversionError
-from interop.logical import LogicalCheckpoint
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.tensors import LazyTensor, TensorSpec
 
 from .families import meta_model
 
@@ -67,5 +70,27 @@ def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
         order = [n for n in params if n not in ckpt.frozen]
         shapes = {n: ckpt.model[n].spec.shape for n in order}
         groups = [[n for n in order if len(shapes[n]) >= 2], [n for n in order if len(shapes[n]) < 2]]
-        hyper = [{**ADAMW_DEFAULTS, "weight_decay": 0.01}, {**ADAMW_DEFAULTS, "weight_decay": 0.0}]
+        # with the key an LR scheduler adds, so loaders that match keys (DCP) find every group entry they expect
+        defaults = {**ADAMW_DEFAULTS, "initial_lr": ADAMW_DEFAULTS["lr"]}
+        hyper = [{**defaults, "weight_decay": 0.01}, {**defaults, "weight_decay": 0.0}]
     return EngineOrder(groups, hyper, frozen, buffers, aliases, params + buffers + list(aliases))
+
+
+def with_initial_optimizer(ckpt: LogicalCheckpoint, order: EngineOrder) -> LogicalCheckpoint:
+    """``ckpt``, or, when it holds no optimizer state (a model), a copy holding AdamW's state before its first
+    step: zero moments, step 0. That is what a fresh optimizer starts from; engines whose loaders need every
+    entry to exist (DCP, DeepSpeed's universal loader) get it written."""
+    if ckpt.optimizer is not None:
+        return ckpt
+
+    def zeros(name: str) -> LazyTensor:
+        shape = ckpt.model[name].spec.shape
+        return LazyTensor(TensorSpec(shape, torch.float32), lambda: torch.zeros(shape, dtype=torch.float32), "AdamW's initial state")
+
+    names = [n for g in order.groups for n in g]
+    state = OptimizerState(
+        "AdamW", [{**h, "params": list(g)} for h, g in zip(order.hyper, order.groups)],
+        {key: {n: zeros(n) for n in names} for key in ("exp_avg", "exp_avg_sq")},
+        {"step": {n: {"value": 0.0, "dtype": "float32"} for n in names}},
+    )
+    return replace(ckpt, optimizer=state)

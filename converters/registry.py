@@ -12,7 +12,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import accelerate, dcp, deepspeed, ds_universal, hf, interop_ckpt, interop_dcp, megatron, megatron_dist
+from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
 
 
 @dataclass
@@ -34,6 +34,19 @@ class Format:
     detect: Callable[[str], bool]
     read: Callable[[str, Options], LogicalCheckpoint] | None = None
     write: Callable[[LogicalCheckpoint, str, Options], None] | None = None
+    # what a written checkpoint holds besides weights and config: "optimizer", "components" (any: scheduler,
+    # data position, trainer state, RNG, ...) or named ones; a conversion into a narrower format says what it left out
+    keeps: frozenset[str] = frozenset({"optimizer", "components"})
+
+
+def left_out(ckpt: LogicalCheckpoint, fmt: Format) -> str | None:
+    """One line naming the source state that ``fmt`` has no place for, or None."""
+    lost = []
+    if ckpt.optimizer is not None and "optimizer" not in fmt.keeps:
+        lost.append("optimizer state")
+    if "components" not in fmt.keeps:
+        lost += [k for k in sorted(set(ckpt.components) | set(ckpt.extra_state) | set(ckpt.rank_state)) if k not in fmt.keeps]
+    return f"{fmt.name} has no place for: {', '.join(lost)} (not written)" if lost else None
 
 
 FORMATS: dict[str, Format] = {}
@@ -124,6 +137,7 @@ register(
         ds_universal.is_ds_universal,
         lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle),
         _write_ds_universal,
+        keeps=frozenset({"optimizer"}),
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -152,6 +166,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         megatron_dist.is_megatron_dist,
         lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle),
         _write_megatron_dist,
+        keeps=frozenset({"optimizer", megatron.SCHEDULER}),
     )
 )
 register(
@@ -161,6 +176,7 @@ register(
         dcp.is_dcp_dir,
         lambda p, o: dcp.read_dcp_checkpoint(p),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
+        keeps=frozenset({"optimizer"}),
     )
 )
 def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -177,6 +193,16 @@ register(
         megatron.is_megatron_legacy,
         lambda p, o: megatron.read_megatron(p, o.trust_pickle),
         _write_megatron,
+        keeps=frozenset({"optimizer", megatron.SCHEDULER, "rng"}),  # Megatron's own scheduler and RNG states
+    )
+)
+register(  # before "hf": a Trainer checkpoint directory is also a model directory
+    Format(
+        "hf-trainer",
+        "transformers Trainer checkpoint (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json)",
+        hf_trainer.is_hf_trainer_checkpoint,
+        lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests),
+        lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
     )
 )
 register(
@@ -186,6 +212,7 @@ register(
         hf.is_hf_dir,
         lambda p, o: hf.read_hf(p, o.trust_pickle),
         lambda c, d, o: hf.write_hf(c, d, o.overwrite, o.max_shard_size, o.progress),
+        keeps=frozenset(()),
     )
 )
 

@@ -69,6 +69,9 @@ class CheckpointManager:
         self.collective = collective or default_collective()
         self.keep_last = keep_last
         self.name_format = name_format
+        # what the last load could not restore ("rng: saved for 2 ranks, now 4: ... reseeded"): every later
+        # manifest of this run records it, so a checkpoint says what its history lost
+        self.resume_notes: list[str] = []
 
     # ------------------------------------------------------------------------------------------------
     def path_for(self, step: int) -> str:
@@ -190,6 +193,8 @@ class CheckpointManager:
         extra = getattr(self.provider, "get_checkpoint_metadata", None)
         if extra is not None:
             meta = {**(extra() or {}), **meta}
+        if self.resume_notes:
+            meta["notes"] = list(dict.fromkeys(list(meta.get("notes") or []) + self.resume_notes))
         unknown = set(meta) - set(_METADATA_FIELDS)
         if unknown:
             raise ComponentError(f"checkpoint metadata has unknown sections {sorted(unknown)}; allowed: {_METADATA_FIELDS}")
@@ -238,6 +243,8 @@ class CheckpointManager:
                 if note:
                     notes.append(note)
             result = LoadResult(directory, manifest, notes)
+            step = f" at step {manifest.step}" if manifest.step is not None else ""
+            self.resume_notes = list(manifest.notes) + [f"resumed from {directory}{step}: {n}" for n in notes]
         except Exception as exc:  # noqa: BLE001
             error, own_exc = describe_error(exc), exc
 
@@ -256,6 +263,9 @@ class CheckpointManager:
 
     def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, verify, scratch) -> str | None:
         record = manifest.components.get(comp.key)
+        if record is None and comp.required and not manifest.step and not is_native(comp.stateful):
+            # a checkpoint at step 0 (weights converted from a model, no training yet): what it lacks starts fresh
+            return f"component {comp.key!r} is not in {directory} (step {manifest.step}: no training state yet); it starts fresh"
         if record is None:
             if comp.required:
                 raise ComponentError(
@@ -300,14 +310,17 @@ class CheckpointManager:
             raise CorruptCheckpointError(os.path.join(directory, comp.key), f"native component {comp.key!r} lists no files")
         check_files(directory, manifest, files, digest=verify)
         note = None
-        if saved.world_size != current.world_size:
+        # the engine's files are for the layout the sharding section names (a conversion writes them for its
+        # target), which may differ from the topology the carried per-rank pieces came from
+        written_for = int((manifest.sharding or {}).get("world_size") or saved.world_size)
+        if written_for != current.world_size:
             if policy is WorldSizePolicy.REFUSE:
                 raise TopologyError(
-                    f"{directory}: component {comp.key!r} was saved by {saved.world_size} ranks and its policy is 'refuse'; "
+                    f"{directory}: component {comp.key!r} was saved by {written_for} ranks and its policy is 'refuse'; "
                     f"this run has {current.world_size}. Convert it first: interop convert {directory} --to <format> --world-size {current.world_size}"
                 )
             if policy is WorldSizePolicy.DROP:
-                return f"component {comp.key!r}: saved by {saved.world_size} ranks, now {current.world_size}; not loaded (policy 'drop')"
-            note = f"component {comp.key!r}: saved by {saved.world_size} ranks, loaded onto {current.world_size} (policy '{policy.value}')"
+                return f"component {comp.key!r}: saved by {written_for} ranks, now {current.world_size}; not loaded (policy 'drop')"
+            note = f"component {comp.key!r}: saved by {written_for} ranks, loaded onto {current.world_size} (policy '{policy.value}')"
         comp.stateful.load_native(NativeLoad(os.path.join(directory, comp.key), saved, current, rank, manifest, scratch))
         return note

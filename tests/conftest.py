@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from trainers.launch import free_port  # noqa: F401  (the tests' one port helper)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env() -> dict[str, str]:
@@ -36,23 +31,13 @@ def torchrun_cmd(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, po
 
 
 def run_workers(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    """Run a torchrun command; assert it succeeded, with each rank's first error in the message.
+    """Run a torchrun command; fail with each rank's first errors (one SIGABRT in native code is retried)."""
+    from trainers.launch import LaunchError, run_processes
 
-    About one 2-rank gloo CPU run in fifty loses a rank to SIGABRT inside torch's native code (no Python
-    traceback; seen with DeepSpeed and Accelerate alike, at exit and mid-run). Such a run is started once
-    more, with a warning in the test report; any other failure, or a second abort, fails the test."""
-    import warnings
-
-    for attempt in range(2):
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        aborted = "exitcode  : -6" in result.stderr and "(SIGABRT)" in result.stderr
-        if result.returncode == 0 or not aborted or attempt == 1:
-            break
-        warnings.warn(f"a rank aborted (SIGABRT) in native code; started again: {' '.join(cmd[-6:])}")
-    if result.returncode != 0:
-        firsts = [line for line in result.stderr.splitlines() if "Error" in line or "terminate" in line][:8]
-        raise AssertionError("\n".join(firsts) + "\n...\n" + result.stdout[-2000:] + result.stderr[-5000:])
-    return result
+    try:
+        return run_processes(cmd, env, timeout)
+    except LaunchError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:

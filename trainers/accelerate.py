@@ -70,13 +70,17 @@ class AccelerateState:
         saved = accelerate_format.describe(load.directory)
         steps_per_step = int((load.manifest.optimizer or {}).get("scheduler_steps_per_step", saved.num_processes))
         source = load.directory
-        if (saved.num_processes, saved.fsdp, steps_per_step) != (trainer.world_size, trainer.fsdp, trainer.world_size):
+        # weights converted from a model (step 0) have no schedule, which load_state requires: this run's fresh one
+        unscheduled = not load.manifest.step and not os.path.isfile(os.path.join(load.directory, accelerate_format.SCHEDULER_BIN))
+        if (saved.num_processes, saved.fsdp, steps_per_step) != (trainer.world_size, trainer.fsdp, trainer.world_size) or unscheduled:
             log.warning(
                 "converting %s (%s, %d processes) for this run (%s, %d processes)", load.directory,
                 "FSDP2" if saved.fsdp else "DDP", saved.num_processes, "FSDP2" if trainer.fsdp else "DDP", trainer.world_size,
             )
             if trainer.rank == 0:
                 ckpt = accelerate_format.read_accelerate(load.directory)
+                if unscheduled:
+                    ckpt.extra_state[accelerate_format.SCHEDULER] = trainer.scheduler.scheduler.state_dict()
                 accelerate_format.write_native(ckpt, load.scratch, trainer.world_size, trainer.fsdp)
             acc.wait_for_everyone()
             source = load.scratch
@@ -203,6 +207,7 @@ class AccelerateTrainer(BaseTrainer):
         with local:  # local SGD: each process steps on its own gradients
             loss = self.model(input_ids=batch, labels=batch).loss
             self.accelerator.backward(loss)
+        self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -213,6 +218,10 @@ class AccelerateTrainer(BaseTrainer):
             dist.all_reduce(mean)  # the global batch's loss, whatever the number of processes
         return float(mean) / self.world_size
 
+
+    def clip_gradients(self) -> None:
+        if self.cfg.max_grad_norm:  # accelerate's: the norm over every process's shards (FSDP2) or replicas (DDP)
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
 
     def save(self) -> str:
         sgd = self.local_sgd

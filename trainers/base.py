@@ -42,6 +42,7 @@ class TrainerConfig:
     seq_len: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.1
+    max_grad_norm: float = 1.0  # clip the global gradient norm (0: off); DeepSpeed's and Hugging Face's default
     warmup_steps: int = 2
     seed: int = 1234
     output_dir: str = "out/base"
@@ -208,10 +209,16 @@ class BaseTrainer:
         self.model.train()
         loss = self.model(input_ids=batch, labels=batch).loss
         loss.backward()
+        self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
+
+    def clip_gradients(self) -> None:
+        """Scale the gradients to a global norm of at most ``max_grad_norm``, as every engine does by default."""
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
 
     def train(self, until: int | None = None) -> list[float]:
         """Train to step ``until`` (default cfg.steps); returns the losses of the steps run by this call."""
@@ -241,7 +248,13 @@ class BaseTrainer:
 
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         result = self.checkpoints.load(target)
+        if not result.step:  # weights converted from a model: no training yet, so no optimizer state to keep
+            self.optimizer.state.clear()
+            for group, hyper in zip(self.optimizer.param_groups, fresh):
+                group.update(hyper)
+            log.info("%s is at step 0: weights loaded, the optimizer starts fresh", result.path)
         log.info("resumed from %s at step %d", result.path, self.state.step)
         return self.state.step
 

@@ -64,6 +64,7 @@ def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
             config["fp16"] = {"enabled": True}
     if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
         config["train_batch_size"] = cfg.batch_size
+    config.setdefault("gradient_clipping", cfg.max_grad_norm)  # DeepSpeed's default is 1.0 too; the flag sets it
     config.setdefault("steps_per_print", 1 << 30)
     config.setdefault("zero_optimization", {"stage": 0})
     optimizer = config.get("optimizer")

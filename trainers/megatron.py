@@ -229,6 +229,7 @@ class MegatronTrainer(BaseTrainer):
                 self.schedule.step(*args, target=targets if self.layout.last else None, losses=losses)
                 local = _mean([x.detach() for x in losses]) if self.layout.last else None
         self._all_reduce_gradients()
+        self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -244,6 +245,25 @@ class MegatronTrainer(BaseTrainer):
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(grad, group=group)
                 grad.div_(self.dp)
+
+    def clip_gradients(self) -> None:
+        """Megatron's clip_grad: the norm over every stage and tensor-parallel shard, each element counted once
+        (a replicated norm weight on tp rank 0, data-parallel replicas on dp rank 0), then torch's scaling."""
+        if not self.cfg.max_grad_norm:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.dp_rank == 0:
+            for g, part in zip(grads, local):
+                sharded = any(pl.is_shard() for pl in getattr(g, "placements", ()))
+                if sharded or self.tp_rank == 0:
+                    squares += part.float().pow(2).sum()
+        if self.mesh is not None:
+            dist.all_reduce(squares)
+        coef = torch.clamp(self.cfg.max_grad_norm / (squares.sqrt() + 1e-6), max=1.0)
+        if local:
+            torch._foreach_mul_(local, coef.to(local[0].dtype))
 
     def _global_loss(self, local: torch.Tensor | None) -> float:
         """The global batch's loss on every rank: the last stage's tp-rank-0 of each replica contributes."""

@@ -1,0 +1,51 @@
+"""Every conversion and save beside the engine's own tool, on the same checkpoints, in one run: one table.
+
+    python benchmarks/run.py [--workdir DIR] [--repeat 3]      # about 12 min on 2 cores the first time
+
+Runs benchmarks/hf_roundtrip.py, deepspeed_zero3.py, accelerate_fsdp2.py and megatron_legacy.py (each trains
+or builds its ~250M-parameter checkpoint once under --workdir and reuses it), then prints their rows together:
+wall time until the output is on disk and peak RSS of each step in its own process, and for each interop row
+the speed-up and RSS ratio against the engine's tool on the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import accelerate_fsdp2  # noqa: E402
+import deepspeed_zero3  # noqa: E402
+import hf_roundtrip  # noqa: E402
+import megatron_legacy  # noqa: E402
+from measure import REPO, print_table  # noqa: E402
+
+ENGINES = (("deepspeed", deepspeed_zero3, 17), ("accelerate", accelerate_fsdp2, 17), ("megatron", megatron_legacy, megatron_legacy.LAYERS))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default=None, help="keeps the checkpoints between runs (default: a new temporary directory)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
+    p.add_argument("--hidden", type=int, default=1024)
+    args = p.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-all-")
+    rows, reference = [], {}
+    hf_rows, hf_ref, _ = hf_roundtrip.collect(argparse.Namespace(hidden=args.hidden, layers=16, repeat=args.repeat,
+                                                                 workdir=os.path.join(work, "hf")))
+    rows += hf_rows
+    reference.update(hf_ref)
+    for name, module, layers in ENGINES:
+        section = module.collect(argparse.Namespace(hidden=args.hidden, layers=layers, repeat=args.repeat,
+                                                    workdir=os.path.join(work, name), train=None))
+        rows += [(f"{r} [{name}]" if r.startswith("dd,") or "(baseline)" in r else r, m) for r, m in section.with_disk_floor(args.repeat)]
+        reference.update(section.reference)
+    print_table(rows, reference)
+    print(f"\nfiles under {work}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", REPO)
+    main()

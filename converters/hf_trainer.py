@@ -1,0 +1,170 @@
+"""transformers' ``Trainer`` checkpoints, read into logical tensors and written from any source.
+
+What ``Trainer._save_checkpoint`` writes into ``checkpoint-<step>/`` (transformers 4.4x - 5.x):
+
+- the model through ``save_pretrained``: ``config.json``, ``model.safetensors`` (tied copies dropped);
+- ``optimizer.pt``: a torch optimizer state dict, parameters by integer id, the decay group then the no-decay
+  group (biases and norms), each in module order, as ``Trainer.create_optimizer`` builds them;
+- ``scheduler.pt``: the LR scheduler's state dict (stepped once per optimizer step);
+- ``rng_state.pth`` (one process) or ``rng_state_<i>.pth``: python, numpy and torch generator states;
+- ``trainer_state.json``: ``global_step`` and the log; ``training_args.bin``: a pickled ``TrainingArguments``,
+  never read here (it needs unrestricted pickle, and nothing in it is training state).
+
+``trainer.train(resume_from_checkpoint=dir)`` loads them all and skips ``global_step`` batches of its
+dataloader. Every pickle loads with ``weights_only=True`` (numpy's RNG arrays allowlisted).
+
+Our Hugging Face trainer (``trainers.hf_trainer``) keeps such a directory as its native component
+``hf_trainer/`` inside an interop checkpoint, with the data position and trainer progress beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from interop.commit import resolve_checkpoint_dir
+from interop.errors import CorruptCheckpointError, MissingFileError
+from interop.logical import ComponentSource, LogicalCheckpoint
+from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
+from interop.sharding import ShardingMetadata, Strategy
+from interop.topology import Topology
+from interop.universal import model_entries, read_hf_safetensors, write_sharded
+from interop.verify import check_files
+
+from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
+from .engine_checkpoint import component_state, write_engine_checkpoint
+from .families import tied_groups
+from .param_order import engine_order
+
+NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
+OPTIM_PT, SCHEDULER_PT, TRAINER_STATE, RNG_PT = "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"
+RNG = "rng"
+
+
+def locate(path: str) -> str:
+    """The Trainer checkpoint directory: ``path`` itself, or our trainer's checkpoint around it (or its root)."""
+    directory = resolve_checkpoint_dir(path)
+    nested = os.path.join(directory, NATIVE_KEY)
+    return nested if os.path.isfile(os.path.join(nested, TRAINER_STATE)) else directory
+
+
+def is_hf_trainer_checkpoint(path: str) -> bool:
+    try:
+        directory = locate(path)
+    except Exception:  # detection never raises
+        return False
+    return all(os.path.isfile(os.path.join(directory, f)) for f in (TRAINER_STATE, "config.json"))
+
+
+def _manifest_of(directory: str) -> Manifest | None:
+    parent = os.path.dirname(directory)
+    if os.path.basename(directory) == NATIVE_KEY and os.path.isfile(os.path.join(parent, MANIFEST)):
+        return read_manifest(parent)
+    return None
+
+
+def rng_from_hf(state: dict[str, Any]) -> dict[str, Any]:
+    """``rng_state.pth`` as ``interop.rng.RNGState``'s state dict."""
+    out = {"python": python_state_dict(state["python"]), "numpy": numpy_state_dict(state["numpy"]), "torch": state["cpu"]}
+    if "cuda" in state:
+        cuda = state["cuda"]
+        out["cuda"] = list(cuda) if isinstance(cuda, (list, tuple)) else [cuda]
+    return out
+
+
+def rng_to_hf(state: dict[str, Any]) -> dict[str, Any]:
+    out = {"python": python_state_tuple(state["python"]), "numpy": numpy_state_tuple(state["numpy"]), "cpu": state["torch"]}
+    if state.get("cuda"):
+        out["cuda"] = list(state["cuda"])
+    return out
+
+
+def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
+    directory = locate(path)
+    manifest = _manifest_of(directory)
+    if manifest is not None:
+        check_files(os.path.dirname(directory), manifest, manifest.files, digest=verify_digests)
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        with open(os.path.join(directory, TRAINER_STATE), encoding="utf-8") as f:
+            trainer_state = json.load(f)
+        step = int(trainer_state["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(directory, f"unreadable config.json or {TRAINER_STATE}: {exc}") from None
+    model = read_hf_safetensors(directory)
+    if not model:
+        raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
+    optim_path = os.path.join(directory, OPTIM_PT)
+    optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
+    extra: dict[str, Any] = {}
+    sched_path = os.path.join(directory, SCHEDULER_PT)
+    if os.path.isfile(sched_path):
+        extra[SCHEDULER] = load_accelerate_file(sched_path, trust_pickle)
+    rng_files = sorted((f for f in os.listdir(directory) if f.startswith("rng_state")), key=lambda f: (len(f), f))
+    rank_state = {RNG: [rng_from_hf(load_accelerate_file(os.path.join(directory, f), trust_pickle)) for f in rng_files]} if rng_files else {}
+    components: dict[str, ComponentSource] = {}
+    if manifest is not None:
+        components = {k: ComponentSource.from_manifest(os.path.dirname(directory), manifest, k) for k in manifest.components if k != NATIVE_KEY}
+    world = max(1, len(rng_files))
+    source = dict((manifest.source or {}) if manifest else {})
+    source.update({"format": "hf-trainer", "world_size": world, "step": step})
+    return LogicalCheckpoint(
+        model=model, config=config, optimizer=optimizer, components=components, source=source,
+        topology=manifest.topology if manifest else Topology.uniform(world).to_json(),
+        tied=((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config),
+        frozen=((manifest.model or {}).get("frozen") if manifest else None) or [],
+        step=step, extra_state=extra, rank_state=rank_state,
+    )
+
+
+def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
+    """The files ``Trainer._save_checkpoint`` writes for one process; returns notes."""
+    import transformers
+
+    notes: list[str] = []
+    os.makedirs(directory, exist_ok=True)
+    order = engine_order(ckpt)
+    write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, digests=False)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(ckpt.config or {}, f, indent=2)
+    torch.save(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_PT))
+    scheduler = component_state(ckpt, SCHEDULER)
+    if scheduler is not None:
+        torch.save(scheduler, os.path.join(directory, SCHEDULER_PT))
+    states = rank_rng_states(ckpt, 1)
+    if states is None:
+        notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
+        states = fresh_rng_states(ckpt.step or 0, 1)
+    torch.save(rng_to_hf(states[0]), os.path.join(directory, RNG_PT))
+    state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt))
+    state.save_to_json(os.path.join(directory, TRAINER_STATE))
+    return notes
+
+
+def _global_batch(ckpt: LogicalCheckpoint) -> int:
+    """Samples per optimizer step, from our data position (first epoch); Trainer only compares it, warning."""
+    data = component_state(ckpt, "data") if "data" in ckpt.components or "data" in ckpt.extra_state else None
+    if isinstance(data, dict) and ckpt.step and not data.get("epoch") and data.get("index"):
+        return int(data["index"]) // int(ckpt.step)
+    return 1
+
+
+def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False) -> Manifest:
+    """An interop checkpoint whose ``hf_trainer/`` is a transformers Trainer checkpoint for one process:
+    ``trainer.train(resume_from_checkpoint=dst + "/hf_trainer")`` continues it, and our Hugging Face trainer
+    resumes from ``dst`` with the data position and trainer progress beside it."""
+    import transformers
+
+    order = engine_order(ckpt)
+    sharding = ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=ckpt.source.get("dtype") or "float32")
+    optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
+    return write_engine_checkpoint(
+        ckpt, dst, NATIVE_KEY, lambda directory: write_native(ckpt, directory), sharding,
+        {"transformers": transformers.__version__}, optimizer, overwrite, frozenset({SCHEDULER, RNG}),
+    )

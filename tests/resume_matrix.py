@@ -1,0 +1,283 @@
+"""The any-to-any resume matrix: a checkpoint of one engine and layout, one ``interop convert``, and a resume
+in another engine's trainer at another layout, whose next losses must equal the source run's own.
+
+Used by ``tests/test_resume_matrix.py`` (a slice in CI, every pair under ``-m slow``) and, as a script, to
+regenerate the table in ``docs/resume-matrix.md``:
+
+    python -m tests.resume_matrix --out docs/resume-matrix.md [--pairs ds-z2:fsdp2,tp2:ds-z3]
+
+Every run uses the same tiny Llama, data order, AdamW and schedule (``--batch-size`` is the global batch in
+every trainer), so an engine's losses equal another's to float rounding. A source trains 4 steps and saves
+at steps 2 and 4; the converted step-2 checkpoint resumes in the target, whose losses at steps 3 and 4 are
+compared with the source's. The Hugging Face source is a model directory (weights only, step 0); its
+reference is the single-process trainer started from it with ``--init-from``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainers.launch import LaunchError, launch, run_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVED_AT = 4, 2
+RUN = ("--steps", str(STEPS), "--batch-size", "4", "--seq-len", "16")
+HF_SEED = 7  # the Hugging Face source's weights differ from every trainer's own initial model (seed 1234)
+REL = 1e-5  # float rounding: engines sum gradients and shards in different orders
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One engine at one layout: how its trainer is launched, and how ``interop convert`` writes for it."""
+
+    key: str
+    label: str
+    module: str  # the trainer, run under torchrun
+    nproc: int
+    flags: tuple[str, ...] = ()
+    to: tuple[str, ...] = ()  # `interop convert ... --to ...` flags producing this layout's checkpoint
+
+    @property
+    def engine(self) -> str:
+        return self.key.split("@")[0]
+
+
+def _ds(stage: int, world: int = 2) -> Layout:
+    return Layout(f"ds-z{stage}", f"DeepSpeed ZeRO-{stage} x{world}", "trainers.deepspeed", world, ("--zero-stage", str(stage)),
+                  ("--to", "deepspeed", "--world-size", str(world), "--zero-stage", str(stage)))
+
+
+def _accelerate(fsdp: bool, world: int = 2) -> Layout:
+    return Layout("fsdp2" if fsdp else "ddp", f"Accelerate {'FSDP2' if fsdp else 'DDP'} x{world}", "trainers.accelerate", world,
+                  ("--fsdp",) if fsdp else (), ("--to", "accelerate", "--world-size", str(world)) + (("--fsdp",) if fsdp else ()))
+
+
+def _megatron(key: str, tp: int, pp: int, dp: int = 1) -> Layout:
+    label = " x ".join(f"{n}{s}" for n, s in (("DP", dp), ("TP", tp), ("PP", pp)) if s > 1)
+    flags = ("--tp", str(tp), "--pp", str(pp)) + (("--microbatches", "2") if pp > 1 else ())
+    return Layout(key, f"Megatron-style {label}", "trainers.megatron", dp * tp * pp, flags, ("--to", "interop-dcp"))
+
+
+HF = Layout("hf", "Hugging Face model", "trainers.base", 1, (), ("--to", "hf"))
+HF_TRAINER = Layout("hf-trainer", "Hugging Face Trainer x1", "trainers.hf_trainer", 1, (), ("--to", "hf-trainer"))
+
+SOURCES: dict[str, Layout] = {
+    layout.key: layout
+    for layout in (_ds(1), _ds(2), _ds(3), _accelerate(False), _accelerate(True),
+                   _megatron("tp2", 2, 1), _megatron("pp2", 1, 2), _megatron("tp2pp2", 2, 2), HF)
+}
+TARGETS: dict[str, Layout] = {**{k: v for k, v in SOURCES.items() if k != "hf"}, "hf-trainer": HF_TRAINER}
+ENGINE_TARGETS = list(TARGETS)  # Hugging Face as a target: transformers' Trainer, resuming its own checkpoint format
+
+
+def target_layout(source: str, target: str) -> Layout:
+    """``target``'s layout for a resume from ``source``: its usual one, or, for the same engine and layout,
+    another world size (ZeRO and accelerate on 1 process, Megatron with a second data-parallel replica)."""
+    if source != target:
+        return TARGETS[target]
+    if target.startswith("ds-z"):
+        return _ds(int(target[-1]), world=1)
+    if target in ("ddp", "fsdp2"):
+        return _accelerate(target == "fsdp2", world=1)
+    layout = SOURCES[target]
+    tp, pp = int(layout.flags[1]), int(layout.flags[3])
+    return _megatron(target, tp, pp, dp=2)
+
+
+def all_pairs() -> list[tuple[str, str]]:
+    return [(s, t) for s in SOURCES for t in ENGINE_TARGETS]
+
+
+# --- running ---------------------------------------------------------------------------------------------
+
+
+def train(layout: Layout, out: Path, *extra: str) -> list[float]:
+    """Launch ``layout``'s trainer under torchrun; the losses of the steps this run trained."""
+    return launch(layout.module, layout.nproc, [*RUN, *layout.flags, "--output-dir", str(out), *extra]).losses
+
+
+def interop(*args: str) -> subprocess.CompletedProcess:
+    return run_processes([sys.executable, "-m", "converters.cli", *args], timeout=600)
+
+
+@dataclass
+class Source:
+    layout: Layout
+    checkpoint: Path  # what is converted
+    reference: list[float]  # the losses a resume must reproduce: steps 3-4 (the HF source: steps 1-4)
+    universal: Path | None = None  # the checkpoint as a universal one: what every round trip must give back
+
+
+def make_source(key: str, work: Path) -> Source:
+    layout = SOURCES[key]
+    out = work / f"source-{key}"
+    if key == "hf":
+        source = _hf_source(out)
+    else:
+        losses = train(layout, out, "--save-every", str(SAVED_AT))
+        source = Source(layout, out / f"checkpoint-{SAVED_AT}", losses[SAVED_AT:])
+    source.universal = out / "universal"
+    interop("convert", str(source.checkpoint), str(source.universal), "--to", "universal", "--overwrite")
+    return source
+
+
+# `interop diff` of two universal checkpoints compares the digests their manifests record: no tensor is
+# loaded and no engine imported (asserted), however the tensors travelled in between
+DIFF_WITHOUT_ENGINES = """
+import sys
+from converters.cli import main
+code = main(sys.argv[1:])
+engines = sorted(m for m in ("deepspeed", "accelerate", "megatron", "transformers") if m in sys.modules)
+assert not engines, f"diff imported {engines}"
+sys.exit(code)
+"""
+
+
+def round_trip_is_lossless(source: Source, converted: Path, work: Path) -> None:
+    """A -> universal and A -> B -> universal hold the same bytes (weights only from a model: B adds AdamW's
+    initial state for engines that need it)."""
+    back = work / f"{converted.name}--universal"
+    interop("convert", str(converted), str(back), "--to", "universal", "--overwrite")
+    model_only = ["--model-only"] if source.layout.key == "hf" else []
+    done = run_processes([sys.executable, "-c", DIFF_WITHOUT_ENGINES, "diff", str(source.universal), str(back), *model_only], timeout=600)
+    summary = done.stdout.strip().splitlines()[-1]
+    if " 0 different" not in summary or " 0 exact" in summary:
+        raise AssertionError(f"round trip through {converted.name} changed something: {summary}")
+
+
+def _hf_source(out: Path) -> Source:
+    """A Hugging Face model directory, and the single-process trainer's losses fine-tuning from it."""
+    import torch
+    import transformers
+
+    from trainers.base import tiny_config
+
+    torch.manual_seed(HF_SEED)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(out / "model")
+    losses = train(HF, out / "run", "--init-from", str(out / "model"))
+    return Source(HF, out / "model", losses)
+
+
+@dataclass
+class Result:
+    source: str
+    target: str
+    target_label: str
+    ok: bool = False
+    losses: list[float] = field(default_factory=list)
+    reference: list[float] = field(default_factory=list)
+    max_rel: float | None = None
+    notes: list[str] = field(default_factory=list)  # what the conversion and the resume said they could not keep
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def run_pair(source: Source, target_key: str, work: Path) -> Result:
+    """Convert ``source`` for ``target_key``'s layout with one ``interop convert``, verify the output, resume
+    the target's trainer from it, and compare its losses with the source's."""
+    target = target_layout(source.layout.key, target_key)
+    result = Result(source.layout.key, target_key, target.label, reference=source.reference)
+    start = time.perf_counter()
+    converted = work / f"{source.layout.key}--{target_key}"
+    try:
+        done = interop("convert", str(source.checkpoint), str(converted), *target.to, "--overwrite")
+        result.notes += [line.removeprefix("note: ") for line in done.stdout.splitlines() if line.startswith("note: ")]
+        interop("verify", str(converted), "--quiet")
+        round_trip_is_lossless(source, converted, work)
+        manifest = json.loads((converted / "manifest.json").read_text())
+        missing = [n for n in result.notes if n not in manifest.get("notes", [])]
+        if missing:
+            raise AssertionError(f"notes printed by convert but not in the manifest: {missing}")
+        out = work / f"target-{source.layout.key}--{target_key}"
+        result.losses = train(target, out, "--resume", str(converted))
+        saved = json.loads((out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+        result.notes += [n for n in saved.get("notes", []) if n not in result.notes]
+        result.max_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, result.reference))
+        result.ok = len(result.losses) == len(result.reference) and result.max_rel <= REL
+        if not result.ok:
+            result.error = f"losses {result.losses} vs {result.reference}"
+    except (LaunchError, AssertionError, subprocess.TimeoutExpired) as exc:
+        result.error = str(exc)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# --- the docs table --------------------------------------------------------------------------------------
+
+
+def table(results: list[Result]) -> str:
+    by_pair = {(r.source, r.target): r for r in results}
+    lines = ["| source \\ target | " + " | ".join(ENGINE_TARGETS) + " |", "|---" * (len(ENGINE_TARGETS) + 1) + "|"]
+    for s in SOURCES:
+        cells = []
+        for t in ENGINE_TARGETS:
+            r = by_pair.get((s, t))
+            cells.append("" if r is None else (f"ok {r.max_rel:.0e}" if r.ok else "FAIL"))
+        lines.append(f"| {SOURCES[s].label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the markdown report here (default: print it)")
+    p.add_argument("--pairs", help="comma-separated source:target pairs (default: all)")
+    p.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
+    args = p.parse_args()
+    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")] if args.pairs else all_pairs()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="interop-matrix-"))
+    sources: dict[str, Source] = {}
+    results = []
+    for s, t in pairs:
+        if s not in sources:
+            sources[s] = make_source(s, work)
+        r = run_pair(sources[s], t, work)
+        print(f"{s:>7} -> {t:<7} {'ok' if r.ok else 'FAIL'} {r.seconds:5.1f}s {r.error or ''}"[:300], flush=True)
+        results.append(r)
+    report = render(results)
+    if args.out:
+        Path(args.out).write_text(report)
+    else:
+        print(report)
+    sys.exit(0 if all(r.ok for r in results) else 1)
+
+
+def render(results: list[Result]) -> str:
+    notes = sorted({n for r in results for n in r.notes})
+    out = [
+        "# The resume matrix",
+        "",
+        "Generated by `python -m tests.resume_matrix --out docs/resume-matrix.md` (the same pairs run under "
+        "`pytest -m slow tests/test_resume_matrix.py`). Each source trains a tiny Llama for 4 steps on CPU "
+        "processes and saves at step 2; one `interop convert` writes that checkpoint for the target's layout; "
+        "`interop verify` checks the output; converted back to universal, `interop diff` finds every tensor and "
+        "scalar equal to the source's own universal conversion (from the manifests' digests, with no engine "
+        "imported); the target's trainer resumes from it and trains steps 3 and 4. A cell "
+        "is `ok` with the largest relative difference of those losses from the source run's own steps 3 and 4 "
+        f"(the bar is {REL:g}: float rounding between engines). Rows are sources, columns targets; on the diagonal "
+        "the target runs at another world size (ZeRO and DDP/FSDP2 on 1 process, Megatron-style with 2 data-parallel replicas). "
+        "The Hugging Face source is a model directory (step 0): its targets start from its weights with a fresh "
+        "optimizer, compared with the single-process trainer started from it (`--init-from`) over steps 1-4.",
+        "",
+        table(results),
+        "",
+        "Targets: " + "; ".join(f"`{k}` {TARGETS[k].label} (`interop convert ... {' '.join(TARGETS[k].to)}`)" for k in ENGINE_TARGETS) + ".",
+        "",
+    ]
+    if notes:
+        out += ["What conversions and resumes said they could not keep (each also in the manifest):", ""]
+        out += [f"- {n}" for n in notes] + [""]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        out += ["Failures:", ""] + [f"- {r.source} -> {r.target}: {(r.error or '').splitlines()[0][:200]}" for r in failed] + [""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The reference Hugging Face trainer: transformers' own ``Trainer`` on the base trainer's model and data.
+
+    python -m trainers.hf_trainer --steps 8 --save-every 4 --output-dir out/hf
+    python -m trainers.hf_trainer --steps 8 --resume out/hf/checkpoint-4
+    python -m trainers.hf_trainer --steps 8 --resume path/to/any/checkpoint    # converted in-process first
+
+``Trainer`` builds the AdamW groups (decay, then biases and norms without), the linear warmup schedule,
+gradient clipping and the RNG handling itself; the data is the base trainer's stream in the same order (a
+sequential sampler over it), so the losses are the other trainers'. One process.
+
+Each checkpoint's ``hf_trainer/`` is what ``Trainer`` itself writes (``model.safetensors``, ``optimizer.pt``,
+``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``), so ``trainer.train(resume_from_checkpoint=...)``
+works on it directly; the data position and trainer progress are components beside it. Resuming is
+``Trainer``'s own: it restores every file and skips ``global_step`` batches of the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from converters import hf_trainer as hf_format
+from interop import CheckpointManager, SharingPattern, StateComponent, WorldSizePolicy
+from interop.checkpoint import describe_error
+from interop.errors import LoadFailedError, TopologyError
+from interop.sharding import ShardingMetadata, Strategy
+from interop.state import NativeLoad
+
+from .base import BETAS, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names
+from .base import parse_config as base_parse_config
+from .state import DataPosition, TokenDataset, TrainerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HFTrainerConfig(TrainerConfig):
+    output_dir: str = "out/hf"
+
+
+class DataStream(torch.utils.data.Dataset):
+    """The base trainer's sample order, flattened: item i is the i-th sample a DataPosition from the start
+    draws, so a sequential sampler (and Trainer's skip of ``global_step`` batches) follows it exactly."""
+
+    def __init__(self, dataset: TokenDataset, seed: int, num_samples: int):
+        self.dataset, self.seed, self.num_samples = dataset, seed, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = self.dataset.num_samples
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + i // n))
+        sample = self.dataset.sample(int(order[i % n]))
+        return {"input_ids": sample, "labels": sample}
+
+
+def _checkpointing_flag(transformers) -> str:
+    """``activation_checkpointing`` (transformers 5), ``gradient_checkpointing`` before."""
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+def position_after(steps: int, cfg: TrainerConfig, dataset: TokenDataset) -> DataPosition:
+    """Where the base trainer's data stream is after ``steps`` global batches from the start."""
+    position = DataPosition(seed=cfg.seed)
+    for _ in range(steps):
+        position.next_batch(dataset, cfg.batch_size)
+    return position
+
+
+class TrainerCheckpoint:
+    """The Trainer's own checkpoint files, written and resumed by transformers itself (a native component)."""
+
+    def __init__(self, owner: "HFTrainer"):
+        self.owner = owner
+
+    def save_native(self, directory: str) -> None:
+        trainer = self.owner.trainer
+        os.makedirs(directory, exist_ok=True)
+        trainer.save_model(directory)
+        trainer._save_optimizer_and_scheduler(directory)
+        trainer._save_rng_state(directory)
+        trainer.state.save_to_json(os.path.join(directory, hf_format.TRAINER_STATE))
+
+    def load_native(self, load: NativeLoad) -> None:
+        written_for = int((load.manifest.sharding or {}).get("world_size") or 1)
+        if written_for != 1:
+            raise TopologyError(f"{load.directory}: a Trainer checkpoint of {written_for} processes; this trainer runs one "
+                                "(convert it: interop convert SRC DST --to hf-trainer)")
+        self.owner.resume_from = load.directory  # Trainer loads it when training starts
+
+
+class HFTrainer:
+    """One process, ``transformers.Trainer`` doing the training, our adapter doing the checkpoints."""
+
+    def __init__(self, cfg: HFTrainerConfig):
+        import transformers
+
+        self.cfg, self.rank, self.world_size = cfg, 0, 1
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg)
+        self.dataset = TokenDataset(cfg.seq_len)
+        self.data = DataPosition(seed=cfg.seed)
+        self.state = TrainerState()
+        self.resume_from: str | None = None
+        self.imported: str | None = None  # a converted copy of a foreign checkpoint, removed after training
+        self.losses: list[float] = []
+        self.scratch = tempfile.mkdtemp(prefix="hf-trainer-")  # Trainer's output_dir: it saves nothing there itself
+        args = transformers.TrainingArguments(
+            output_dir=self.scratch, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
+            learning_rate=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+            max_grad_norm=cfg.max_grad_norm, lr_scheduler_type="linear", warmup_steps=cfg.warmup_steps,
+            optim="adamw_torch", seed=cfg.seed, save_strategy="no", logging_strategy="no", report_to=[],
+            use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
+            **{_checkpointing_flag(transformers): cfg.activation_checkpointing},
+        )
+        owner = self
+
+        class Trainer(transformers.Trainer):
+            def _get_train_sampler(self, *args, **kwargs):
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+
+            def training_step(self, *args, **kwargs):
+                loss = super().training_step(*args, **kwargs)
+                owner.losses.append(float(loss))
+                return loss
+
+        class Progress(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                owner._after_step(state.global_step, control)
+
+        stream = DataStream(self.dataset, cfg.seed, cfg.steps * cfg.batch_size)
+        self.trainer = Trainer(model=self.model, args=args, train_dataset=stream, callbacks=[Progress()],
+                               data_collator=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+        self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
+        self._stop_at = cfg.steps
+
+    # --- the adapter's view ------------------------------------------------------------------------
+    def get_state_components(self) -> list[StateComponent]:
+        return [
+            StateComponent(hf_format.NATIVE_KEY, TrainerCheckpoint(self), SharingPattern.PER_RANK,
+                           on_world_size_change=WorldSizePolicy.RESHARD),
+            StateComponent("data", self.data, SharingPattern.GLOBAL),
+            StateComponent("trainer", self.state, SharingPattern.GLOBAL),
+        ]
+
+    def get_checkpoint_metadata(self) -> dict[str, Any]:
+        frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        return {
+            "model": model_metadata(self.model.config, type(self.model).__name__, frozen),
+            "sharding": ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=self.cfg.dtype).to_json(),
+            "optimizer": {"class": "AdamW", "param_names": param_group_names(self.model)},
+        }
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def _after_step(self, step: int, control) -> None:
+        self.state.step = step
+        self.state.tokens_seen += self.cfg.batch_size * self.cfg.seq_len
+        self.state.losses.append(self.losses[-1])
+        self.data.load_state_dict(position_after(step, self.cfg, self.dataset).state_dict())
+        log.info("step %d loss %.6f lr %.3g", step, self.losses[-1], self.trainer.lr_scheduler.get_last_lr()[0])
+        if self.cfg.save_every and step % self.cfg.save_every == 0:
+            self.save()
+        if step >= self._stop_at:
+            control.should_training_stop = True
+
+    def train(self, until: int | None = None) -> list[float]:
+        self._stop_at = self.cfg.steps if until is None else until
+        start = len(self.losses)
+        if self.state.step < self._stop_at:
+            self.trainer.train(resume_from_checkpoint=self.resume_from)
+        return self.losses[start:]
+
+    def save(self) -> str:
+        return self.checkpoints.save(self.state.step)
+
+    def resume(self, path: str | None = None) -> int:
+        target = None if path in (None, "latest") else path
+        if target is not None and not _is_ours(target):
+            scratch = os.path.join(os.path.abspath(self.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(target))}")
+            self._import(target, scratch)
+            target = self.imported = scratch
+        result = self.checkpoints.load(target)
+        expected = position_after(self.state.step, self.cfg, self.dataset)
+        if self.data.state_dict() != expected.state_dict():
+            raise LoadFailedError(
+                f"{result.path}: data position {self.data.state_dict()} is not where transformers' Trainer resumes after "
+                f"{self.state.step} batches of {self.cfg.batch_size} ({expected.state_dict()}): was it saved with another --batch-size?"
+            )
+        if not result.step:  # weights converted from a model: Trainer starts from them with a fresh optimizer
+            self._start_from_weights()
+        log.info("resumed from %s at step %d", result.path, self.state.step)
+        return self.state.step
+
+    def _start_from_weights(self) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(os.path.join(self.resume_from, "model.safetensors")), strict=False)
+        self.model.tie_weights()
+        self.resume_from = None
+
+    def _import(self, path: str, scratch: str) -> None:
+        from converters import registry
+
+        try:
+            fmt, ckpt = registry.read(path)
+            log.info("converting %s (%s) for this run", path, fmt.name)
+            hf_format.write_hf_trainer(ckpt, scratch, overwrite=True)
+        except Exception as exc:
+            raise LoadFailedError(f"converting {path}: {describe_error(exc)}") from exc
+
+
+def _is_ours(path: str) -> bool:
+    from converters.interop_ckpt import committed_manifest
+
+    manifest = committed_manifest(path)
+    return manifest is not None and hf_format.NATIVE_KEY in manifest.components
+
+
+def parse_config(argv: list[str] | None = None) -> HFTrainerConfig:
+    return base_parse_config(argv, HFTrainerConfig, __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    trainer = HFTrainer(parse_config(argv))
+    cfg = trainer.cfg
+    if cfg.resume:
+        trainer.resume(cfg.resume)
+    losses = trainer.train(cfg.stop_at)
+    saved = cfg.save_every and trainer.state.step % cfg.save_every == 0
+    path = trainer.checkpoints.path_for(trainer.state.step) if saved else trainer.save()
+    for scratch in (trainer.scratch, trainer.imported):
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
