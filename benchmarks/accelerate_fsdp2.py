@@ -91,11 +91,7 @@ def collect(args) -> engine_bench.Section:
 
 
 def main() -> None:
-    args = engine_bench.parser(__doc__).parse_args()
-    if args.train:
-        train_and_save(args.train, args.hidden, args.layers)
-        return
-    engine_bench.report(collect(args), args.repeat)
+    engine_bench.main(__doc__, collect, train_and_save)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,18 @@ class Section:
         ]
 
 
+def main(doc: str, collect, train_and_save, layers: int | None = None) -> None:
+    """An engine benchmark's command line: ``--train DIR`` (each process under torchrun), else measure and print."""
+    p = parser(doc)
+    if layers is not None:
+        p.set_defaults(layers=layers)
+    args = p.parse_args()
+    if args.train:
+        train_and_save(args.train, args.hidden, args.layers)
+        return
+    report(collect(args), args.repeat)
+
+
 def report(section: Section, repeat: int) -> None:
     print_table(section.with_disk_floor(repeat), section.reference)
     print(f"\nfiles under {section.work}")

@@ -90,13 +90,7 @@ def collect(args) -> engine_bench.Section:
 
 
 def main() -> None:
-    p = engine_bench.parser(__doc__)
-    p.set_defaults(layers=LAYERS)
-    args = p.parse_args()
-    if args.train:
-        train_and_save(args.train, args.hidden, args.layers)
-        return
-    engine_bench.report(collect(args), args.repeat)
+    engine_bench.main(__doc__, collect, train_and_save, layers=LAYERS)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ works on it directly; the data position and trainer progress are components besi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from interop.errors import LoadFailedError, TopologyError
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
-from .base import BETAS, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names
+from .base import BETAS, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .state import DataPosition, TokenDataset, TrainerState
 
@@ -177,6 +176,10 @@ class HFTrainer:
         start = len(self.losses)
         if self.state.step < self._stop_at:
             self.trainer.train(resume_from_checkpoint=self.resume_from)
+        for scratch in (self.scratch, self.imported):  # Trainer's empty output_dir; a converted copy it has read
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+        self.resume_from = self.imported = None
         return self.losses[start:]
 
     def save(self) -> str:
@@ -231,17 +234,7 @@ def parse_config(argv: list[str] | None = None) -> HFTrainerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    trainer = HFTrainer(parse_config(argv))
-    cfg = trainer.cfg
-    if cfg.resume:
-        trainer.resume(cfg.resume)
-    losses = trainer.train(cfg.stop_at)
-    saved = cfg.save_every and trainer.state.step % cfg.save_every == 0
-    path = trainer.checkpoints.path_for(trainer.state.step) if saved else trainer.save()
-    for scratch in (trainer.scratch, trainer.imported):
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-    print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}), flush=True)
+    run(HFTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":
