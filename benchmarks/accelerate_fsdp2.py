@@ -66,6 +66,15 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     engine_bench.train_one_step(AccelerateTrainer, cfg, hidden, layers)
 
 
+def time_saves(args) -> None:
+    """Under torchrun: accelerate's save_state alone, then our trainer's save around it."""
+    from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
+
+    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    engine_bench.time_saves(AccelerateTrainer, cfg, args.hidden, args.layers,
+                            lambda trainer, d: trainer.accelerator.save_state(d), args.repeat, args.saves)
+
+
 def collect(args) -> engine_bench.Section:
     prepared = engine_bench.prepare(args, __file__, "accelerate", "Accelerate FSDP2 (DCP)", 29518)
     work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
@@ -84,14 +93,17 @@ def collect(args) -> engine_bench.Section:
         ("dcp_to_torch_save + save_file, model (torch)", measure(
             [sys.executable, "-c", REFERENCE, outputs["ref_hf"], model_dcp], None, n, outputs["ref_hf"])),
     ]
+    save_rows, save_reference = engine_bench.save_rows(__file__, work, args, 29528, "save_state")
+    rows += save_rows
     return engine_bench.Section(rows, {
+        **save_reference,
         "FSDP2 -> universal, safetensors (interop)": "dcp_to_torch_save + save_file, model + optimizer (torch)",
         "FSDP2 -> HF safetensors (interop)": "dcp_to_torch_save + save_file, model (torch)",
     }, outputs, work)
 
 
 def main() -> None:
-    engine_bench.main(__doc__, collect, train_and_save)
+    engine_bench.main(__doc__, collect, train_and_save, saves=time_saves)
 
 
 if __name__ == "__main__":

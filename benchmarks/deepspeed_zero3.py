@@ -35,6 +35,15 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
     engine_bench.train_one_step(DeepSpeedTrainer, cfg, hidden, layers)
 
 
+def time_saves(args) -> None:
+    """Under torchrun: DeepSpeed's save_checkpoint alone, then our trainer's save around it."""
+    from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig
+
+    cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    engine_bench.time_saves(DeepSpeedTrainer, cfg, args.hidden, args.layers,
+                            lambda trainer, d: trainer.engine.save_checkpoint(d, tag="global_step1"), args.repeat, args.saves)
+
+
 def collect(args) -> engine_bench.Section:
     """Train (once per workdir), then measure every step; the rows and which row each is compared with."""
     prepared = engine_bench.prepare(args, __file__, "deepspeed", "DeepSpeed ZeRO-3", 29517, {"DS_ACCELERATOR": "cpu"})
@@ -64,7 +73,10 @@ def collect(args) -> engine_bench.Section:
             ds_env, n, outputs["ref_hf"],
         )),
     ]
+    save_rows, save_reference = engine_bench.save_rows(__file__, work, args, 29527, "save_checkpoint", ds_env)
+    rows += save_rows
     return engine_bench.Section(rows, {
+        **save_reference,
         "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",
@@ -72,7 +84,7 @@ def collect(args) -> engine_bench.Section:
 
 
 def main() -> None:
-    engine_bench.main(__doc__, collect, train_and_save)
+    engine_bench.main(__doc__, collect, train_and_save, saves=time_saves)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
     p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
     p.add_argument("--train", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--saves", default=None, help=argparse.SUPPRESS)  # with --train: time saves, write them here
     return p
 
 
@@ -31,20 +32,101 @@ class Prepared:
     native: str  # the engine's own directory inside it
 
 
-def train_one_step(trainer_cls, cfg, hidden: int, layers: int) -> None:
-    """On each process: ``trainer_cls`` with the benchmark's Llama, one step, then its checkpoint."""
+def _bench_trainer(trainer_cls, cfg, hidden: int, layers: int):
     import transformers
-
-    from trainers.base import shutdown
 
     class BenchTrainer(trainer_cls):
         def build_model(self):
             return transformers.AutoModelForCausalLM.from_config(model_config(hidden, layers))
 
-    trainer = BenchTrainer(cfg)
+    return BenchTrainer(cfg)
+
+
+def train_one_step(trainer_cls, cfg, hidden: int, layers: int) -> None:
+    """On each process: ``trainer_cls`` with the benchmark's Llama, one step, then its checkpoint."""
+    from trainers.base import shutdown
+
+    trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
     trainer.train()
     trainer.save()
     shutdown()
+
+
+def _peak_rss_reset() -> int:
+    """Reset this process's RSS high-water mark (Linux: clear_refs 5) and return the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: int, result: str) -> None:
+    """On each process under torchrun: one training step, then ``repeat`` times the engine's own save
+    (``engine_save(trainer, directory)``) and our trainer's save (the same engine save inside the commit
+    protocol: staging, fsync, every file digested into the manifest, rename, ``latest``). Each is timed on
+    every rank together until its files are on disk (``sync``); memory is the largest rank's RSS growth over
+    the save. Rank 0 writes the medians to ``result`` as JSON."""
+    import json
+    import shutil
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    from trainers.base import shutdown
+
+    trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
+    trainer.train()
+    runs: dict[str, list[tuple[float, int]]] = {"engine": [], "interop": []}
+    for i in range(repeat):
+        for kind in runs:
+            target = os.path.join(cfg.output_dir, f"engine-{i}")
+            dist.barrier()
+            os.sync()
+            before = _peak_rss_reset()
+            start = time.perf_counter()
+            path = engine_save(trainer, target) if kind == "engine" else trainer.save()
+            os.sync()
+            dist.barrier()
+            wall = time.perf_counter() - start
+            growth = _max_over_ranks(_status_kib("VmHWM") * 1024 - before)
+            runs[kind].append((wall, growth))
+            if trainer.rank == 0:
+                shutil.rmtree(path or target, ignore_errors=True)
+    if trainer.rank == 0:
+        with open(result, "w") as f:
+            json.dump({k: [statistics.median(w for w, _ in v), max(g for _, g in v)] for k, v in runs.items()}, f)
+    shutdown()
+
+
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` over every rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[str, str] | None = None) -> tuple[list, dict[str, str]]:
+    """Run ``script --saves RESULT`` on 2 processes and turn its timings into rows and their comparison."""
+    import json
+
+    result = os.path.join(work, "saves.json")
+    out = os.path.join(work, "saves")
+    measure([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={port}", os.path.abspath(script), "--saves", result, "--train", out, "--hidden", str(args.hidden),
+             "--layers", str(args.layers), "--repeat", str(args.repeat)], env=env)
+    with open(result) as f:
+        timings = json.load(f)
+    ours, theirs = f"save: interop trainer ({engine} + commit, digests)", f"save: {engine} alone (RSS: growth)"
+    rows = [(theirs, tuple(timings["engine"])), (ours, tuple(timings["interop"]))]
+    return rows, {ours: theirs}
 
 
 def warm(path: str) -> int:
@@ -97,12 +179,16 @@ class Section:
         ]
 
 
-def main(doc: str, collect, train_and_save, layers: int | None = None) -> None:
-    """An engine benchmark's command line: ``--train DIR`` (each process under torchrun), else measure and print."""
+def main(doc: str, collect, train_and_save, layers: int | None = None, saves=None) -> None:
+    """An engine benchmark's command line: ``--train DIR`` (each process under torchrun; with ``--saves`` the
+    save timings instead of a checkpoint), else measure and print."""
     p = parser(doc)
     if layers is not None:
         p.set_defaults(layers=layers)
     args = p.parse_args()
+    if args.train and args.saves:
+        saves(args)
+        return
     if args.train:
         train_and_save(args.train, args.hidden, args.layers)
         return

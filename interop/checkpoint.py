@@ -265,7 +265,7 @@ class CheckpointManager:
         record = manifest.components.get(comp.key)
         if record is None and comp.required and not manifest.step and not is_native(comp.stateful):
             # a checkpoint at step 0 (weights converted from a model, no training yet): what it lacks starts fresh
-            return f"component {comp.key!r} is not in {directory} (step {manifest.step}: no training state yet); it starts fresh"
+            return f"component {comp.key!r} is not in {directory} (a checkpoint before any training step); it starts fresh"
         if record is None:
             if comp.required:
                 raise ComponentError(
