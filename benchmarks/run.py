@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -42,6 +43,8 @@ def main() -> None:
                                                     workdir=os.path.join(work, name), train=None))
         rows += [(f"{r} [{name}]" if r.startswith("dd,") or "(baseline)" in r else r, m) for r, m in section.with_disk_floor(args.repeat)]
         reference.update(section.reference)
+        for out in section.outputs.values():  # several GiB each: the next section needs the disk
+            shutil.rmtree(out, ignore_errors=True)
     print_table(rows, reference)
     print(f"\nfiles under {work}")
 
