@@ -30,8 +30,8 @@ import torch
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.manifest import Manifest
 from interop.pieces import read_piece
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
@@ -39,10 +39,9 @@ from interop.planner import pieces_for
 from interop.state import ComponentSpec, SharingPattern
 from interop.topology import Topology
 from interop.universal import model_entries, read_hf_safetensors, scalar_value, split_optimizer_state, write_sharded
-from interop.verify import check_files
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import component_state, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist
@@ -113,13 +112,6 @@ def describe(directory: str) -> AccelerateFiles:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
-def _manifest_of(directory: str) -> Manifest | None:
-    parent = os.path.dirname(directory)
-    if os.path.basename(directory) == NATIVE_KEY and os.path.isfile(os.path.join(parent, MANIFEST)):
-        return read_manifest(parent)
-    return None
-
-
 def _config_near(directory: str, manifest: Manifest | None) -> dict[str, Any] | None:
     if manifest is not None and manifest.model and isinstance(manifest.model.get("config"), dict):
         return manifest.model["config"]
@@ -232,9 +224,7 @@ def rng_to_accelerate(state: dict[str, Any], step: int) -> dict[str, Any]:
 def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
     directory = locate(path)
     files = describe(directory)
-    manifest = _manifest_of(directory)
-    if manifest is not None:
-        check_files(os.path.dirname(directory), manifest, manifest.files, digest=verify_digests)
+    manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
     config = _config_near(directory, manifest)
     tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
     if files.fsdp:
@@ -267,10 +257,7 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
         extra[SCHEDULER] = scale_scheduler(load_accelerate_file(sched_path, trust_pickle), factor, 1, sched_path)
     for name in files.custom:
         extra[name[: -len(".pkl")]] = load_accelerate_file(os.path.join(directory, name), trust_pickle)
-    components: dict[str, ComponentSource] = {}
-    if manifest is not None:
-        components = {k: ComponentSource.from_manifest(os.path.dirname(directory), manifest, k)
-                      for k in manifest.components if k != NATIVE_KEY}
+    components = carried_components(os.path.dirname(directory), manifest, NATIVE_KEY)
     if RNG not in components:
         rank_state[RNG] = [
             rng_from_accelerate(load_accelerate_file(os.path.join(directory, f"random_states_{r}.pkl"), trust_pickle))

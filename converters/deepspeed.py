@@ -34,12 +34,13 @@ from interop.errors import (
     UnknownFormatError,
     UnsupportedStateError,
 )
-from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
+from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import MANIFEST, Manifest, read_manifest
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import check_files
 
+from .engine_checkpoint import carried_components
 from .families import tied_groups
 from .pickle_safety import is_mapped, load_torch_file
 
@@ -600,9 +601,7 @@ def to_logical(
     model_info = (manifest.model if manifest is not None else None) or {}
     config = model_info.get("config") or _nearby_config(tag_dir)
     tied = [[alias, src] for alias, src in shared.items()] or tied_groups(config)
-    components: dict[str, ComponentSource] = {}
-    if manifest is not None:
-        components = {k: ComponentSource.from_manifest(directory, manifest, k) for k in manifest.components if k != NATIVE_KEY}
+    components = carried_components(directory, manifest, NATIVE_KEY)
     step = manifest.step if manifest is not None else ms0.get("global_steps")
     notes = []
     client = _client_state(ms0)

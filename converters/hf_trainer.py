@@ -28,16 +28,15 @@ import torch
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError, MissingFileError
-from interop.logical import ComponentSource, LogicalCheckpoint
-from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.logical import LogicalCheckpoint
+from interop.manifest import Manifest
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.universal import model_entries, read_hf_safetensors, write_sharded
-from interop.verify import check_files
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
-from .engine_checkpoint import component_state, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
 from .families import tied_groups
 from .param_order import engine_order
 
@@ -61,13 +60,6 @@ def is_hf_trainer_checkpoint(path: str) -> bool:
     return all(os.path.isfile(os.path.join(directory, f)) for f in (TRAINER_STATE, "config.json"))
 
 
-def _manifest_of(directory: str) -> Manifest | None:
-    parent = os.path.dirname(directory)
-    if os.path.basename(directory) == NATIVE_KEY and os.path.isfile(os.path.join(parent, MANIFEST)):
-        return read_manifest(parent)
-    return None
-
-
 def rng_from_hf(state: dict[str, Any]) -> dict[str, Any]:
     """``rng_state.pth`` as ``interop.rng.RNGState``'s state dict."""
     out = {"python": python_state_dict(state["python"]), "numpy": numpy_state_dict(state["numpy"]), "torch": state["cpu"]}
@@ -86,9 +78,7 @@ def rng_to_hf(state: dict[str, Any]) -> dict[str, Any]:
 
 def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
     directory = locate(path)
-    manifest = _manifest_of(directory)
-    if manifest is not None:
-        check_files(os.path.dirname(directory), manifest, manifest.files, digest=verify_digests)
+    manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
     try:
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
@@ -108,9 +98,7 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
         extra[SCHEDULER] = load_accelerate_file(sched_path, trust_pickle)
     rng_files = sorted((f for f in os.listdir(directory) if f.startswith("rng_state")), key=lambda f: (len(f), f))
     rank_state = {RNG: [rng_from_hf(load_accelerate_file(os.path.join(directory, f), trust_pickle)) for f in rng_files]} if rng_files else {}
-    components: dict[str, ComponentSource] = {}
-    if manifest is not None:
-        components = {k: ComponentSource.from_manifest(os.path.dirname(directory), manifest, k) for k in manifest.components if k != NATIVE_KEY}
+    components = carried_components(os.path.dirname(directory), manifest, NATIVE_KEY)
     world = max(1, len(rng_files))
     source = dict((manifest.source or {}) if manifest else {})
     source.update({"format": "hf-trainer", "world_size": world, "step": step})

@@ -14,14 +14,14 @@ from typing import Any
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError
-from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
+from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import CHECKPOINT_FORMAT, Manifest, read_manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import check_files
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
-from .engine_checkpoint import write_engine_checkpoint
+from .engine_checkpoint import carried_components, write_engine_checkpoint
 from .families import tied_groups
 from .interop_ckpt import committed_manifest
 from .param_order import EngineOrder, engine_order
@@ -105,7 +105,7 @@ def read_interop_dcp(path: str, verify_digests: bool = False) -> LogicalCheckpoi
         model=drop_tied_aliases(model, tied),
         config=config,
         optimizer=optimizer,
-        components={k: ComponentSource.from_manifest(directory, manifest, k) for k in manifest.components if k != NATIVE_KEY},
+        components=carried_components(directory, manifest, NATIVE_KEY),
         source={**(manifest.source or {}), "format": "interop-dcp", "strategy": sharding.get("strategy"),
                 "world_size": manifest.topology.get("world_size", 1), "tp": sharding.get("tp", 1), "pp": sharding.get("pp", 1),
                 "dp": sharding.get("dp", 1), "dtype": sharding.get("precision"), "step": manifest.step},

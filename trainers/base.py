@@ -15,7 +15,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -257,6 +257,28 @@ class BaseTrainer:
             log.info("%s is at step 0: weights loaded, the optimizer starts fresh", result.path)
         log.info("resumed from %s at step %d", result.path, self.state.step)
         return self.state.step
+
+
+def import_checkpoint(trainer, path: str, write: Callable[[Any, str], Any]) -> str:
+    """For a trainer resuming from a checkpoint of another format: rank 0 reads ``path`` (any readable format)
+    and ``write(logical, scratch)`` puts it into the trainer's own format in a scratch directory beside its
+    checkpoints; every rank learns whether that worked. Returns the scratch directory (the caller removes it)."""
+    from interop.checkpoint import describe_error
+    from interop.errors import LoadFailedError
+
+    scratch = os.path.join(os.path.abspath(trainer.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(path))}")
+    error, own = None, None
+    if trainer.rank == 0:
+        try:
+            from converters import registry
+
+            fmt, ckpt = registry.read(path)
+            log.info("converting %s (%s) for this run", path, fmt.name)
+            write(ckpt, scratch)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error, own = describe_error(exc), exc
+    trainer.checkpoints.agree(error, failure=LoadFailedError, what=f"converting {path}", own=own)
+    return scratch
 
 
 def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse.ArgumentParser:

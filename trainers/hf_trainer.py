@@ -27,12 +27,11 @@ import torch
 
 from converters import hf_trainer as hf_format
 from interop import CheckpointManager, SharingPattern, StateComponent, WorldSizePolicy
-from interop.checkpoint import describe_error
 from interop.errors import LoadFailedError, TopologyError
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
-from .base import BETAS, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
+from .base import BETAS, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .state import DataPosition, TokenDataset, TrainerState
 
@@ -187,10 +186,8 @@ class HFTrainer:
 
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path
-        if target is not None and not _is_ours(target):
-            scratch = os.path.join(os.path.abspath(self.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(target))}")
-            self._import(target, scratch)
-            target = self.imported = scratch
+        if target is not None and not _is_ours(target):  # Trainer reads the converted copy when training starts
+            target = self.imported = import_checkpoint(self, target, lambda ckpt, out: hf_format.write_hf_trainer(ckpt, out, overwrite=True))
         result = self.checkpoints.load(target)
         expected = position_after(self.state.step, self.cfg, self.dataset)
         if self.data.state_dict() != expected.state_dict():
@@ -209,16 +206,6 @@ class HFTrainer:
         self.model.load_state_dict(load_file(os.path.join(self.resume_from, "model.safetensors")), strict=False)
         self.model.tie_weights()
         self.resume_from = None
-
-    def _import(self, path: str, scratch: str) -> None:
-        from converters import registry
-
-        try:
-            fmt, ckpt = registry.read(path)
-            log.info("converting %s (%s) for this run", path, fmt.name)
-            hf_format.write_hf_trainer(ckpt, scratch, overwrite=True)
-        except Exception as exc:
-            raise LoadFailedError(f"converting {path}: {describe_error(exc)}") from exc
 
 
 def _is_ours(path: str) -> bool:

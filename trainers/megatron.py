@@ -30,13 +30,11 @@ import torch.distributed as dist
 from converters import dcp as dcp_format
 from converters import interop_dcp
 from interop import SharingPattern, StateComponent, WorldSizePolicy
-from interop.checkpoint import describe_error
-from interop.errors import LoadFailedError
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
 from . import memory
-from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
+from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
 
@@ -287,29 +285,13 @@ class MegatronTrainer(BaseTrainer):
     def resume(self, path: str | None = None) -> int:
         if path in (None, "latest") or interop_dcp.is_interop_dcp(path):
             return super().resume(path)
-        scratch = os.path.join(os.path.abspath(self.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(path))}")
-        self._import(path, scratch)
+        scratch = import_checkpoint(self, path, lambda ckpt, out: interop_dcp.write_interop_dcp(ckpt, out, overwrite=True))
         try:
             return super().resume(scratch)
         finally:
             self.checkpoints.collective.barrier()
             if self.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
-
-    def _import(self, path: str, scratch: str) -> None:
-        """Rank 0 converts ``path`` (any readable format) into this trainer's layout-free format; every rank
-        learns whether it worked."""
-        error, own = None, None
-        if self.rank == 0:
-            try:
-                from converters import registry
-
-                fmt, ckpt = registry.read(path)
-                log.info("converting %s (%s) for this run", path, fmt.name)
-                interop_dcp.write_interop_dcp(ckpt, scratch, overwrite=True)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                error, own = describe_error(exc), exc
-        self.checkpoints.agree(error, failure=LoadFailedError, what=f"converting {path}", own=own)
 
 
 def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
