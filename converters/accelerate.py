@@ -38,13 +38,14 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.planner import pieces_for
 from interop.state import ComponentSpec, SharingPattern
 from interop.topology import Topology
-from interop.universal import model_entries, read_hf_safetensors, scalar_value, split_optimizer_state, write_sharded
+from interop.safetensors_io import read_hf_safetensors
+from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
-from .pickle_safety import load_torch_file, numpy_allowlist
+from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,22 @@ SCHEDULER, RNG = "scheduler", "rng"
 
 def load_accelerate_file(path: str, trust_pickle: bool = False) -> Any:
     return load_torch_file(path, trust_pickle, allow=numpy_allowlist())
+
+
+def screen_save_state(directory: str, trust_pickle: bool = False) -> None:
+    """Everything ``accelerator.load_state(directory)`` unpickles, through our restricted loaders first:
+    its torch pickles (optimizer, scheduler, RNG states, registered objects: ``weights_only`` with numpy's RNG
+    types) and, for FSDP2, the DCP metadata that torch's reader unpickles with plain ``pickle``."""
+    if trust_pickle:
+        return
+    from .dcp import METADATA, read_metadata
+
+    for dirpath, _, names in os.walk(directory):
+        for name in sorted(names):
+            if name == METADATA:
+                read_metadata(dirpath)
+            elif name.endswith((".bin", ".pkl", ".pt", ".pth")):
+                load_accelerate_file(os.path.join(dirpath, name))
 
 
 # --- where the files are ------------------------------------------------------------------------------------
@@ -221,7 +238,7 @@ def rng_to_accelerate(state: dict[str, Any], step: int) -> dict[str, Any]:
     return out
 
 
-def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
+def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = locate(path)
     files = describe(directory)
     manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
@@ -357,19 +374,19 @@ def write_native(ckpt: LogicalCheckpoint, directory: str, world_size: int, fsdp:
         # DCP loads only what the target state dict asks for, and a prepared optimizer asks for every entry
         write_dcp({"optimizer": optimizer_tree(with_initial_optimizer(ckpt, order), order)}, os.path.join(directory, OPTIM_DCP))
     else:  # model.safetensors, one file whatever its size (load_state reads no index), streamed
-        write_sharded(directory, "", SAFE_MODEL.removesuffix(".safetensors"), model_entries(ckpt), sys.maxsize, digests=False)
-        torch.save(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_BIN))
+        write_sharded(directory, "", SAFE_MODEL.removesuffix(".safetensors"), model_entries(ckpt), sys.maxsize, hashed=False)
+        save_torch(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_BIN))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
-        torch.save(scale_scheduler(scheduler, 1, world_size), os.path.join(directory, SCHEDULER_BIN))
+        save_torch(scale_scheduler(scheduler, 1, world_size), os.path.join(directory, SCHEDULER_BIN))
     for key in sorted(k for k in ckpt.extra_state if CUSTOM.match(k + ".pkl")):
-        torch.save(ckpt.extra_state[key], os.path.join(directory, key + ".pkl"))
+        save_torch(ckpt.extra_state[key], os.path.join(directory, key + ".pkl"))
     states = rank_rng_states(ckpt, world_size)
     if states is None:
         notes.append(f"RNG streams: the source's do not map onto {world_size} processes; each process starts fresh ones (seeded by rank)")
         states = fresh_rng_states(ckpt.step or 0, world_size)
     for r, s in enumerate(states):
-        torch.save(rng_to_accelerate(s, ckpt.step or 0), os.path.join(directory, f"random_states_{r}.pkl"))
+        save_torch(rng_to_accelerate(s, ckpt.step or 0), os.path.join(directory, f"random_states_{r}.pkl"))
     return notes
 
 

@@ -15,8 +15,9 @@ from typing import Callable
 import os
 
 from interop import __version__
-from interop.commit import check_destination, resolve_checkpoint_dir
+from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
 from interop.errors import InteropError
+from interop.locking import exclusive
 from interop.logical import LogicalCheckpoint
 from interop.manifest import MANIFEST, Manifest, read_manifest
 from interop.topology import Topology
@@ -57,7 +58,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
     return registry.Options(
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
-        max_shard_size=parse_size(getattr(args, "max_shard_size", None) or "5GiB"),
+        max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
         extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl")},
     )
 
@@ -148,14 +149,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
-    check_destination(args.dst, options.overwrite)  # refuse before reading anything
-    src_fmt, ckpt = registry.read(args.src, options)
-    total = sum(t.spec.nbytes for _, t in ckpt.tensors())
-    options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
-    try:
-        target.write(ckpt, args.dst, options)  # type: ignore[misc]
-    finally:
-        close()
+    check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
+    with exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time, read to publish
+        src_fmt, ckpt = registry.read(args.src, options)
+        total = sum(t.spec.nbytes for _, t in ckpt.tensors())
+        options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
+        try:
+            target.write(ckpt, args.dst, options)  # type: ignore[misc]
+        finally:
+            close()
     print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): {human_bytes(total)}")
     written = os.path.join(args.dst, MANIFEST)  # what was lost on the way is recorded there too (reader's and writer's)
     notes = read_manifest(args.dst).notes if os.path.isfile(written) else list(ckpt.notes)
@@ -205,11 +208,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if report.problems else 0
 
 
+def _size_arg(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GiB, 500MB, 1048576)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard needs at least one byte")
+    return size
+
+
 # --- wiring --------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line (exit 2), pointing at ``--help`` instead of printing the whole usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="interop", description="Inspect, verify, convert and compare training checkpoints across engines."
     )
     parser.add_argument("--version", action="version", version=f"interop {__version__}")
@@ -238,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=writable, help="target format")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
-    p.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file (default 5GiB)")
+    p.add_argument("--max-shard-size", type=_size_arg, default="5GiB", help="largest safetensors file (default 5GiB; e.g. 500MB, 2GiB)")
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
     g.add_argument("--world-size", type=int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
@@ -274,30 +294,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `interop inspect ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except InteropError as exc:
-        print(f"interop {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except OSError as exc:
+    except (InteropError, OSError) as exc:
         print(f"interop {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"interop {args.command}: interrupted; nothing was committed", file=sys.stderr)
         return 130
-
-
-def run() -> None:
-    """The console script: ``main``, then exit without the interpreter's teardown. Unloading torch costs about
-    0.4 s per call, a tenth of a large conversion; every output is fsynced before ``main`` returns, and the
-    streams are flushed here."""
-    code = main()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more to say
-            pass
-    os._exit(code)
+    except RecursionError:
+        print(f"interop {args.command}: error: the input is nested too deeply to read", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 - input no check foresaw: one line, never a traceback (unless -v)
+        log.debug("unexpected error", exc_info=True)
+        print(f"interop {args.command}: error: unexpected {type(exc).__name__}: {exc} "
+              "(the input may be damaged; rerun with -v for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
+    from .console import run
+
     run()

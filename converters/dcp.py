@@ -26,6 +26,7 @@ import torch
 
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.paths import inside
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_value, split_optimizer_state
 
@@ -99,6 +100,10 @@ def read_metadata(directory: str):
         raise CorruptCheckpointError(path, f"unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise CorruptCheckpointError(path, f"is a {type(metadata).__name__}, not DCP metadata")
+    for info in (metadata.storage_data or {}).values():  # every data file it names stays inside the directory
+        inside(directory, getattr(info, "relative_path", None), path)
+        if not all(isinstance(v, int) and v >= 0 for v in (getattr(info, "offset", None), getattr(info, "length", None))):
+            raise CorruptCheckpointError(path, f"names a byte range {getattr(info, 'offset', None)}+{getattr(info, 'length', None)} of {info.relative_path}")
     return metadata
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from interop.commit import resolve_checkpoint_dir
+from interop.commit import read_tag, resolve_checkpoint_dir
 from interop.errors import (
     CorruptCheckpointError,
     MissingFileError,
@@ -35,12 +35,14 @@ from interop.errors import (
     UnsupportedStateError,
 )
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.jsonio import read_json
+from interop.manifest import MANIFEST, Manifest
+from interop.paths import inside
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
-from interop.verify import check_files
+from interop.verify import open_checkpoint
 
-from .engine_checkpoint import carried_components
+from .engine_checkpoint import carried_components, enclosing_manifest
 from .families import tied_groups
 from .pickle_safety import is_mapped, load_torch_file
 
@@ -134,10 +136,9 @@ def locate(path: str) -> str:
     if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, NATIVE_KEY)):
         return locate(os.path.join(path, NATIVE_KEY))
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-        target = os.path.join(path, tag)
+    tag = read_tag(latest, "DeepSpeed 'latest' file")
+    if tag is not None:
+        target = inside(path, tag, latest)
         if not os.path.isdir(target):
             raise MissingFileError(target, f"named by {latest} but missing (a stale 'latest'?)")
         return locate(target)
@@ -553,13 +554,17 @@ def _client_state(ms: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ms.items() if k not in _DS_KEYS}
 
 
-def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
-    """A ZeRO checkpoint (DeepSpeed's, accelerate's ``pytorch_model`` tag, or our trainer's) as a logical one."""
+def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+    """A ZeRO checkpoint (DeepSpeed's, accelerate's ``pytorch_model`` tag, or our trainer's) as a logical one;
+    ours is checked against its manifest before any file is unpickled."""
     directory = resolve_checkpoint_dir(path)  # ours: a checkpoint, or a root whose 'latest' names one
-    manifest = read_manifest(directory) if os.path.isfile(os.path.join(directory, MANIFEST)) else None
+    manifest = open_checkpoint(directory, verify_digests) if os.path.isfile(os.path.join(directory, MANIFEST)) else None
     if manifest is not None:
-        check_files(directory, manifest, manifest.files, digest=verify_digests)
         path = os.path.join(directory, NATIVE_KEY)
+    else:  # pointed at the engine's directory (or a tag) inside one of ours: still checked against its manifest
+        engine_dir = os.path.dirname(locate(path))
+        manifest = enclosing_manifest(engine_dir, NATIVE_KEY, verify_digests)
+        directory = os.path.dirname(engine_dir) if manifest is not None else directory
     ckpt = read_native(path, trust_pickle)
     trainable = {
         p.name: LazyTensor(TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
@@ -628,13 +633,10 @@ def to_logical(
 
 def _nearby_config(tag_dir: str) -> dict[str, Any] | None:
     """config.json beside the checkpoint (HF Trainer and accelerate users keep it there), if any."""
-    import json
-
     for d in (tag_dir, os.path.dirname(tag_dir), os.path.dirname(os.path.dirname(tag_dir))):
         p = os.path.join(d, "config.json")
         if os.path.isfile(p):
-            with open(p, encoding="utf-8") as f:
-                return json.load(f)
+            return read_json(p, "model config")
     return None
 
 

@@ -32,6 +32,7 @@ from interop.universal import scalar_value
 from .deepspeed import NATIVE_KEY, NativeLayout
 from .engine_checkpoint import write_engine_checkpoint
 from .param_order import EngineOrder, engine_order
+from .pickle_safety import save_torch
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ def write_native(
                 "ds_version": version,
                 "param_slice_mappings": _slice_mappings(ckpt, order, world, r, fragment_address),
             }
-        torch.save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": version},
+        save_torch({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": version},
                    os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
         if stage == 3 or r == 0:
             states_dict = model_states(
@@ -263,7 +264,7 @@ def write_native(
                 step=step, ds_config=ds_config, world=world, version=version,
             )
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-            torch.save(states_dict, os.path.join(tag_dir, name))
+            save_torch(states_dict, os.path.join(tag_dir, name))
     with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
         f.write(tag)
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")

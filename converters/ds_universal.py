@@ -31,15 +31,17 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import staged_output
+from interop.commit import read_tag, staged_output
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnknownFormatError
 from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.paths import inside
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
 from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
+from .pickle_safety import save_torch
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,9 @@ def locate(path: str) -> str:
     if os.path.isdir(os.path.join(path, ZERO_DIR)):
         return path
     latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-        target = os.path.join(path, tag)
+    tag = read_tag(latest, f"'{LATEST}' file")
+    if tag is not None:
+        target = inside(path, tag, latest)
         if not os.path.isdir(os.path.join(target, ZERO_DIR)):
             raise MissingFileError(os.path.join(target, ZERO_DIR), f"named by {latest} but missing (a stale '{LATEST}'?)")
         return target
@@ -152,7 +153,7 @@ def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoin
         group = group_of_flat.get(flat, 0) if files.zero3 else flat
         for name, shape in group_shapes.items():
             shape = _shape(shape)
-            folder = os.path.join(files.zero, name)
+            folder = inside(files.zero, name, files.model[0])  # a parameter's folder, named from the model states
             fp32 = os.path.join(folder, "fp32.pt")
             if not os.path.isfile(fp32):
                 raise MissingFileError(fp32, f"missing: trainable parameter {name!r} has no fp32 weights")
@@ -189,7 +190,7 @@ def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoin
 # --- writing -------------------------------------------------------------------------------------------------
 def _save(obj: Any, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(obj, path)
+    save_torch(obj, path)
 
 
 def _shared_hyper(hyper: list[dict[str, Any]]) -> dict[str, Any]:
@@ -269,7 +270,7 @@ def write_ds_universal(
         )
         states = _model_states(ckpt, order, kept, ds_config, version, step)
         for name in (ZERO12_MODEL_FILE, "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-            torch.save(states, os.path.join(out, tag, name))
+            save_torch(states, os.path.join(out, tag, name))
         with open(os.path.join(out, LATEST), "w", encoding="utf-8") as f:
             f.write(tag)
         if ckpt.config:

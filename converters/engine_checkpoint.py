@@ -13,25 +13,23 @@ from interop.commit import fsync_path, staged_output, write_manifest
 from interop.errors import ConversionError
 from interop.logical import ComponentSource, LogicalCheckpoint
 from interop.pieces import read_piece
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
 from interop.sharding import ShardingMetadata
 from interop.state import SharingPattern, WorldSizePolicy
 from interop.topology import Topology
 from interop.universal import copy_components
-from interop.verify import check_files, tree_records
+from interop.verify import open_checkpoint, tree_records
 
 log = logging.getLogger(__name__)
 
 
-def enclosing_manifest(directory: str, key: str, verify_digests: bool = False) -> Manifest | None:
+def enclosing_manifest(directory: str, key: str, verify_digests: bool = True) -> Manifest | None:
     """The manifest of our checkpoint around ``directory`` when it is that checkpoint's native ``key/``
-    directory, with every file checked; None for an engine's own bare directory."""
+    directory, with every file checked against it; None for an engine's own bare directory."""
     parent = os.path.dirname(directory)
     if os.path.basename(directory) != key or not os.path.isfile(os.path.join(parent, MANIFEST)):
         return None
-    manifest = read_manifest(parent)
-    check_files(parent, manifest, manifest.files, digest=verify_digests)
-    return manifest
+    return open_checkpoint(parent, verify_digests)
 
 
 def carried_components(directory: str, manifest: Manifest | None, key: str) -> dict[str, ComponentSource]:

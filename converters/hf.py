@@ -7,16 +7,18 @@ invented. GPT-2 files from before the ``transformer.`` prefix, and its causal-ma
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 from interop.commit import staged_output
 from interop.errors import CorruptCheckpointError, MissingFileError
+from interop.jsonio import read_json
+from interop.paths import inside
 from interop.logical import LogicalCheckpoint
 from interop.tensors import LazyTensor
-from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_hf_safetensors, write_model_dir
+from interop.safetensors_io import read_hf_safetensors
+from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
 from .families import family_of, tied_groups
 from .pickle_safety import load_torch_file
@@ -32,29 +34,27 @@ def is_hf_dir(path: str) -> bool:
 
 
 def read_config(path: str) -> dict[str, Any]:
-    cfg_path = os.path.join(path, CONFIG)
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise MissingFileError(cfg_path, "a Hugging Face model directory needs config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(cfg_path, f"not valid JSON: {exc}") from None
-    if not isinstance(config, dict) or "model_type" not in config:
+    cfg_path = inside(path, CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise MissingFileError(cfg_path, "a Hugging Face model directory needs config.json")
+    config = read_json(cfg_path, "config.json")
+    if "model_type" not in config:
         raise CorruptCheckpointError(cfg_path, "config.json has no model_type")
     return config
 
 
 def _read_bin(path: str, trust_pickle: bool) -> dict[str, LazyTensor]:
-    index_path = os.path.join(path, "pytorch_model.bin.index.json")
+    index_path = inside(path, "pytorch_model.bin.index.json")
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index_path, "weight index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CorruptCheckpointError(index_path, "not a valid weight index: no weight_map of tensor names to files")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["pytorch_model.bin"]
     tensors: dict[str, LazyTensor] = {}
     for fname in files:
-        fpath = os.path.join(path, fname)
+        fpath = inside(path, fname, index_path)
         state = load_torch_file(fpath, trust_pickle)
         if not isinstance(state, dict):
             raise CorruptCheckpointError(fpath, f"expected a state dict, found {type(state).__name__}")
@@ -104,5 +104,5 @@ def write_hf(
     if ckpt.config is None:
         raise CorruptCheckpointError(None, "the source records no model config, so no Hugging Face directory can be written")
     with staged_output(dst, overwrite) as out:
-        write_model_dir(out, "", ckpt, max_shard_size, progress, digests=False)  # no manifest describes it
+        write_model_dir(out, "", ckpt, max_shard_size, progress, hashed=False)  # no manifest describes it
     log.info("wrote Hugging Face model directory %s", dst)

@@ -33,12 +33,15 @@ from interop.manifest import Manifest
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
-from interop.universal import model_entries, read_hf_safetensors, write_sharded
+from interop.jsonio import read_json
+from interop.safetensors_io import read_hf_safetensors
+from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
 from .families import tied_groups
 from .param_order import engine_order
+from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
 NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
 OPTIM_PT, SCHEDULER_PT, TRAINER_STATE, RNG_PT = "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"
@@ -60,6 +63,15 @@ def is_hf_trainer_checkpoint(path: str) -> bool:
     return all(os.path.isfile(os.path.join(directory, f)) for f in (TRAINER_STATE, "config.json"))
 
 
+def screen_trainer_checkpoint(directory: str, trust_pickle: bool = False) -> None:
+    """What ``Trainer.train(resume_from_checkpoint=directory)`` unpickles (optimizer, scheduler, scaler, RNG
+    states, a ``pytorch_model.bin``), through the restricted loader first. ``training_args.bin`` is not
+    among them: Trainer does not read it back, and it needs unrestricted pickle."""
+    names = [n for n in os.listdir(directory)
+             if n in (OPTIM_PT, SCHEDULER_PT, "scaler.pt", "pytorch_model.bin") or (n.startswith("rng_state") and n.endswith(".pth"))]
+    screen_pickles([os.path.join(directory, n) for n in sorted(names)], trust_pickle, numpy_allowlist())
+
+
 def rng_from_hf(state: dict[str, Any]) -> dict[str, Any]:
     """``rng_state.pth`` as ``interop.rng.RNGState``'s state dict."""
     out = {"python": python_state_dict(state["python"]), "numpy": numpy_state_dict(state["numpy"]), "torch": state["cpu"]}
@@ -76,17 +88,14 @@ def rng_to_hf(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = False) -> LogicalCheckpoint:
+def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = locate(path)
     manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
-    try:
-        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        with open(os.path.join(directory, TRAINER_STATE), encoding="utf-8") as f:
-            trainer_state = json.load(f)
-        step = int(trainer_state["global_step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(directory, f"unreadable config.json or {TRAINER_STATE}: {exc}") from None
+    config = read_json(os.path.join(directory, "config.json"), "model config")
+    trainer_state = read_json(os.path.join(directory, TRAINER_STATE), "Trainer state")
+    step = trainer_state.get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpointError(os.path.join(directory, TRAINER_STATE), f"global_step is {step!r}, not a step number")
     model = read_hf_safetensors(directory)
     if not model:
         raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
@@ -118,18 +127,18 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     notes: list[str] = []
     os.makedirs(directory, exist_ok=True)
     order = engine_order(ckpt)
-    write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, digests=False)
+    write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config or {}, f, indent=2)
-    torch.save(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_PT))
+    save_torch(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_PT))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
-        torch.save(scheduler, os.path.join(directory, SCHEDULER_PT))
+        save_torch(scheduler, os.path.join(directory, SCHEDULER_PT))
     states = rank_rng_states(ckpt, 1)
     if states is None:
         notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
         states = fresh_rng_states(ckpt.step or 0, 1)
-    torch.save(rng_to_hf(states[0]), os.path.join(directory, RNG_PT))
+    save_torch(rng_to_hf(states[0]), os.path.join(directory, RNG_PT))
     state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt))
     state.save_to_json(os.path.join(directory, TRAINER_STATE))
     return notes

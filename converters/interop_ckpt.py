@@ -17,7 +17,7 @@ from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, Manifest, read_manifes
 from interop.commit import resolve_checkpoint_dir
 from interop.pieces import read_piece
 from interop.universal import split_optimizer_state
-from interop.verify import check_files
+from interop.verify import open_checkpoint
 
 from .families import tied_groups
 
@@ -67,12 +67,11 @@ def _optimizer(directory: str, manifest: Manifest) -> OptimizerState:
     return OptimizerState(cls, groups, tensors, scalars)
 
 
-def read_interop_checkpoint(path: str, verify_digests: bool = False) -> LogicalCheckpoint:
+def read_interop_checkpoint(path: str, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = resolve_checkpoint_dir(path)
-    manifest = read_manifest(directory)
+    manifest = open_checkpoint(directory, verify_digests)
     if manifest.format != CHECKPOINT_FORMAT:
         raise CorruptCheckpointError(directory, f"is {manifest.format}, not {CHECKPOINT_FORMAT}")
-    check_files(directory, manifest, manifest.files, digest=verify_digests)
     if MODEL not in manifest.components:
         raise CorruptCheckpointError(directory, "checkpoint has no 'model' component")
     model_state = read_piece(directory, _global_piece(directory, manifest, MODEL), lazy=True)

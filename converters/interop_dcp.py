@@ -18,7 +18,7 @@ from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import CHECKPOINT_FORMAT, Manifest, read_manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value, split_optimizer_state
-from interop.verify import check_files
+from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
 from .engine_checkpoint import carried_components, write_engine_checkpoint
@@ -87,10 +87,9 @@ def _tuples(hyper: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()}
 
 
-def read_interop_dcp(path: str, verify_digests: bool = False) -> LogicalCheckpoint:
+def read_interop_dcp(path: str, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = resolve_checkpoint_dir(path)
-    manifest = read_manifest(directory)
-    check_files(directory, manifest, manifest.files, digest=verify_digests)
+    manifest = open_checkpoint(directory, verify_digests)
     reader = DCPReader(os.path.join(directory, NATIVE_KEY))
     tensor_keys = set(reader.tensor_keys())
     model = {path[1]: reader.lazy(key) for key, path in reader.paths.items() if path[0] == "model" and key in tensor_keys}

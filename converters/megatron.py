@@ -40,7 +40,7 @@ from .megatron_map import (
 )
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import component_state
-from .pickle_safety import load_torch_file, numpy_allowlist
+from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
 log = logging.getLogger(__name__)
 
@@ -588,7 +588,7 @@ def write_megatron(
                 state = _rank_file(args, step, stage_write, t, hyper, opt is not None, mixed, scheduler, rng_source, t + tp * p)
                 d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
                 os.makedirs(d)
-                torch.save(state, os.path.join(d, FILE))
+                save_torch(state, os.path.join(d, FILE))
                 if progress:
                     progress(d)
             del stage_write

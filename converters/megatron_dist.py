@@ -30,6 +30,7 @@ import torch
 from interop.commit import durable_write, staged_output
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
+from interop.jsonio import read_json
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
@@ -64,12 +65,7 @@ def _backend(directory: str) -> dict[str, Any] | None:
     path = os.path.join(directory, METADATA_JSON)
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(path, f"unreadable ({exc})") from None
-    return data if isinstance(data, dict) else None
+    return read_json(path, METADATA_JSON)
 
 
 def locate(path: str) -> str:

@@ -8,10 +8,13 @@ explicit opt-in for files from a trusted source that hold other objects.
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib
+import os
 import pickle
 import re
 import zipfile
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -40,8 +43,6 @@ def is_mapped(path: str) -> bool:
 
 
 def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | None = None) -> Any:
-    import os
-
     if not os.path.isfile(path):
         raise MissingFileError(path, "file not found")
     mmap = is_mapped(path)
@@ -60,3 +61,72 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
         ) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as exc:
         raise CorruptCheckpointError(path, f"not a readable torch file: {str(exc).splitlines()[0]}") from None
+
+
+def screen_pickles(paths: Iterable[str], trust_pickle: bool = False, allow: list[Any] | None = None) -> None:
+    """Load every file in ``paths`` with the restricted loader and drop it, before an engine's own
+    ``torch.load`` (often ``weights_only=False``) sees it: a file holding anything beyond tensors, containers
+    and ``allow`` is refused naming it. Zip-format files are mapped, so this reads the pickles, not the
+    tensors. ``trust_pickle`` skips the screening (the user's explicit opt-in)."""
+    if trust_pickle:
+        return
+    for path in paths:
+        load_torch_file(path, False, allow)
+
+
+def real_globals(allow: list[Any]) -> list[Any]:
+    """The engine's own objects behind an allowlist of stand-ins (``(stand_in, "module.Name")`` pairs, as
+    the converters use to read without importing the engine): what the engine itself must get back."""
+    out = []
+    for entry in allow:
+        if isinstance(entry, tuple):
+            module, _, name = entry[1].rpartition(".")
+            out.append(getattr(importlib.import_module(module), name))
+        else:
+            out.append(entry)
+    return out
+
+
+@contextlib.contextmanager
+def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = None) -> Iterator[None]:
+    """Inside the block every ``torch.load`` runs weights-only, whatever its caller (an engine's load)
+    asked for (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``), with ``allow`` as safe globals: behind the
+    screening, a file swapped after it was screened still cannot run code."""
+    if trust_pickle:
+        yield
+        return
+    saved = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(ALLOWLIST + list(allow or [])):
+            yield
+    except pickle.UnpicklingError as exc:
+        raise UnsafePickleError(None, f"an engine's load met a pickle beyond the allowlist ({str(exc).strip().splitlines()[-1]}); "
+                                      "it was not loaded. Pass --trust-pickle only if you trust where the checkpoint came from") from None
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = saved
+
+
+def save_torch(obj: Any, path: str) -> None:
+    """``torch.save`` whose write failures (a full disk makes torch's zip writer raise RuntimeError) are
+    one error naming the file."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as exc:
+        from interop.errors import OutputWriteError
+
+        free = _free_bytes(os.path.dirname(os.path.abspath(path)))
+        why = "no space left on the device" if free is not None and free < (1 << 20) else str(exc).splitlines()[0]
+        raise OutputWriteError(path, f"could not be written: {why}") from None
+
+
+def _free_bytes(directory: str) -> int | None:
+    import shutil
+
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -10,6 +11,8 @@ from interop.errors import MissingFileError, UncommittedCheckpointError, Unknown
 from interop.logical import LogicalCheckpoint
 from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
+from interop.paths import refuse_escaping_links
+from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
@@ -22,7 +25,7 @@ class Options:
     trust_pickle: bool = False
     overwrite: bool = False
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    verify_digests: bool = False
+    verify_digests: bool = True  # every byte a reader uses is checked against the manifest
     progress: Callable | None = None
     extra: dict = field(default_factory=dict)  # target-specific flags (world size, stage, ...) for later formats
 
@@ -252,7 +255,15 @@ def writer(name: str) -> Format:
 
 
 def read(path: str, options: Options | None = None) -> tuple[Format, LogicalCheckpoint]:
+    """Detect ``path``'s format and read it. Links leading out of it are refused; a path inside one of our
+    committed checkpoints (``ckpt/model``, ``ckpt/deepspeed``) has that whole checkpoint checked first."""
+    options = options or Options()
+    refuse_escaping_links(path)
     fmt = detect(path)
     if fmt.read is None:
         raise UnknownFormatError(path, f"format {fmt.name!r} can be written but not read")
-    return fmt, fmt.read(path, options or Options())
+    owner = enclosing_checkpoint(path)
+    if owner is not None:
+        open_checkpoint(owner, options.verify_digests, by_tensor=False)
+        options = dataclasses.replace(options, verify_digests=False)  # every file of it was just checked
+    return fmt, fmt.read(path, options)

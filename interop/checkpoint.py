@@ -13,16 +13,17 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from .commit import STAGING_SUFFIX, fsync_path, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
+from . import locking
+from .commit import STAGING_SUFFIX, fsync_path, fsync_tree, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
 from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
-from .pieces import component_files, piece_files, read_piece, state_fingerprint, write_piece
+from .pieces import component_files, read_piece, state_fingerprint, write_piece
 from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
 from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native
 from .topology import Topology
-from .verify import check_files, tree_records
+from .verify import check_files, tree_records, unlisted
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,23 @@ class CheckpointManager:
         # what the last load could not restore ("rng: saved for 2 ranks, now 4: ... reseeded"): every later
         # manifest of this run records it, so a checkpoint says what its history lost
         self.resume_notes: list[str] = []
+        self.claimed = False
+
+    def lock_path(self) -> str:
+        return os.path.join(self.root, ".interop.lock")
+
+    def claim(self) -> None:
+        """Make this run the only writer of ``root`` (collective; rank 0 holds the lock until the process
+        ends). A second run into the same directory would publish over this one's checkpoints: it is refused."""
+        error = own = None
+        if self.collective.rank == 0 and not self.claimed:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                locking.claim(self.lock_path(), self.root)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn it
+                error, own = describe_error(exc), exc
+        self.agree(error, what=f"claiming {self.root}", own=own)
+        self.claimed = True
 
     # ------------------------------------------------------------------------------------------------
     def path_for(self, step: int) -> str:
@@ -98,9 +116,22 @@ class CheckpointManager:
             raise agreed
         return [p for _, p in gathered]
 
+    def on_rank_zero(self, work, what: str, failure=LoadFailedError) -> None:
+        """Rank 0 runs ``work()`` (a conversion into a scratch directory, say) while the others wait; every
+        rank raises if it failed, so none is left waiting in a collective of its own."""
+        error = own = None
+        if self.collective.rank == 0:
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                error, own = describe_error(exc), exc
+        self.agree(error, failure=failure, what=what, own=own)
+
     # ------------------------------------------------------------------------------------------------
     def save(self, step: int, metadata: dict[str, Any] | None = None) -> str:
         """Save every component as checkpoint ``step``; returns the committed directory on every rank."""
+        if not self.claimed:
+            self.claim()
         rank = self.collective.rank
         final = self.path_for(step)
         name = os.path.basename(final)
@@ -163,6 +194,7 @@ class CheckpointManager:
         if rank == 0:
             try:
                 manifest = self._manifest(step, specs, topology, plan, all_records, metadata, {c.key for c in native})
+                fsync_tree(staging)  # every directory's entries (ranks/, components/, the engine's) are durable
                 write_manifest(staging, manifest)
                 publish(staging, final)
                 write_latest(self.root, name)
@@ -224,27 +256,43 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------------------------------------
-    def load(self, path: str | None = None, verify: bool = False) -> LoadResult:
+    def load(self, path: str | None = None, verify: bool = True) -> LoadResult:
         """Load the checkpoint at ``path`` (or ``root``'s ``latest``) into the provider's components.
 
-        Refuses an uncommitted directory; checks each file's size (and digest with ``verify``) first.
+        First, on every rank together, the checkpoint is checked against its manifest: nothing on disk it does
+        not list, every file's size, and (``verify``, the default) every file's digest, the ranks hashing a
+        share each. Only when every rank found it intact does any state (or an engine) read a byte of it.
+        ``verify=False`` checks sizes only; the run's later manifests say so.
         """
         rank = self.collective.rank
         topology = self.topology()
-        error, notes, result, scratch = None, [], None, None
-        own_exc: BaseException | None = None
+        error, own_exc, directory, manifest = None, None, None, None
         try:
             directory = resolve_checkpoint_dir(os.path.abspath(path or self.root))
             manifest = read_manifest(directory)
+            problems = unlisted(directory, manifest)
+            if problems:
+                raise problems[0]
+            check_files(directory, manifest, manifest.files)
+            if verify:
+                check_files(directory, manifest, sorted(manifest.files)[rank :: self.collective.world_size], digest=True)
+        except Exception as exc:  # noqa: BLE001
+            error, own_exc = describe_error(exc), exc
+        self.agree(error, failure=LoadFailedError, what="load", own=own_exc)
+        assert directory is not None and manifest is not None
+
+        error, notes, result, scratch = None, [], None, None
+        try:
             saved = Topology.from_json(manifest.topology)
             scratch = self._scratch(directory)
             for comp in components_of(self.provider, for_load=True):
-                note = self._load_component(directory, manifest, comp, saved, topology, rank, verify, scratch)
+                note = self._load_component(directory, manifest, comp, saved, topology, rank, scratch)
                 if note:
                     notes.append(note)
             result = LoadResult(directory, manifest, notes)
             step = f" at step {manifest.step}" if manifest.step is not None else ""
-            self.resume_notes = list(manifest.notes) + [f"resumed from {directory}{step}: {n}" for n in notes]
+            unverified = [] if verify else ["loaded without checking file digests (--no-verify): only sizes were checked"]
+            self.resume_notes = list(manifest.notes) + [f"resumed from {directory}{step}: {n}" for n in unverified + notes]
         except Exception as exc:  # noqa: BLE001
             error, own_exc = describe_error(exc), exc
 
@@ -261,7 +309,7 @@ class CheckpointManager:
         """Where a native load may write a converted copy: beside the checkpoints, removed after the load."""
         return os.path.join(self.root, f".{os.path.basename(directory)}.load")
 
-    def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, verify, scratch) -> str | None:
+    def _load_component(self, directory, manifest, comp: StateComponent, saved, current, rank, scratch) -> str | None:
         record = manifest.components.get(comp.key)
         if record is None and comp.required and not manifest.step and not is_native(comp.stateful):
             # a checkpoint at step 0 (weights converted from a model, no training yet): what it lacks starts fresh
@@ -275,7 +323,7 @@ class CheckpointManager:
             return None
         policy = comp.on_world_size_change or WorldSizePolicy(record.policy)
         if record.native:
-            return self._load_native(directory, manifest, comp, record, policy, saved, current, rank, verify, scratch)
+            return self._load_native(directory, manifest, comp, record, policy, saved, current, rank, scratch)
         if is_native(comp.stateful):
             raise ComponentError(f"{directory}: component {comp.key!r} was not saved by the engine itself; load it with the trainer that wrote it")
         spec = ComponentSpec(comp.key, SharingPattern(record.pattern), record.group, policy, record.required)
@@ -283,7 +331,6 @@ class CheckpointManager:
         missing = [f"{b}.json" for b in action.bases if f"{b}.json" not in manifest.files]
         if missing:
             raise CorruptCheckpointError(os.path.join(directory, missing[0]), f"piece of component {comp.key!r} is not in the manifest")
-        check_files(directory, manifest, piece_files(action.bases, manifest.files), digest=verify)
         stateful = comp.stateful
         if action.kind == "load":
             stateful.load_state_dict(read_piece(directory, action.bases[0]))
@@ -300,15 +347,13 @@ class CheckpointManager:
             reseed(seed)
         return action.note or None
 
-    def _load_native(self, directory, manifest, comp, record, policy, saved, current, rank, verify, scratch) -> str | None:
+    def _load_native(self, directory, manifest, comp, record, policy, saved, current, rank, scratch) -> str | None:
         if not is_native(comp.stateful):
             raise ComponentError(
                 f"{directory}: component {comp.key!r} holds the engine's own files; this trainer's stateful has no load_native()"
             )
-        files = component_files(record, manifest.files)
-        if not files:
+        if not component_files(record, manifest.files):
             raise CorruptCheckpointError(os.path.join(directory, comp.key), f"native component {comp.key!r} lists no files")
-        check_files(directory, manifest, files, digest=verify)
         note = None
         # the engine's files are for the layout the sharding section names (a conversion writes them for its
         # target), which may differ from the topology the carried per-rank pieces came from

@@ -9,16 +9,17 @@ either the previous state or a committed, verifiable new checkpoint; a staging d
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
 import shutil
 from typing import Iterator
 
+from . import digests
 from .errors import DestinationExistsError, MissingFileError
+from .locking import exclusive
 from .manifest import MANIFEST, STAGING_SUFFIX, FileRecord, Manifest, read_manifest
-from .tensors import DIGEST_ALGO
+from .paths import check_relative
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,42 @@ def durable_write(path: str, data: bytes) -> FileRecord:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return FileRecord(len(data), f"{DIGEST_ALGO}:" + hashlib.sha256(data).hexdigest())
+    return FileRecord(len(data), digests.of_bytes(data))
+
+
+def fsync_tree(top: str) -> None:
+    """fsync every directory under ``top`` (and ``top``): the entries of new files are durable too."""
+    for dirpath, _, _ in os.walk(top):
+        fsync_path(dirpath)
+
+
+_TMP = re.compile(r"\.tmp(\d+)$")
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Remove ``<path>.tmp<pid>`` files whose writer is no longer running (a save killed mid-write)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        m = _TMP.search(entry)
+        if m and entry[: m.start()] == name and not _alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(parent, entry))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def atomic_write_text(path: str, text: str) -> None:
+    remove_stale_temporaries(path)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -72,21 +105,37 @@ def write_latest(root: str, name: str) -> None:
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
 
 
-def read_latest(root: str) -> str | None:
-    path = os.path.join(root, LATEST)
+def read_tag(path: str, what: str = "tag file") -> str | None:
+    """The one name a tag file (``latest``, DeepSpeed's ``latest``, ``latest_universal``) holds, checked to be a
+    plain relative name inside its directory; None when there is no such file."""
+    from .errors import CorruptCheckpointError
+
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip() or None
+    if os.path.getsize(path) > 4096:
+        raise CorruptCheckpointError(path, f"is {os.path.getsize(path)} bytes; a {what} holds one name")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(path, f"is not a {what}: not UTF-8 text") from None
+    return check_relative(name, path) if name else None
+
+
+def read_latest(root: str) -> str | None:
+    return read_tag(os.path.join(root, LATEST), "'latest' file")
 
 
 def resolve_checkpoint_dir(path: str) -> str:
-    """A checkpoint directory, or a root whose ``latest`` names one."""
+    """A checkpoint directory, or a root whose ``latest`` names one (which must lie inside the root)."""
+    from .paths import inside
+
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     name = read_latest(path)
     if name is not None:
-        target = os.path.join(path, name)
+        target = inside(path, name, os.path.join(path, LATEST))
         if not os.path.isdir(target):
             raise MissingFileError(os.path.join(path, LATEST), f"names {name!r}, which does not exist")
         return target
@@ -132,27 +181,58 @@ def _is_empty_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.listdir(path)
 
 
-def check_destination(dst: str, overwrite: bool) -> None:
+def check_destination(dst: str, overwrite: bool, src: str | None = None) -> None:
+    """Refuse a non-empty ``dst`` without ``overwrite``, and (given the source) a ``dst`` that is the source,
+    holds it or lies inside it: replacing it would delete the source before it was read."""
+    if src is not None:
+        from .paths import is_within
+
+        real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+        if is_within(real_dst, real_src) or is_within(real_src, real_dst):
+            raise DestinationExistsError(
+                f"{dst}: is the source {src}, contains it or lies inside it; write the output outside the source"
+            )
     if os.path.lexists(dst) and not _is_empty_dir(dst) and not overwrite:
         raise DestinationExistsError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
 
 
+def destination_lock(dst: str) -> str:
+    """The lock file that makes one process at a time write ``dst`` (beside it, removed when released)."""
+    dst = os.path.abspath(dst)
+    return os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.lock")
+
+
+_STAGING = re.compile(r"\.(\d+)" + re.escape(STAGING_SUFFIX) + "$")
+
+
+def _remove_stale_staging(parent: str, name: str) -> None:
+    """Staging directories of conversions into ``name`` whose process died (under the destination's lock)."""
+    for entry in os.listdir(parent):
+        m = _STAGING.search(entry)
+        if m and entry[: m.start()] == f".{name}" and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_output(dst: str, overwrite: bool = False) -> Iterator[str]:
-    """Build an output directory beside ``dst`` and move it into place only when complete.
+    """Build an output directory beside ``dst`` and move it into place only when complete, holding the
+    destination's lock throughout (a second writer of ``dst`` is refused).
 
     On any exception the staging directory is removed and ``dst`` is left exactly as it was.
     """
     dst = os.path.abspath(dst)
-    check_destination(dst, overwrite)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(dst)}.{os.getpid()}{STAGING_SUFFIX}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
-        yield staging
-        publish(staging, dst)
-    except BaseException:
+    with exclusive(destination_lock(dst), dst):
+        check_destination(dst, overwrite)
+        _remove_stale_staging(parent, os.path.basename(dst))
+        staging = os.path.join(parent, f".{os.path.basename(dst)}.{os.getpid()}{STAGING_SUFFIX}")
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        os.makedirs(staging)
+        try:
+            yield staging
+            fsync_tree(staging)
+            publish(staging, dst)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise

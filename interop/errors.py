@@ -37,8 +37,20 @@ class UnknownFormatError(CheckpointError):
     """No registered format recognises the directory."""
 
 
+class UnsafePathError(CheckpointError):
+    """A checkpoint names a path that lies outside it (``..``, an absolute path, a link leading out)."""
+
+
+class CheckpointInUseError(InteropError):
+    """Another process is writing the same checkpoint root or conversion target."""
+
+
 class UnsafePickleError(CheckpointError):
     """A pickle holds objects beyond tensors and plain containers; loading it could run code."""
+
+
+class OutputWriteError(CheckpointError):
+    """Writing an output file failed (a full disk, a read-only directory); nothing was published."""
 
 
 class UnsupportedStateError(InteropError):

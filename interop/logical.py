@@ -21,6 +21,11 @@ def optim_key(state_key: str, name: str) -> str:
     return f"{OPTIM_PREFIX}{state_key}/{name}"
 
 
+def stored_name(key: str) -> str:
+    """The name a logical key's tensor has inside its safetensors file (``optim_key`` undone)."""
+    return key.split("/", 2)[2] if key.startswith(OPTIM_PREFIX) and key.count("/") >= 2 else key
+
+
 @dataclass
 class OptimizerState:
     cls: str  # "AdamW"

@@ -9,10 +9,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import CorruptCheckpointError, UncommittedCheckpointError
+from . import digests
+from .errors import CheckpointError, CorruptCheckpointError, UncommittedCheckpointError
+from .jsonio import read_json
+from .paths import check_relative
 
 MANIFEST = "manifest.json"
 STAGING_SUFFIX = ".staging"  # a directory being written; never loaded, even once its manifest exists
@@ -66,25 +70,139 @@ class Manifest:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=False)
+        data = asdict(self)
+        data[SELF_DIGEST] = _self_digest(data)
+        return json.dumps(data, indent=1, sort_keys=False, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: str = MANIFEST) -> "Manifest":
-        try:
-            if data.get("format") not in KNOWN_FORMATS:
-                raise CorruptCheckpointError(path, f"unknown manifest format {data.get('format')!r}")
-            if int(data.get("format_version", 0)) > FORMAT_VERSION:
-                raise CorruptCheckpointError(
-                    path, f"format_version {data['format_version']} is newer than this interop ({FORMAT_VERSION}); upgrade interop"
-                )
-            data = dict(data)
-            data["tensors"] = {k: TensorRecord(**v) for k, v in data.get("tensors", {}).items()}
-            data["components"] = {k: ComponentRecord(**v) for k, v in data.get("components", {}).items()}
-            data["files"] = {k: FileRecord(**v) for k, v in data.get("files", {}).items()}
-            known = set(cls.__dataclass_fields__)
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except (TypeError, KeyError, ValueError) as exc:
-            raise CorruptCheckpointError(path, f"malformed manifest: {exc}") from None
+        """Validate every field's type and every path it names, then the manifest's own digest: a manifest
+        is input like any other file, and the one file no other digest covers."""
+        if data.get("format") not in KNOWN_FORMATS:
+            raise CorruptCheckpointError(path, f"unknown manifest format {data.get('format')!r}")
+        version = data.get("format_version", 0)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                path, f"format_version {version} is newer than this interop ({FORMAT_VERSION}); upgrade interop"
+            )
+        _validate(data, path)
+        recorded = data.get(SELF_DIGEST)
+        if recorded is not None and _self_digest(data) != recorded:
+            raise CorruptCheckpointError(path, "the manifest's content does not match its own digest (altered or corrupted)")
+        data = {k: v for k, v in data.items() if k != SELF_DIGEST}
+        data["tensors"] = {k: TensorRecord(**v) for k, v in data.get("tensors", {}).items()}
+        data["components"] = {k: ComponentRecord(**v) for k, v in data.get("components", {}).items()}
+        data["files"] = {k: FileRecord(**v) for k, v in data.get("files", {}).items()}
+        return cls(**data)
+
+
+# The manifest's digest of itself: over its other fields in a canonical JSON form, so any change to a value
+# (a flipped byte in a digest, a size, a name, a note) is caught. Manifests of earlier versions have none.
+SELF_DIGEST = "digest"
+
+
+def _self_digest(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != SELF_DIGEST}
+    algo = digests.parse(data[SELF_DIGEST])[0] if isinstance(data.get(SELF_DIGEST), str) else digests.ALGO
+    return digests.of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode(), algo)
+
+
+# --- the schema -------------------------------------------------------------------------------------------
+_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # component keys name directories: one plain path part
+_INT_FIELDS = ("world_size", "dp", "tp", "pp", "zero_stage", "step", "num_processes", "scheduler_steps_per_step", "padded_vocab_size")
+
+
+def _validate(data: dict[str, Any], path: str) -> None:
+    from .state import SharingPattern, WorldSizePolicy
+
+    def fail(problem: str) -> None:
+        raise CorruptCheckpointError(path, f"malformed manifest: {problem}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    def strs(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    def mapping(name: str, v: Any, optional: bool = True) -> dict:
+        if v is None and optional:
+            return {}
+        if not isinstance(v, dict):
+            fail(f"{name} is not an object")
+        return v
+
+    def ints_of(name: str, section: dict) -> None:
+        for key in _INT_FIELDS:
+            if section.get(key) is not None and not is_int(section[key]):
+                fail(f"{name}.{key} is {section[key]!r}, not a non-negative integer")
+
+    unknown = set(data) - set(Manifest.__dataclass_fields__) - {SELF_DIGEST}
+    if unknown:
+        fail(f"unknown fields {sorted(unknown)}")
+    if not is_int(data.get("format_version", 1)) or data.get("format_version", 1) < 1:
+        fail(f"format_version is {data.get('format_version')!r}")
+    if not isinstance(data.get("committed_at", ""), str) or not isinstance(data.get(SELF_DIGEST, ""), str):
+        fail("committed_at and digest must be strings")
+    if data.get("step") is not None and not is_int(data["step"]):
+        fail(f"step is {data['step']!r}, not a non-negative integer")
+    producer = mapping("producer", data.get("producer"))
+    if not all(isinstance(v, str) for v in producer.values()):
+        fail("producer versions must be strings")
+    for name in ("source", "sharding", "optimizer", "memory"):
+        ints_of(name, mapping(name, data.get(name)))
+    topology = mapping("topology", data.get("topology"), optional=False)
+    try:
+        from .topology import Topology
+
+        if not is_int(topology.get("world_size")) or topology["world_size"] < 1:
+            fail(f"topology.world_size is {topology.get('world_size')!r}")
+        Topology.from_json(topology)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - TopologyError, TypeError, ...: one line naming the manifest
+        fail(f"topology: {exc}")
+    model = mapping("model", data.get("model"))
+    if not all(isinstance(g, list) and strs(g) for g in model.get("tied") or []) or not strs(model.get("frozen") or []):
+        fail("model.tied must be lists of names and model.frozen a list of names")
+    if isinstance(model.get("config"), str):
+        check_relative(model["config"], path)
+    elif model.get("config") is not None and not isinstance(model.get("config"), dict):
+        fail("model.config must be a path or an object")
+    optimizer = mapping("optimizer", data.get("optimizer"))
+    if optimizer.get("groups") is not None:
+        check_relative(optimizer["groups"], path)
+    if not isinstance(data.get("notes", []), list) or not strs(data.get("notes", [])):
+        fail("notes must be a list of strings")
+    for rel, rec in mapping("files", data.get("files")).items():
+        check_relative(rel, path)
+        if not isinstance(rec, dict) or set(rec) - {"bytes", "digest", "writer"} or not is_int(rec.get("bytes")):
+            fail(f"files[{rel!r}] needs bytes (a non-negative integer) and digest")
+        if rec.get("writer") is not None and not is_int(rec["writer"]):
+            fail(f"files[{rel!r}].writer is {rec['writer']!r}")
+        if rec.get("digest"):
+            digests.parse(rec["digest"], path)
+    for name, rec in mapping("tensors", data.get("tensors")).items():
+        if not isinstance(rec, dict) or set(rec) != {"shape", "dtype", "file", "digest"}:
+            fail(f"tensors[{name!r}] needs shape, dtype, file and digest")
+        if not isinstance(rec["shape"], list) or not all(is_int(d) for d in rec["shape"]) or not isinstance(rec["dtype"], str):
+            fail(f"tensors[{name!r}] has shape {rec['shape']!r} and dtype {rec['dtype']!r}")
+        check_relative(rec["file"], path)
+        if rec["digest"] is not None:
+            digests.parse(rec["digest"], path)
+    patterns, policies = {p.value for p in SharingPattern}, {p.value for p in WorldSizePolicy}
+    for key, rec in mapping("components", data.get("components")).items():
+        if not _KEY.match(key):
+            fail(f"component key {key!r} is not a plain name")
+        if not isinstance(rec, dict) or set(rec) - set(ComponentRecord.__dataclass_fields__):
+            fail(f"components[{key!r}] has unknown fields")
+        if rec.get("pattern") not in patterns or rec.get("policy") not in policies:
+            fail(f"components[{key!r}] has pattern {rec.get('pattern')!r} and policy {rec.get('policy')!r}")
+        if not isinstance(rec.get("required", True), bool) or not isinstance(rec.get("native", False), bool):
+            fail(f"components[{key!r}].required and .native must be booleans")
+        if rec.get("group") is not None and not isinstance(rec["group"], str):
+            fail(f"components[{key!r}].group must be a name")
+        for owner, base in mapping(f"components[{key!r}].pieces", rec.get("pieces")).items():
+            check_relative(base, path)
 
 
 def now_iso() -> str:
@@ -115,11 +233,6 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise UncommittedCheckpointError(
             directory, f"no {MANIFEST}: the save never committed (or this is not an interop checkpoint)"
         )
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(path, f"manifest is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CorruptCheckpointError(path, "manifest is not a JSON object")
-    return Manifest.from_dict(data, path)
+    if os.path.islink(path):
+        raise CorruptCheckpointError(path, "the manifest is a symbolic link; a checkpoint holds its own regular files")
+    return Manifest.from_dict(read_json(path, "manifest"), path)

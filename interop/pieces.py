@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import binascii
 import json
 import os
 from typing import Any, Container, Iterable
@@ -9,7 +10,9 @@ from typing import Any, Container, Iterable
 from . import codec
 from .commit import durable_write
 from .errors import CorruptCheckpointError, MissingFileError
+from .jsonio import read_json
 from .manifest import ComponentRecord, FileRecord
+from .paths import inside
 from .safetensors_io import SafetensorsFile, save_tensors
 from .tensors import tensor_digest
 
@@ -44,23 +47,24 @@ def component_files(record: ComponentRecord, listed: Iterable[str]) -> list[str]
 
 def read_piece(directory: str, base: str, lazy: bool = False) -> Any:
     """Decode a piece; with ``lazy`` its tensors come back as LazyTensors (for converters)."""
-    path = os.path.join(directory, base + ".json")
+    path = inside(directory, base + ".json")
     if not os.path.isfile(path):
         raise MissingFileError(path, "component file missing")
-    try:
-        with open(path, encoding="utf-8") as f:
-            skeleton = json.load(f)["state"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(path, f"component file is not valid: {exc}") from None
-    tensor_path = os.path.join(directory, base + ".safetensors")
-    st = SafetensorsFile(tensor_path) if os.path.exists(tensor_path) else None
+    document = read_json(path, "component file")
+    if "state" not in document:
+        raise CorruptCheckpointError(path, "component file is not valid: no 'state'")
+    tensor_path = inside(directory, base + ".safetensors")
+    st = SafetensorsFile(tensor_path) if os.path.lexists(tensor_path) else None
 
     def tensor(name: str) -> Any:
-        if st is None or name not in st:
+        if st is None or not isinstance(name, str) or name not in st:
             raise CorruptCheckpointError(tensor_path, f"tensor {name!r} named by {base}.json is missing")
         return st.lazy(name) if lazy else st.read(name)
 
-    return codec.decode(skeleton, tensor)
+    try:
+        return codec.decode(document["state"], tensor)
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise CorruptCheckpointError(path, f"component file is not valid: {type(exc).__name__}: {exc}") from None
 
 
 def state_fingerprint(state: Any) -> dict[str, str]:

@@ -9,7 +9,6 @@ standard one, so transformers and safetensors read what we write.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
@@ -18,9 +17,13 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import digests
 from .dtypes import from_st_code, st_code
 from .errors import CorruptCheckpointError, MissingFileError
-from .tensors import DIGEST_ALGO, LazyTensor, TensorSpec, mapped_file_range, raw_bytes, release_mapped_pages, tensor_from_bytes
+from .jsonio import loads as json_loads
+from .jsonio import read_json
+from .paths import inside
+from .tensors import LazyTensor, TensorSpec, mapped_file_range, raw_bytes, release_mapped_pages, tensor_from_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -71,12 +74,6 @@ def _start_writeback(f, offset: int, length: int) -> None:
         os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
 
 
-# A safetensors file's digest is built from its tensors' digests, so each byte is hashed once when written:
-# sha256 over the header (length prefix and JSON, padding included) followed by the raw sha256 of each
-# tensor's bytes in file order. ``safetensors_digest`` recomputes it from a file.
-FILE_DIGEST_ALGO = "sha256-st"
-
-
 @contextlib.contextmanager
 def _closing(fds: dict[str, int]):
     try:
@@ -114,7 +111,7 @@ def _copy_mapped(f, piece: torch.Tensor, sources: dict[str, int]) -> int | None:
 
 
 def _hash_tensor(data: list[memoryview]) -> bytes:
-    h = hashlib.sha256()
+    h = digests.hasher()
     for piece in data:
         h.update(piece)
     return h.digest()
@@ -133,17 +130,16 @@ def _fetch(entry: TensorEntry) -> list[torch.Tensor]:
     return [tensor]
 
 
-def safetensors_digest(path: str | os.PathLike) -> str:
-    """The ``sha256-st`` digest of the safetensors file at ``path`` (tensor data must be contiguous, in order)."""
+def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tuple[str, dict[str, str]]:
+    """The file's composite digest (see ``interop.digests``) and each tensor's digest, by ``algo``, reading
+    the file once. The header is validated first, so the tensors are contiguous and in order."""
     st = SafetensorsFile(path)
-    h = hashlib.sha256()
+    h = digests.hasher(algo)
+    tensor_digests: dict[str, str] = {}
     with open(st.path, "rb") as f:
         h.update(f.read(st.data_start))
-        position = 0
-        for _, begin, end in sorted(st._entries.values(), key=lambda e: e[1]):
-            if begin != position:
-                raise CorruptCheckpointError(st.path, f"tensor data is not contiguous at byte {begin}")
-            t = hashlib.sha256()
+        for name, (_, begin, end) in sorted(st._entries.items(), key=lambda e: e[1][1]):
+            t = digests.hasher(algo)
             remaining = end - begin
             while remaining:
                 chunk = f.read(min(remaining, 8 << 20))
@@ -152,10 +148,8 @@ def safetensors_digest(path: str | os.PathLike) -> str:
                 t.update(chunk)
                 remaining -= len(chunk)
             h.update(t.digest())
-            position = end
-    if st.data_start + position != st.file_size:
-        raise CorruptCheckpointError(st.path, f"{st.file_size - st.data_start - position} bytes after the last tensor")
-    return f"{FILE_DIGEST_ALGO}:{h.hexdigest()}"
+            tensor_digests[name] = digests.label(algo, t.hexdigest())
+    return digests.label(algo, h.hexdigest(), composite=True), tensor_digests
 
 
 def write_safetensors(
@@ -163,16 +157,16 @@ def write_safetensors(
     entries: Iterable[TensorEntry],
     metadata: dict[str, str] | None = None,
     on_tensor: Callable[[TensorEntry], None] | None = None,
-    digests: bool = True,
+    hashed: bool = True,
 ) -> WrittenFile:
     """Write ``entries`` to ``path``, fsync before returning. Two tensors are in memory at a time: the next
-    is fetched on a worker thread while this one is written and, with ``digests``, hashed (file and tensor,
+    is fetched on a worker thread while this one is written and, with ``hashed``, hashed (file and tensor,
     for a manifest) on another; copying, hashing and writing all release the GIL."""
     from concurrent.futures import ThreadPoolExecutor
 
     entries = list(entries)
     path = os.fspath(path)
-    file_hash = hashlib.sha256()
+    file_hash = digests.hasher()
     tensor_digests: dict[str, str] = {}
     total = 0
     sources: dict[str, int] = {}  # mapped source files copied from, open
@@ -186,7 +180,7 @@ def write_safetensors(
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(_fetch, entries[i + 1]) if i + 1 < len(entries) else None
             data = [raw_bytes(p) for p in pieces]  # views: no copy of a contiguous tensor
-            pending = pool.submit(_hash_tensor, data) if digests else None
+            pending = pool.submit(_hash_tensor, data) if hashed else None
             nbytes = 0
             for piece, view in zip(pieces, data):  # a mapped piece goes file to file; hashing reads it meanwhile
                 copied = _copy_mapped(f, piece, sources) if entry.mapped_pieces is not None else None
@@ -195,7 +189,7 @@ def write_safetensors(
             if pending is not None:
                 raw = pending.result()
                 file_hash.update(raw)
-                tensor_digests[entry.name] = f"{DIGEST_ALGO}:" + raw.hex()
+                tensor_digests[entry.name] = digests.label(digests.ALGO, raw.hex())
             if entry.mapped_pieces is not None:
                 for p in pieces:
                     release_mapped_pages(p)  # written and hashed: out of RSS, still in the page cache
@@ -205,7 +199,7 @@ def write_safetensors(
                 on_tensor(entry)
         f.flush()
         os.fsync(f.fileno())
-    return WrittenFile(path, total, f"{FILE_DIGEST_ALGO}:" + file_hash.hexdigest() if digests else "", tensor_digests)
+    return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), composite=True) if hashed else "", tensor_digests)
 
 
 class SafetensorsFile:
@@ -225,36 +219,46 @@ class SafetensorsFile:
                     self.path, f"truncated or corrupt safetensors header (claims {header_len} bytes)"
                 )
             raw = f.read(header_len)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(self.path, f"corrupt safetensors header: {exc}") from None
+        header = json_loads(raw, self.path, "safetensors header")
         if not isinstance(header, dict):
             raise CorruptCheckpointError(self.path, "corrupt safetensors header: not a JSON object")
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CorruptCheckpointError(self.path, "corrupt safetensors header: __metadata__ is not a map of strings")
+        self.metadata: dict[str, str] = metadata
         self.data_start = 8 + header_len
-        data_len = self.file_size - self.data_start
-        self._entries: dict[str, tuple[TensorSpec, int, int]] = {}
-        end_max = 0
-        for name, info in header.items():
-            try:
-                dtype = from_st_code(info["dtype"])
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CorruptCheckpointError(self.path, f"bad header entry for tensor {name!r}: {exc}") from None
-            spec = TensorSpec(shape, dtype)
-            if any(d < 0 for d in shape) or end - begin != spec.nbytes or begin < 0:
-                raise CorruptCheckpointError(
-                    self.path, f"tensor {name!r}: offsets {begin}..{end} do not fit {spec.describe()}"
-                )
-            self._entries[name] = (spec, begin, end)
-            end_max = max(end_max, end)
-        if end_max > data_len:
-            raise CorruptCheckpointError(
-                self.path,
-                f"truncated: header describes {end_max} bytes of tensor data, file holds {data_len}",
-            )
+        self._entries: dict[str, tuple[TensorSpec, int, int]] = {
+            name: self._entry(name, info) for name, info in header.items()
+        }
+        self._check_layout(self.file_size - self.data_start)
+
+    def _entry(self, name: str, info: object) -> tuple[TensorSpec, int, int]:
+        def ints(value: object) -> bool:
+            return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+
+        try:
+            if not isinstance(info, dict) or not ints(info["shape"]) or not ints(info["data_offsets"]) or len(info["data_offsets"]) != 2:
+                raise ValueError("needs dtype, shape and data_offsets [begin, end] of non-negative integers")
+            spec = TensorSpec(tuple(info["shape"]), from_st_code(info["dtype"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(self.path, f"bad header entry for tensor {name!r}: {exc}") from None
+        begin, end = info["data_offsets"]
+        if end - begin != spec.nbytes:
+            raise CorruptCheckpointError(self.path, f"tensor {name!r}: offsets {begin}..{end} do not fit {spec.describe()}")
+        return spec, begin, end
+
+    def _check_layout(self, data_len: int) -> None:
+        """The tensors tile the data section exactly, as the safetensors library requires: sorted by offset each
+        starts where the previous ended, none overlap (two names on the same bytes) and nothing is left over."""
+        position = 0
+        for name, (_, begin, end) in sorted(self._entries.items(), key=lambda e: (e[1][1], e[1][2])):
+            if begin != position:
+                problem = "overlaps the tensor before it" if begin < position else f"leaves a gap of {begin - position} bytes before it"
+                raise CorruptCheckpointError(self.path, f"tensor {name!r} at bytes {begin}..{end} {problem}")
+            position = end
+        if position != data_len:
+            what = "truncated: header describes" if position > data_len else "header describes only"
+            raise CorruptCheckpointError(self.path, f"{what} {position} bytes of tensor data, the file holds {data_len}")
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -290,3 +294,47 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
         TensorEntry(name, TensorSpec(tuple(t.shape), t.dtype), (lambda t=t: t)) for name, t in tensors.items()
     ]
     return write_safetensors(path, entries, metadata)
+
+
+def read_index(index_path: str, directory: str, listed=None, root: str | None = None) -> dict[str, SafetensorsFile]:
+    """tensor name -> its shard, from a ``*.safetensors.index.json``: every shard it names stays inside the
+    checkpoint and exists, and holds the tensors named for it. With ``listed`` (a manifest's files, relative
+    to ``root``) every shard must be listed there and name every tensor it holds, none more."""
+    index = read_json(index_path, "safetensors index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptCheckpointError(index_path, "not a valid safetensors index: no weight_map of tensor names to files")
+    if not weight_map:
+        raise CorruptCheckpointError(index_path, "the index's weight_map names no tensors")
+    shards: dict[str, SafetensorsFile] = {}
+    out: dict[str, SafetensorsFile] = {}
+    for name, fname in weight_map.items():
+        if fname not in shards:
+            path = inside(directory, fname, index_path)
+            if listed is not None and os.path.relpath(path, root) not in listed:
+                raise CorruptCheckpointError(index_path, f"names shard {fname!r}, which the manifest does not list")
+            if not os.path.isfile(path):
+                raise MissingFileError(path, f"named by {os.path.basename(index_path)} but missing")
+            shards[fname] = SafetensorsFile(path)
+        if name not in shards[fname]:
+            raise CorruptCheckpointError(shards[fname].path, f"{os.path.basename(index_path)} says it holds {name!r}; it does not")
+        out[name] = shards[fname]
+    if listed is not None:
+        for st in shards.values():
+            unnamed = sorted(n for n in st.keys() if out.get(n) is not st)
+            if unnamed:
+                raise CorruptCheckpointError(index_path, f"does not name tensor {unnamed[0]!r} of {os.path.basename(st.path)}")
+    return out
+
+
+def read_hf_safetensors(directory: str, stem: str = "model") -> dict[str, LazyTensor] | None:
+    """Lazy tensors of ``<stem>.safetensors`` or, as transformers prefers it, its sharded index in
+    ``directory``; None if neither exists."""
+    index_path = inside(directory, f"{stem}.safetensors.index.json")
+    if os.path.lexists(index_path):
+        return {name: st.lazy(name) for name, st in read_index(index_path, directory).items()}
+    single = inside(directory, f"{stem}.safetensors")
+    if os.path.lexists(single):
+        st = SafetensorsFile(single)
+        return {name: st.lazy(name) for name in st.keys()}
+    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -10,9 +9,8 @@ from typing import Callable
 
 import torch
 
+from . import digests
 from .dtypes import dtype_name, itemsize
-
-DIGEST_ALGO = "sha256"
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class LazyTensor:
     spec: TensorSpec
     loader: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""  # file (and key) it comes from, for error messages and `inspect`
-    digest: str | None = None  # known digest of the bytes (from a manifest): lets `diff` skip loading
+    digest: str | None = None  # the digest a manifest records for these bytes: ``load`` checks it
     # Optional: the bytes as contiguous 1-D views of memory-mapped files, in order, without a copy. A writer
     # that only streams bytes out (safetensors) writes and hashes these directly, then releases their pages.
     mapped_pieces: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
@@ -49,16 +47,27 @@ class LazyTensor:
         tensor = tensor.detach()
         return cls(TensorSpec(tuple(tensor.shape), tensor.dtype), lambda: tensor, origin)
 
-    def load(self) -> torch.Tensor:
+    def load(self, verify: bool = True) -> torch.Tensor:
+        """The tensor, checked against its spec and (unless the caller hashes the bytes itself, ``verify=False``)
+        against the digest its manifest records."""
+        from .errors import CorruptCheckpointError
+
         tensor = self.loader()
         if tuple(tensor.shape) != self.spec.shape or tensor.dtype != self.spec.dtype:
-            from .errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 self.origin,
                 f"tensor is {dtype_name(tensor.dtype)}{list(tensor.shape)}, expected {self.spec.describe()}",
             )
+        if verify and self.digest is not None:
+            self.check_digest(tensor_digest(tensor, digests.parse(self.digest, self.origin)[0]))
         return tensor
+
+    def check_digest(self, computed: str) -> None:
+        """Raise naming the origin when ``computed`` (by the recorded digest's algorithm) is not the recorded one."""
+        if self.digest is not None and computed != self.digest:
+            from .errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(self.origin, "tensor bytes differ from the digest its manifest records (corrupted or replaced)")
 
 
 _MADV_DONTNEED = 4  # Linux
@@ -150,9 +159,9 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def tensor_digest(tensor: torch.Tensor) -> str:
+def tensor_digest(tensor: torch.Tensor, algo: str = digests.ALGO) -> str:
     """Digest of a logical tensor's bytes: the same whichever format or sharding held it."""
-    return f"{DIGEST_ALGO}:" + hashlib.sha256(raw_bytes(tensor)).hexdigest()
+    return digests.of_bytes(raw_bytes(tensor), algo)
 
 
 def tensor_from_bytes(buffer: bytearray | bytes, spec: TensorSpec) -> torch.Tensor:

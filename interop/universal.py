@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -24,14 +25,17 @@ from .commit import durable_write, fsync_path, staged_output, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError, MissingFileError
 from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
-from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions, read_manifest
+from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
 from .pieces import write_piece
 from .planner import pieces_for
-from .safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
-from .tensors import LazyTensor, tensor_digest
+from . import digests
+from .jsonio import read_json
+from .paths import inside
+from .safetensors_io import TensorEntry, read_hf_safetensors, write_safetensors
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
+from .tensors import LazyTensor, tensor_digest
 from .topology import Topology
-from .verify import check_files, digest_as
+from .verify import digest_as, open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,10 @@ def parse_size(text: str | int) -> int:
     s = text.strip().upper()
     for suffix, mult in (("GIB", 1024**3), ("MIB", 1024**2), ("KIB", 1024), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
         if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
+            number = float(s[: -len(suffix)])
+            if not math.isfinite(number):
+                raise ValueError(f"size {text!r} is not finite")
+            return int(number * mult)
     return int(s)
 
 
@@ -77,14 +84,20 @@ def write_sharded(
     max_shard_size: int,
     key_of: Callable[[str], str] = lambda name: name,
     progress: Callable[[TensorEntry], None] | None = None,
-    digests: bool = True,
+    hashed: bool = True,
 ) -> WriteResult:
     """``<stem>.safetensors`` or ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``.
 
-    Without ``digests`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
-    a known digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
-    digests = digests or any(t.digest is not None for t in tensors.values())
-    entries = [TensorEntry(name, t.spec, t.load, t.mapped_pieces) for name, t in tensors.items()]
+    Without ``hashed`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
+    a recorded digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
+    # a source tensor with a recorded digest of this version's algorithm is checked against what the writer
+    # hashes anyway (no second pass); one of another algorithm checks itself as it loads
+    checked = {name for name, t in tensors.items() if t.digest is not None and digests.parse(t.digest, t.origin)[0] == digests.ALGO}
+    hashed = hashed or bool(checked)
+    entries = [
+        TensorEntry(name, t.spec, (lambda t=t: t.load(verify=False)) if name in checked else t.load, t.mapped_pieces)
+        for name, t in tensors.items()
+    ]
     shards = shard_groups(entries, max_shard_size)
     result = WriteResult()
     os.makedirs(os.path.join(root, subdir), exist_ok=True)
@@ -92,14 +105,11 @@ def write_sharded(
     for i, shard in enumerate(shards, 1):
         fname = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         rel = f"{subdir}/{fname}" if subdir else fname
-        written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress, digests)
+        written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress, hashed)
         result.files[rel] = FileRecord(written.nbytes, written.digest)
         for entry in shard:
-            expected = tensors[entry.name].digest
-            if expected is not None and expected != written.tensor_digests[entry.name]:
-                raise CorruptCheckpointError(
-                    tensors[entry.name].origin, "tensor bytes differ from the digest in the source manifest (corrupted)"
-                )
+            if entry.name in checked:
+                tensors[entry.name].check_digest(written.tensor_digests[entry.name])
             weight_map[entry.name] = fname
             result.tensors[key_of(entry.name)] = TensorRecord(
                 list(entry.spec.shape), dtype_name(entry.spec.dtype), rel, written.tensor_digests.get(entry.name)
@@ -134,10 +144,10 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
 
 
 def write_model_dir(
-    root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None, digests: bool = True
+    root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None, hashed: bool = True
 ) -> WriteResult:
     """A Hugging Face model directory: config.json and (sharded) model.safetensors."""
-    result = write_sharded(root, subdir, "model", model_entries(ckpt), max_shard_size, progress=progress, digests=digests)
+    result = write_sharded(root, subdir, "model", model_entries(ckpt), max_shard_size, progress=progress, hashed=hashed)
     if ckpt.config is not None:
         rel = f"{subdir}/config.json" if subdir else "config.json"
         result.files[rel] = _write_json(root, rel, ckpt.config)
@@ -231,59 +241,39 @@ def write_universal(
 # ---------------------------------------------------------------------------------------------------
 
 
-def read_hf_safetensors(directory: str, stem: str = "model") -> dict[str, LazyTensor] | None:
-    """Lazy tensors of ``<stem>.safetensors`` or its sharded index in ``directory``; None if neither exists."""
-    single = os.path.join(directory, f"{stem}.safetensors")
-    index_path = os.path.join(directory, f"{stem}.safetensors.index.json")
-    if os.path.isfile(index_path):
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpointError(index_path, f"not a valid safetensors index: {exc}") from None
-        files: dict[str, SafetensorsFile] = {}
-        tensors: dict[str, LazyTensor] = {}
-        for name, fname in weight_map.items():
-            if fname not in files:
-                path = os.path.join(directory, fname)
-                if not os.path.isfile(path):
-                    raise MissingFileError(path, f"named by {os.path.basename(index_path)} but missing")
-                files[fname] = SafetensorsFile(path)
-            if name not in files[fname]:
-                raise CorruptCheckpointError(files[fname].path, f"index says it holds {name!r}, it does not")
-            tensors[name] = files[fname].lazy(name)
-        return tensors
-    if os.path.isfile(single):
-        st = SafetensorsFile(single)
-        return {name: st.lazy(name) for name in st.keys()}
-    return None
-
-
-def read_universal(directory: str, verify_digests: bool = False) -> LogicalCheckpoint:
-    manifest = read_manifest(directory)
+def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckpoint:
+    """The universal checkpoint at ``directory``. Everything is checked against the manifest before use: the
+    JSON files and component pieces by their file digests, the model and optimizer tensors one by one as they
+    are loaded (each LazyTensor carries its recorded digest), their headers here."""
+    manifest = open_checkpoint(directory, verify_digests)
     if manifest.format != UNIVERSAL_FORMAT:
         raise CorruptCheckpointError(directory, f"is a {manifest.format} checkpoint, not {UNIVERSAL_FORMAT}")
-    check_files(directory, manifest, manifest.files, digest=verify_digests)
     model = read_hf_safetensors(os.path.join(directory, "model")) or {}
-    for name, t in model.items():
-        t.digest = manifest.tensors[name].digest if name in manifest.tensors else None
+    _attach_digests(model, manifest, lambda name: name, directory)
     config = None
     if manifest.model and manifest.model.get("config"):
-        with open(os.path.join(directory, manifest.model["config"]), encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json(inside(directory, manifest.model["config"]), "model config")
     optimizer = None
     if manifest.optimizer:
-        with open(os.path.join(directory, STATE_JSON), encoding="utf-8") as f:
-            state = json.load(f)
+        path = inside(directory, STATE_JSON)
+        state = read_json(path, "optimizer state")
+        try:
+            keys, cls, scalars = list(state["state_keys"]), str(state["class"]), dict(state["scalars"])
+            groups = codec.decode(state["param_groups"], _no_tensor)
+            if not all(isinstance(k, str) for k in keys) or not isinstance(groups, list):
+                raise TypeError("state_keys must be names and param_groups a list")
+            for per in scalars.values():
+                for entry in per.values():
+                    scalar_value(entry)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(path, f"not a valid optimizer state: {exc}") from None
         tensors = {}
-        for key in state["state_keys"]:
+        for key in keys:
             found = read_hf_safetensors(os.path.join(directory, "optimizer"), key)
             if found is not None:
-                for name, t in found.items():
-                    record = manifest.tensors.get(optim_key(key, name))
-                    t.digest = record.digest if record else None
+                _attach_digests(found, manifest, lambda name, k=key: optim_key(k, name), directory)
                 tensors[key] = found
-        optimizer = OptimizerState(state["class"], codec.decode(state["param_groups"], _no_tensor), tensors, state["scalars"])
+        optimizer = OptimizerState(cls, groups, tensors, scalars)
     components = {key: ComponentSource.from_manifest(directory, manifest, key) for key in manifest.components}
     model_meta = manifest.model or {}
     return LogicalCheckpoint(
@@ -300,13 +290,25 @@ def read_universal(directory: str, verify_digests: bool = False) -> LogicalCheck
     )
 
 
+def _attach_digests(tensors: dict[str, LazyTensor], manifest: Manifest, key_of: Callable[[str], str], directory: str) -> None:
+    """Give each tensor read from the checkpoint the digest its manifest records, so loading it checks its bytes."""
+    for name, t in tensors.items():
+        record = manifest.tensors.get(key_of(name))
+        if record is None or record.digest is None:
+            raise CorruptCheckpointError(t.origin or directory, f"tensor {key_of(name)!r} has no digest in the manifest")
+        t.digest = record.digest
+
+
 def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(STATE_JSON, f"unexpected tensor reference {name!r}")
 
 
 def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
     """A 0-dim optimizer state value as stored in state.json."""
-    return torch.tensor(entry["value"], dtype=dtype_from_name(entry["dtype"]))
+    value = entry["value"]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) and entry["dtype"] != "bool":
+        raise TypeError(f"scalar value {value!r} is not a number")
+    return torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
 
 
 def scalar_entry(t: torch.Tensor) -> dict[str, Any]:

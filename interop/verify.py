@@ -1,35 +1,41 @@
-"""Checks of a committed checkpoint against its manifest: presence, sizes, digests, readable headers."""
+"""Checks of a committed checkpoint against its manifest: what is on disk is exactly what the manifest lists
+(no extra files, no links), every size and digest matches, tensors are the manifest's (none missing, extra or
+renamed, each with its shape, dtype and digest), and every index names what its shards hold.
+
+``open_checkpoint`` is what every reader calls before it uses a byte; ``verify_checkpoint`` is ``interop
+verify``: every problem, one line each.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import os
-from typing import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
 
+from . import digests
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
-from .manifest import FileRecord, Manifest, read_manifest
-from .safetensors_io import FILE_DIGEST_ALGO, SafetensorsFile, safetensors_digest
-from .tensors import DIGEST_ALGO
+from .jsonio import read_json
+from .logical import stored_name
+from .manifest import MANIFEST, FileRecord, Manifest, read_manifest
+from .paths import describe_entry, inside, tree_entries
+from .safetensors_io import SafetensorsFile, safetensors_digests
 
-_CHUNK = 8 << 20
+HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
 
 
 def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return f"{DIGEST_ALGO}:{h.hexdigest()}"
+    return digests.of_file(path)
 
 
 def digest_as(path: str, recorded: str | None) -> str:
-    """The file's digest by the algorithm the manifest recorded it with."""
-    if recorded and recorded.startswith(FILE_DIGEST_ALGO + ":"):
+    """The file's digest by the algorithm (and, for safetensors, the composite form) the manifest recorded."""
+    algo, composite = digests.parse(recorded, path) if recorded else (digests.ALGO, False)
+    if composite:
         try:
-            return safetensors_digest(path)
+            return safetensors_digests(path, algo)[0]
         except CorruptCheckpointError:
             return ""  # unreadable: it cannot match
-    return file_digest(path)
+    return digests.of_file(path, algo)
 
 
 def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
@@ -38,64 +44,208 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     from .commit import fsync_path
 
     top = os.path.join(root, subdir)
-    rels = sorted(
-        os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names
-    )
-    records = {}
+    rels = sorted(os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names)
     rank, world = share
-    for rel in rels[rank::world]:
-        path = os.path.join(root, rel)
-        fsync_path(path)
-        records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
-    for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels}:
+    mine = rels[rank::world]
+    for rel in mine:
+        fsync_path(os.path.join(root, rel))
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        hashed = pool.map(lambda rel: file_digest(os.path.join(root, rel)), mine)
+        records = {rel: FileRecord(os.path.getsize(os.path.join(root, rel)), d) for rel, d in zip(mine, hashed)}
+    for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
         fsync_path(d)
     return records
 
 
+def checked_path(directory: str, rel: str, record: FileRecord) -> str:
+    """The path of listed file ``rel``, after checking it stays inside the checkpoint, is a regular file
+    (not a link) and has the recorded size."""
+    path = inside(directory, rel, os.path.join(directory, MANIFEST))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise MissingFileError(path, "listed in the manifest but missing") from None
+    problem = describe_entry(directory, rel, st)
+    if problem:
+        raise CorruptCheckpointError(path, problem)
+    if st.st_size != record.bytes:
+        raise CorruptCheckpointError(path, f"size {st.st_size} bytes, manifest says {record.bytes} (truncated or replaced)")
+    return path
+
+
 def check_file(directory: str, rel: str, record: FileRecord, digest: bool = False) -> None:
-    """Raise naming the file when it is missing, of the wrong size, or (with ``digest``) altered."""
-    path = os.path.join(directory, rel)
-    if not os.path.isfile(path):
-        raise MissingFileError(path, "listed in the manifest but missing")
-    size = os.path.getsize(path)
-    if size != record.bytes:
-        raise CorruptCheckpointError(path, f"size {size} bytes, manifest says {record.bytes} (truncated or replaced)")
+    """Raise naming the file when it is missing, a link, of the wrong size, or (with ``digest``) altered."""
+    path = checked_path(directory, rel, record)
     if digest and digest_as(path, record.digest) != record.digest:
         raise CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
 
 
 def check_files(directory: str, manifest: Manifest, rels: Iterable[str], digest: bool = False) -> None:
+    """Check each listed file (digests side by side on threads); raise on the first problem, in ``rels`` order."""
+    rels = list(rels)
     for rel in rels:
-        record = manifest.files.get(rel)
-        if record is None:
+        if rel not in manifest.files:
             raise CorruptCheckpointError(os.path.join(directory, rel), "not listed in the manifest")
-        check_file(directory, rel, record, digest)
+        checked_path(directory, rel, manifest.files[rel])
+    if digest:
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            for rel, error in zip(rels, pool.map(lambda r: _digest_problem(directory, r, manifest.files[r]), rels)):
+                if error:
+                    raise error
 
 
-def verify_checkpoint(directory: str, digests: bool = True, progress=None) -> tuple[Manifest | None, list[str]]:
+def _digest_problem(directory: str, rel: str, record: FileRecord) -> CheckpointError | None:
+    path = os.path.join(directory, rel)
+    if digest_as(path, record.digest) != record.digest:
+        return CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
+    return None
+
+
+def unlisted(directory: str, manifest: Manifest) -> list[CheckpointError]:
+    """What lies in the checkpoint directory that the manifest does not list: extra files, links, devices."""
+    problems: list[CheckpointError] = []
+    for rel, st in tree_entries(directory):
+        path = os.path.join(directory, rel)
+        why = describe_entry(directory, rel, st)
+        if why:
+            problems.append(CorruptCheckpointError(path, why))
+        elif rel not in manifest.files and rel != MANIFEST:
+            problems.append(CorruptCheckpointError(path, "is not listed in the manifest (an extra file; a reader or engine could pick it up)"))
+    return problems
+
+
+def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True) -> Manifest:
+    """The manifest of the committed checkpoint at ``directory``, once everything a reader may use has been
+    checked against it: nothing on disk that it does not list, every listed file present with its size and
+    (``digests_checked``) digest. With ``by_tensor``, files holding the manifest's tensors are checked here by
+    their headers (the tensors, shapes and dtypes the manifest lists) and their bytes are the reader's to check
+    tensor by tensor as it loads them (``LazyTensor.digest``), so no byte is read twice; without, they are
+    hashed whole like every other file (for a reader that does not know the manifest's tensors)."""
+    manifest = read_manifest(directory)
+    extra = unlisted(directory, manifest)
+    if extra:
+        raise extra[0]
+    by_tensor = set(tensors_by_file(manifest)) if by_tensor else set()
+    check_files(directory, manifest, manifest.files)
+    check_files(directory, manifest, [r for r in manifest.files if r not in by_tensor], digest=digests_checked)
+    for problem in tensor_problems(directory, manifest, by_tensor, hashed=False):
+        raise problem
+    return manifest
+
+
+def tensors_by_file(manifest: Manifest) -> dict[str, dict[str, str]]:
+    """file -> {name stored in it: logical key} for the manifest's tensors."""
+    out: dict[str, dict[str, str]] = {}
+    for key, rec in manifest.tensors.items():
+        out.setdefault(rec.file, {})[stored_name(key)] = key
+    return out
+
+
+def tensor_problems(directory: str, manifest: Manifest, files: Iterable[str], hashed: bool) -> list[CheckpointError]:
+    """For each safetensors file in ``files`` that holds manifest tensors: its header holds exactly those tensors
+    with their shapes and dtypes, and (``hashed``) the file digest and every tensor's digest match."""
+    expected_by_file = tensors_by_file(manifest)
+    rels = [rel for rel in sorted(set(files)) if rel in expected_by_file]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        found = pool.map(lambda rel: _tensor_file_problems(directory, rel, manifest, expected_by_file[rel], hashed), rels)
+        return [p for problems in found for p in problems]
+
+
+def _tensor_file_problems(directory: str, rel: str, manifest: Manifest, expected: dict[str, str], hashed: bool) -> list[CheckpointError]:
+    from .dtypes import dtype_name
+
+    path = os.path.join(directory, rel)
+    problems: list[CheckpointError] = []
+    try:
+        st = SafetensorsFile(path)
+        found = set(st.keys())
+        for name in sorted(found - set(expected)):
+            problems.append(CorruptCheckpointError(path, f"holds tensor {name!r}, which the manifest does not list in this file"))
+        for name in sorted(set(expected) - found):
+            problems.append(CorruptCheckpointError(path, f"lacks tensor {name!r} that the manifest lists (missing or renamed)"))
+        for name in sorted(found & set(expected)):
+            rec, spec = manifest.tensors[expected[name]], st.spec(name)
+            if list(spec.shape) != rec.shape or dtype_name(spec.dtype) != rec.dtype:
+                problems.append(CorruptCheckpointError(path, f"tensor {name!r} is {spec.describe()}, the manifest says {rec.dtype}{rec.shape}"))
+        if hashed:
+            recorded = manifest.files[rel].digest
+            file_digest_, tensor_digests = safetensors_digests(path, digests.parse(recorded, path)[0])
+            if file_digest_ != recorded:
+                problems.append(CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)"))
+            for name in sorted(found & set(expected)):
+                want = manifest.tensors[expected[name]].digest
+                if want is not None and tensor_digests[name] != want:  # one writer hashed both: one algorithm
+                    problems.append(CorruptCheckpointError(path, f"tensor {name!r} differs from the digest the manifest records for it"))
+    except CheckpointError as exc:
+        problems.append(exc)
+    return problems
+
+
+def index_problems(directory: str, manifest: Manifest) -> list[CheckpointError]:
+    """Every ``*.safetensors.index.json`` the manifest lists names listed shards and exactly the tensors they hold."""
+    from .safetensors_io import read_index
+
+    problems: list[CheckpointError] = []
+    for rel in manifest.files:
+        if rel.endswith(".safetensors.index.json"):
+            try:
+                read_index(os.path.join(directory, rel), os.path.join(directory, os.path.dirname(rel)), listed=manifest.files, root=directory)
+            except CheckpointError as exc:
+                problems.append(exc)
+    return problems
+
+
+def verify_checkpoint(directory: str, digests: bool = True, progress: Callable | None = None) -> tuple[Manifest | None, list[str]]:
     """Every problem found, one line each; an empty list means the checkpoint is complete and intact."""
     try:
         manifest = read_manifest(directory)
     except CheckpointError as exc:
         return None, [str(exc)]
-    problems: list[str] = []
+    problems: list[CheckpointError] = unlisted(directory, manifest)
+    tensor_files = set(tensors_by_file(manifest))
     items = list(manifest.files.items())
+    present = []
     for rel, record in progress(items, desc="verify", unit="file") if progress else items:
         try:
-            check_file(directory, rel, record, digests)
+            checked_path(directory, rel, record)
             if rel.endswith(".safetensors"):
                 SafetensorsFile(os.path.join(directory, rel))
+            present.append(rel)
         except CheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(exc)
+    if digests:
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            plain = [r for r in present if r not in tensor_files]
+            problems += [p for p in pool.map(lambda r: _digest_problem(directory, r, manifest.files[r]), plain) if p]
+    problems += tensor_problems(directory, manifest, [r for r in present if r in tensor_files], hashed=digests)
+    problems += index_problems(directory, manifest)
     for name, tensor in manifest.tensors.items():
         if tensor.file not in manifest.files:
-            problems.append(f"{os.path.join(directory, tensor.file)}: holds tensor {name!r} but is not listed in the manifest")
+            problems.append(CorruptCheckpointError(os.path.join(directory, tensor.file), f"holds tensor {name!r} but is not listed in the manifest"))
     for key, comp in manifest.components.items():
         if comp.native:
             if not any(rel.startswith(tuple(b + "/" for b in comp.pieces.values())) for rel in manifest.files):
-                problems.append(f"{directory}: native component {key!r} has no files listed in the manifest")
+                problems.append(CorruptCheckpointError(directory, f"native component {key!r} has no files listed in the manifest"))
             continue
         for base in comp.pieces.values():
             if base + ".json" not in manifest.files:
-                problems.append(f"{os.path.join(directory, base)}.json: piece of component {key!r} not listed in the manifest")
-    return manifest, problems
+                problems.append(CorruptCheckpointError(os.path.join(directory, base) + ".json", f"piece of component {key!r} not listed in the manifest"))
+    for key in (manifest.model or {}).get("config"), (manifest.optimizer or {}).get("groups"):
+        if isinstance(key, str) and key not in manifest.files:
+            problems.append(CorruptCheckpointError(os.path.join(directory, key), "named by the manifest but not listed in its files"))
+    return manifest, list(dict.fromkeys(str(p) for p in problems))
+
+
+def enclosing_checkpoint(path: str, levels: int = 3) -> str | None:
+    """The committed checkpoint (a directory with a manifest) that ``path`` lies strictly inside, if any: a
+    reader pointed at a part of one (``ckpt/model`` as a Hugging Face directory, ``ckpt/deepspeed``) must
+    still have that checkpoint's files checked against its manifest."""
+    current = os.path.realpath(path)
+    for _ in range(levels):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        if os.path.isfile(os.path.join(parent, MANIFEST)):
+            return parent
+        current = parent
+    return None

@@ -60,7 +60,7 @@ def load_state(src: str, out: str, fsdp: bool) -> None:
 if __name__ == "__main__":
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "train":
-        run(OddTrainer(parse_config(args)))
+        run(lambda: OddTrainer(parse_config(args)))
     elif scenario == "load_state":
         load_state(args[0], args[1], "--fsdp" in args[2:])
     else:

@@ -44,6 +44,26 @@ def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.Completed
     return subprocess.run(torchrun_cmd(nproc, *args), env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def listing(root) -> list[str]:
+    """What a run root holds, without the writer's lock file (held while the run lives)."""
+    return sorted(n for n in os.listdir(root) if n != ".interop.lock")
+
+
+def reseal(checkpoint, *rels: str) -> None:
+    """Record the current size and digest of files ``rels`` of ``checkpoint`` in its manifest, as someone who
+    edits a checkpoint on purpose would: what is left to catch the edit is the readers' own checks."""
+    from interop.commit import write_manifest
+    from interop.manifest import read_manifest
+    from interop.verify import digest_as
+
+    manifest = read_manifest(str(checkpoint))
+    for rel in rels:
+        record = manifest.files[rel]
+        path = os.path.join(str(checkpoint), rel)
+        record.bytes, record.digest = os.path.getsize(path), digest_as(path, record.digest)
+    write_manifest(str(checkpoint), manifest)
+
+
 @pytest.fixture
 def tiny_llama():
     from trainers.base import tiny_config

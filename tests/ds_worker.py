@@ -73,7 +73,7 @@ if __name__ == "__main__":
     if scenario == "layouts":
         layouts(args[0])
     elif scenario == "train":
-        run(OddTrainer(parse_config(args)))
+        run(lambda: OddTrainer(parse_config(args)))
     elif scenario == "reload":
         reload(parse_config(args))
     elif scenario == "universal":

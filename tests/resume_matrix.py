@@ -129,8 +129,8 @@ def make_source(key: str, work: Path) -> Source:
     return source
 
 
-# `interop diff` of two universal checkpoints compares the digests their manifests record: no tensor is
-# loaded and no engine imported (asserted), however the tensors travelled in between
+# `interop diff` of two universal checkpoints checks each tensor against the digest its manifest records and
+# compares those digests; no engine is imported (asserted), however the tensors travelled in between
 DIFF_WITHOUT_ENGINES = """
 import sys
 from converters.cli import main
@@ -263,7 +263,7 @@ def render(results: list[Result]) -> str:
         "`pytest -m slow tests/test_resume_matrix.py`). Each source trains a tiny Llama for 4 steps on CPU "
         "processes and saves at step 2; one `interop convert` writes that checkpoint for the target's layout; "
         "`interop verify` checks the output; converted back to universal, `interop diff` finds every tensor and "
-        "scalar equal to the source's own universal conversion (from the manifests' digests, with no engine "
+        "scalar equal to the source's own universal conversion (by the manifests' digests, with no engine "
         "imported); the target's trainer resumes from it and trains steps 3 and 4. A cell "
         "is `ok` with the largest relative difference of those losses from the source run's own steps 3 and 4 "
         f"(the bar is {REL:g}: float rounding between engines). Rows are sources, columns targets; on the diagonal "

@@ -21,7 +21,7 @@ from converters.registry import detect, read  # noqa: E402
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
 from interop.tensors import LazyTensor  # noqa: E402
 
-from .conftest import ROOT, free_port, run_workers, worker_env  # noqa: E402
+from .conftest import ROOT, free_port, reseal, run_workers, worker_env  # noqa: E402
 from .odd_model import FROZEN  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -322,6 +322,7 @@ def test_optimizer_state_for_unknown_parameters(runs, tmp_path):
     state = torch.load(path, weights_only=True)
     state["state"][999] = dict(state["state"][0])
     torch.save(state, path)
+    reseal(ddp, "accelerate/optimizer.bin")  # the manifest agrees: the reader's own check must catch it
     with pytest.raises(CorruptCheckpointError, match=r"optimizer\.bin: optimizer state for parameter ids no param group holds: \[999\]"):
         read_accelerate(str(ddp))
 

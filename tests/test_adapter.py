@@ -25,6 +25,8 @@ from interop.replication import find_mismatches
 from interop.safetensors_io import SafetensorsFile, save_tensors
 from interop.verify import verify_checkpoint
 
+from .conftest import listing
+
 
 class Box:
     def __init__(self, value):
@@ -145,7 +147,7 @@ def test_save_load_round_trip_with_retention(tmp_path):
     for step in (1, 2, 3):
         box.value.fill_(step)
         manager.save(step)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3", "latest"]
+    assert listing(tmp_path) == ["checkpoint-2", "checkpoint-3", "latest"]
     box.value.zero_()
     result = manager.load()
     assert result.step == 3 and float(box.value) == 3.0
@@ -162,7 +164,7 @@ def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
         manager.save(step)
     write_latest(str(tmp_path), "checkpoint-1")  # e.g. an operator rolled back
     prune(str(tmp_path), keep_last=1)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-3", "latest"]
+    assert listing(tmp_path) == ["checkpoint-1", "checkpoint-3", "latest"]
 
 
 def test_legacy_provider_still_saves_and_loads(tmp_path):
@@ -203,7 +205,7 @@ def test_per_group_without_the_group_fails_naming_both(tmp_path):
 
     with pytest.raises(SaveFailedError, match=r"component 'shard' is PER_GROUP over process group 'dp_group', which the trainer does not provide"):
         CheckpointManager(str(tmp_path), Provider([comp])).save(1)
-    assert os.listdir(tmp_path) == []
+    assert listing(tmp_path) == []
 
 
 def test_keep_policy_is_refused_for_per_rank_state():
@@ -225,9 +227,10 @@ def test_load_refuses_uncommitted_and_checks_sizes_and_digests(tmp_path):
     raw = bytearray(open(tensor_file, "rb").read())
     raw[-1] ^= 0xFF  # same size, different bytes
     open(tensor_file, "wb").write(bytes(raw))
-    manager.load(path)  # sizes match: a plain load does not hash
+    result = manager.load(path, verify=False)  # --no-verify: sizes match, the flipped byte goes through...
+    assert any("--no-verify" in n for n in manager.resume_notes)  # ...and the run's next manifests say so
     with pytest.raises(CorruptCheckpointError, match=r"box\.safetensors: content digest differs"):
-        manager.load(path, verify=True)
+        manager.load(path)  # digests are checked by default
     assert any("box.safetensors" in p for p in verify_checkpoint(path)[1])
     open(tensor_file, "wb").write(bytes(raw[:-4]))
     with pytest.raises(CorruptCheckpointError, match=r"box\.safetensors: size \d+ bytes, manifest says \d+"):
@@ -333,8 +336,8 @@ def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
         TensorEntry("a", TensorSpec((piece.numel() + 100,), torch.float32), lambda: torch.cat(pieces()), pieces),
         TensorEntry("b", TensorSpec((5, 7), torch.float32), lambda: tail),
     ]
-    write_safetensors(tmp_path / "copied.safetensors", entries, digests=False)
-    write_safetensors(tmp_path / "through_memory.safetensors", entries, digests=True)
+    write_safetensors(tmp_path / "copied.safetensors", entries, hashed=False)
+    write_safetensors(tmp_path / "through_memory.safetensors", entries, hashed=True)
     assert (tmp_path / "copied.safetensors").read_bytes() == (tmp_path / "through_memory.safetensors").read_bytes()
     from safetensors.torch import load_file
 

@@ -229,12 +229,13 @@ def test_trust_pickle_is_the_explicit_opt_in(tmp_path):
 
 
 def test_committed_checkpoint_without_a_reader_says_so(sources, tmp_path, capsys):
-    import json as _json
+    from interop.commit import write_manifest
+    from interop.manifest import read_manifest
 
     src = copy(sources / "run", tmp_path / "run")
     ckpt = sorted(p for p in src.iterdir() if p.name.startswith("checkpoint-"))[-1]
-    manifest = _json.loads((ckpt / "manifest.json").read_text())
-    manifest["sharding"]["strategy"] = "pipeline_parallel"
-    (ckpt / "manifest.json").write_text(_json.dumps(manifest))
+    manifest = read_manifest(ckpt)
+    manifest.sharding["strategy"] = "pipeline_parallel"
+    write_manifest(str(ckpt), manifest)
     code, _, err = run_cli(capsys, "inspect", src)
     assert_one_line_error(code, err, str(ckpt), "interop-checkpoint checkpoint of strategy 'pipeline_parallel' has no registered reader")

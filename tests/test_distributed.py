@@ -13,7 +13,7 @@ from interop.errors import UncommittedCheckpointError
 from interop.manifest import read_manifest
 from interop.verify import verify_checkpoint
 
-from .conftest import free_port, torchrun, torchrun_cmd, worker_env
+from .conftest import free_port, listing, torchrun, torchrun_cmd, worker_env
 from .dist_worker import KILL_POINTS, Box, Provider
 
 pytestmark = pytest.mark.dist
@@ -67,7 +67,7 @@ def test_one_rank_failing_fails_the_save_everywhere(core_run):
     (message,) = messages
     assert message.startswith("save of checkpoint-2 failed on rank 3: UnsupportedStateError")
     root = out / "fail"
-    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-1", "latest"]  # no staging left behind
+    assert listing(root) == ["checkpoint-1", "latest"]  # no staging left behind
     assert (root / "latest").read_text().strip() == "checkpoint-1"
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from converters import accelerate as accelerate_format
+from converters.pickle_safety import numpy_allowlist, weights_only_loads
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
@@ -66,6 +67,7 @@ class AccelerateState:
 
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer
+        trust = trainer.cfg.trust_pickle
         acc = trainer.accelerator
         saved = accelerate_format.describe(load.directory)
         steps_per_step = int((load.manifest.optimizer or {}).get("scheduler_steps_per_step", saved.num_processes))
@@ -77,14 +79,18 @@ class AccelerateState:
                 "converting %s (%s, %d processes) for this run (%s, %d processes)", load.directory,
                 "FSDP2" if saved.fsdp else "DDP", saved.num_processes, "FSDP2" if trainer.fsdp else "DDP", trainer.world_size,
             )
-            if trainer.rank == 0:
-                ckpt = accelerate_format.read_accelerate(load.directory)
+            def convert() -> None:  # the manager has checked every digest; the reader screens every pickle
+                ckpt = accelerate_format.read_accelerate(load.directory, trust, verify_digests=False)
                 if unscheduled:
                     ckpt.extra_state[accelerate_format.SCHEDULER] = trainer.scheduler.scheduler.state_dict()
                 accelerate_format.write_native(ckpt, load.scratch, trainer.world_size, trainer.fsdp)
-            acc.wait_for_everyone()
+
+            trainer.checkpoints.on_rank_zero(convert, what=f"converting {load.directory}")
             source = load.scratch
-        acc.load_state(source)
+        # what load_state unpickles passes our restricted loaders first, and its torch.load runs weights-only
+        accelerate_format.screen_save_state(source, trust)
+        with weights_only_loads(trust, numpy_allowlist()):
+            acc.load_state(source)
 
 
 class LocalSGDCounter:
@@ -240,7 +246,7 @@ def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    run(AccelerateTrainer(parse_config(argv)))
+    run(lambda: AccelerateTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     dtype: str = "float32"
     freeze: str = ""  # comma-separated parameter-name prefixes to freeze, e.g. "model.layers.0.mlp"
+    verify: bool = True  # on resume, check every file's digest against the manifest (--no-verify: sizes only)
+    trust_pickle: bool = False  # let the engine unpickle anything in the checkpoint's files (trusted sources only)
 
 
 def tiny_config(kind: str, tied: bool = False):
@@ -158,6 +160,7 @@ class BaseTrainer:
         self.state = TrainerState()
         self.rng = RNGState()
         self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
+        self.checkpoints.claim()  # a second run into the same output directory is refused now, not at its first save
 
     # --- construction hooks the engine trainers override ----------------------------------------------
     def init_distributed(self) -> tuple[int, int]:
@@ -249,7 +252,7 @@ class BaseTrainer:
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        result = self.checkpoints.load(target)
+        result = self.checkpoints.load(target, verify=self.cfg.verify)
         if not result.step:  # weights converted from a model: no training yet, so no optimizer state to keep
             self.optimizer.state.clear()
             for group, hyper in zip(self.optimizer.param_groups, fresh):
@@ -263,21 +266,17 @@ def import_checkpoint(trainer, path: str, write: Callable[[Any, str], Any]) -> s
     """For a trainer resuming from a checkpoint of another format: rank 0 reads ``path`` (any readable format)
     and ``write(logical, scratch)`` puts it into the trainer's own format in a scratch directory beside its
     checkpoints; every rank learns whether that worked. Returns the scratch directory (the caller removes it)."""
-    from interop.checkpoint import describe_error
-    from interop.errors import LoadFailedError
-
     scratch = os.path.join(os.path.abspath(trainer.cfg.output_dir), f".import-{os.path.basename(os.path.normpath(path))}")
-    error, own = None, None
-    if trainer.rank == 0:
-        try:
-            from converters import registry
 
-            fmt, ckpt = registry.read(path)
-            log.info("converting %s (%s) for this run", path, fmt.name)
-            write(ckpt, scratch)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error, own = describe_error(exc), exc
-    trainer.checkpoints.agree(error, failure=LoadFailedError, what=f"converting {path}", own=own)
+    def convert() -> None:
+        from converters import registry
+
+        options = registry.Options(trust_pickle=trainer.cfg.trust_pickle, verify_digests=trainer.cfg.verify)
+        fmt, ckpt = registry.read(path, options)
+        log.info("converting %s (%s) for this run", path, fmt.name)
+        write(ckpt, scratch)
+
+    trainer.checkpoints.on_rank_zero(convert, what=f"converting {path}")
     return scratch
 
 
@@ -304,8 +303,22 @@ def parse_config(argv: list[str] | None = None, cls=TrainerConfig, description: 
     return cls(**{f.name: args[f.name] for f in fields(cls)})
 
 
-def run(trainer: BaseTrainer) -> None:
-    """Shared __main__ body: resume if asked, train, save at the end, print one JSON summary line."""
+def run(make: Callable[[], Any]) -> None:
+    """Shared __main__ body: build the trainer (``make``, so that its own start-up errors are caught too),
+    resume if asked, train, save at the end, print one JSON summary line. A checkpoint or setup the run
+    cannot use ends it with one line on stderr and exit code 2, as the CLI does."""
+    import sys
+
+    from interop.errors import InteropError
+
+    try:
+        _run(make())
+    except InteropError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)  # a process group may be half torn down; nothing of this run is left to flush
+
+
+def _run(trainer: Any) -> None:
     cfg = trainer.cfg
     if cfg.resume:
         trainer.resume(cfg.resume)
@@ -334,7 +347,7 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    run(BaseTrainer(parse_config(argv)))
+    run(lambda: BaseTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":

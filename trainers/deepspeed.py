@@ -15,6 +15,7 @@ world size, ZeRO stage or precision converts that directory in-process through `
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import torch
 
 from converters import deepspeed as deepspeed_zero
 from converters.deepspeed_writer import write_native
+from converters.pickle_safety import real_globals, screen_pickles, weights_only_loads
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
@@ -84,27 +86,33 @@ class DeepSpeedEngineState:
         engine.save_checkpoint(directory, tag=f"global_step{self.trainer.state.step}")
 
     def load_native(self, load: NativeLoad) -> None:
-        import torch.distributed as dist
-
         trainer = self.trainer
-        info = deepspeed_zero.describe(load.directory)
+        trust = trainer.cfg.trust_pickle
+        info = deepspeed_zero.describe(load.directory, trust)
         target = deepspeed_zero.NativeLayout(trainer.world_size, trainer.zero_stage, trainer.precision)
         source = load.directory
         if not info.layout.loads_as(target):
             log.warning("converting %s (%s) to %s for this run", load.directory, info.layout.describe(), target.describe())
-            if trainer.rank == 0:
-                ckpt = deepspeed_zero.read_deepspeed(os.path.dirname(load.directory))  # with the manifest's config
+            def convert() -> None:  # the manager has checked every digest; the reader screens every pickle
+                ckpt = deepspeed_zero.read_deepspeed(os.path.dirname(load.directory), trust, verify_digests=False)
                 write_native(ckpt, load.scratch, target, ds_config=trainer.engine.config, step=load.manifest.step)
-            dist.barrier()
+
+            trainer.checkpoints.on_rank_zero(convert, what=f"converting {load.directory}")
             source = load.scratch
-        saved_shapes = deepspeed_zero.param_shapes(source)
+        # every rank's engine unpickles every rank's files (DeepSpeed reads all optimizer partitions): each file
+        # passes the restricted loader first, the tag is the one we validated, and the engine's own torch.load
+        # runs weights-only
+        tag_dir = deepspeed_zero.locate(source)
+        screen_pickles(sorted(glob.glob(os.path.join(tag_dir, "*.pt"))), trust, deepspeed_zero.DEEPSPEED_ALLOWLIST)
+        saved_shapes = deepspeed_zero.param_shapes(source, trust)
         engine_shapes = [{n: tuple(s) for n, s in g.items()} for g in trainer.engine._get_zero_param_shapes()]
         if [list(g.items()) for g in saved_shapes] != [list(g.items()) for g in engine_shapes]:
             raise TopologyError(
                 f"{source}: the checkpoint's parameter groups ({[len(g) for g in saved_shapes]} parameters) do not "
                 f"match this engine's ({[len(g) for g in engine_shapes]}): different model, frozen set or grouping"
             )
-        path, _ = trainer.engine.load_checkpoint(source, load_lr_scheduler_states=False)
+        with weights_only_loads(trust, real_globals(deepspeed_zero.DEEPSPEED_ALLOWLIST)):
+            path, _ = trainer.engine.load_checkpoint(source, tag=os.path.basename(tag_dir), load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"deepspeed found no checkpoint to load in {source}")
 
@@ -202,7 +210,7 @@ def parse_config(argv: list[str] | None = None) -> DeepSpeedTrainerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    run(DeepSpeedTrainer(parse_config(argv)))
+    run(lambda: DeepSpeedTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from converters import hf_trainer as hf_format
+from converters.pickle_safety import numpy_allowlist, weights_only_loads
 from interop import CheckpointManager, SharingPattern, StateComponent, WorldSizePolicy
 from interop.errors import LoadFailedError, TopologyError
 from interop.sharding import ShardingMetadata, Strategy
@@ -93,7 +94,8 @@ class TrainerCheckpoint:
         if written_for != 1:
             raise TopologyError(f"{load.directory}: a Trainer checkpoint of {written_for} processes; this trainer runs one "
                                 "(convert it: interop convert SRC DST --to hf-trainer)")
-        self.owner.resume_from = load.directory  # Trainer loads it when training starts
+        hf_format.screen_trainer_checkpoint(load.directory, self.owner.cfg.trust_pickle)
+        self.owner.resume_from = load.directory  # Trainer loads it when training starts (weights-only, see train)
 
 
 class HFTrainer:
@@ -139,6 +141,7 @@ class HFTrainer:
         self.trainer = Trainer(model=self.model, args=args, train_dataset=stream, callbacks=[Progress()],
                                data_collator=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]})
         self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
+        self.checkpoints.claim()
         self._stop_at = cfg.steps
 
     # --- the adapter's view ------------------------------------------------------------------------
@@ -174,7 +177,8 @@ class HFTrainer:
         self._stop_at = self.cfg.steps if until is None else until
         start = len(self.losses)
         if self.state.step < self._stop_at:
-            self.trainer.train(resume_from_checkpoint=self.resume_from)
+            with weights_only_loads(self.cfg.trust_pickle, numpy_allowlist()):  # Trainer's torch.load of the checkpoint
+                self.trainer.train(resume_from_checkpoint=self.resume_from)
         for scratch in (self.scratch, self.imported):  # Trainer's empty output_dir; a converted copy it has read
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -188,7 +192,7 @@ class HFTrainer:
         target = None if path in (None, "latest") else path
         if target is not None and not _is_ours(target):  # Trainer reads the converted copy when training starts
             target = self.imported = import_checkpoint(self, target, lambda ckpt, out: hf_format.write_hf_trainer(ckpt, out, overwrite=True))
-        result = self.checkpoints.load(target)
+        result = self.checkpoints.load(target, verify=self.cfg.verify)
         expected = position_after(self.state.step, self.cfg, self.dataset)
         if self.data.state_dict() != expected.state_dict():
             raise LoadFailedError(
@@ -221,7 +225,7 @@ def parse_config(argv: list[str] | None = None) -> HFTrainerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    run(HFTrainer(parse_config(argv)))
+    run(lambda: HFTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":

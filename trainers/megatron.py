@@ -300,7 +300,7 @@ def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    run(MegatronTrainer(parse_config(argv)))
+    run(lambda: MegatronTrainer(parse_config(argv)))
 
 
 if __name__ == "__main__":
