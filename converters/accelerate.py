@@ -42,7 +42,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, enclosing_manifest, holds_native, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
@@ -108,6 +108,8 @@ def locate(path: str) -> str:
 
 
 def is_accelerate_checkpoint(path: str) -> bool:
+    if holds_native(path, NATIVE_KEY):
+        return True
     try:
         locate(path)
         return True

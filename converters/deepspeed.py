@@ -42,7 +42,7 @@ from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
-from .engine_checkpoint import carried_components, enclosing_manifest
+from .engine_checkpoint import carried_components, enclosing_manifest, holds_native
 from .families import tied_groups
 from .pickle_safety import is_mapped, load_torch_file
 
@@ -641,6 +641,8 @@ def _nearby_config(tag_dir: str) -> dict[str, Any] | None:
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
+    if holds_native(path, NATIVE_KEY):
+        return True
     try:
         locate(path)
         return True

@@ -9,11 +9,11 @@ import logging
 import os
 from typing import Any, Callable
 
-from interop.commit import fsync_path, staged_output, write_manifest
+from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
 from interop.errors import ConversionError
 from interop.logical import ComponentSource, LogicalCheckpoint
 from interop.pieces import read_piece
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from interop.sharding import ShardingMetadata
 from interop.state import SharingPattern, WorldSizePolicy
 from interop.topology import Topology
@@ -21,6 +21,25 @@ from interop.universal import copy_components
 from interop.verify import open_checkpoint, tree_records
 
 log = logging.getLogger(__name__)
+
+
+def committed_manifest(path: str) -> Manifest | None:
+    """The manifest of the interop checkpoint at ``path`` (or its ``latest``), or None: for detection, which
+    never raises (reading does)."""
+    try:
+        directory = resolve_checkpoint_dir(path)
+        if not os.path.isfile(os.path.join(directory, MANIFEST)):
+            return None
+        return read_manifest(directory)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def holds_native(path: str, key: str) -> bool:
+    """Whether ``path`` is one of our checkpoints (or its root) around the engine's own ``key/`` directory:
+    detected by its manifest, so a damaged engine directory is reported by the reader, not as 'unknown'."""
+    manifest = committed_manifest(path)
+    return manifest is not None and key in manifest.components and manifest.components[key].native
 
 
 def enclosing_manifest(directory: str, key: str, verify_digests: bool = True) -> Manifest | None:

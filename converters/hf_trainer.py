@@ -38,7 +38,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
-from .engine_checkpoint import carried_components, component_state, enclosing_manifest, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, enclosing_manifest, holds_native, write_engine_checkpoint
 from .families import tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
@@ -56,6 +56,8 @@ def locate(path: str) -> str:
 
 
 def is_hf_trainer_checkpoint(path: str) -> bool:
+    if holds_native(path, NATIVE_KEY):
+        return True
     try:
         directory = locate(path)
     except Exception:  # detection never raises

@@ -13,28 +13,17 @@ from typing import Any
 
 from interop.errors import ConversionError, CorruptCheckpointError
 from interop.logical import ComponentSource, LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, Manifest, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, Manifest
 from interop.commit import resolve_checkpoint_dir
 from interop.pieces import read_piece
 from interop.universal import split_optimizer_state
 from interop.verify import open_checkpoint
 
+from .engine_checkpoint import committed_manifest
 from .families import tied_groups
 
 MODEL, OPTIMIZER = "model", "optimizer"
 STRATEGIES = ("single", "ddp")
-
-
-def committed_manifest(path: str) -> Manifest | None:
-    """The manifest of the interop checkpoint at ``path`` (or its ``latest``), or None: for detection, which
-    never raises (reading does)."""
-    try:
-        directory = resolve_checkpoint_dir(path)
-        if not os.path.isfile(os.path.join(directory, MANIFEST)):
-            return None
-        return read_manifest(directory)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def is_interop_checkpoint(path: str) -> bool:

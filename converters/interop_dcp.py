@@ -23,7 +23,7 @@ from interop.verify import open_checkpoint
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
 from .engine_checkpoint import carried_components, write_engine_checkpoint
 from .families import tied_groups
-from .interop_ckpt import committed_manifest
+from .engine_checkpoint import committed_manifest
 from .param_order import EngineOrder, engine_order
 
 NATIVE_KEY = "dcp"

@@ -213,7 +213,7 @@ class HFTrainer:
 
 
 def _is_ours(path: str) -> bool:
-    from converters.interop_ckpt import committed_manifest
+    from converters.engine_checkpoint import committed_manifest
 
     manifest = committed_manifest(path)
     return manifest is not None and hf_format.NATIVE_KEY in manifest.components
