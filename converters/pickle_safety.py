@@ -113,11 +113,13 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
 def save_torch(obj: Any, path: str) -> None:
     """``torch.save`` whose write failures (a full disk makes torch's zip writer raise RuntimeError) are
     one error naming the file."""
+    from interop.errors import OutputWriteError
+
     try:
         torch.save(obj, path)
-    except RuntimeError as exc:
-        from interop.errors import OutputWriteError
-
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
+    except RuntimeError as exc:  # torch's zip writer: "unexpected pos ..." when the disk fills
         free = _free_bytes(os.path.dirname(os.path.abspath(path)))
         why = "no space left on the device" if free is not None and free < (1 << 20) else str(exc).splitlines()[0]
         raise OutputWriteError(path, f"could not be written: {why}") from None

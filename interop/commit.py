@@ -16,7 +16,7 @@ import shutil
 from typing import Iterator
 
 from . import digests
-from .errors import DestinationExistsError, MissingFileError
+from .errors import DestinationExistsError, MissingFileError, OutputWriteError
 from .locking import exclusive
 from .manifest import MANIFEST, STAGING_SUFFIX, FileRecord, Manifest, read_manifest
 from .paths import check_relative
@@ -36,10 +36,13 @@ def fsync_path(path: str) -> None:
 
 def durable_write(path: str, data: bytes) -> FileRecord:
     """Write a new file and fsync it; returns its size and digest for the manifest."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
     return FileRecord(len(data), digests.of_bytes(data))
 
 

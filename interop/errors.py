@@ -52,6 +52,10 @@ class UnsafePickleError(CheckpointError):
 class OutputWriteError(CheckpointError):
     """Writing an output file failed (a full disk, a read-only directory); nothing was published."""
 
+    @classmethod
+    def of(cls, path: str, exc: OSError) -> "OutputWriteError":
+        return cls(path, f"could not be written: {exc.strerror or exc}")
+
 
 class UnsupportedStateError(InteropError):
     """A state dict holds a value the no-pickle codec cannot represent."""

@@ -19,7 +19,7 @@ import torch
 
 from . import digests
 from .dtypes import from_st_code, st_code
-from .errors import CorruptCheckpointError, MissingFileError
+from .errors import CorruptCheckpointError, MissingFileError, OutputWriteError
 from .jsonio import loads as json_loads
 from .jsonio import read_json
 from .paths import inside
@@ -153,6 +153,21 @@ def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tu
 
 
 def write_safetensors(
+    path: str | os.PathLike,
+    entries: Iterable[TensorEntry],
+    metadata: dict[str, str] | None = None,
+    on_tensor: Callable[[TensorEntry], None] | None = None,
+    hashed: bool = True,
+) -> WrittenFile:
+    """Write ``entries`` to ``path`` (see ``_write_safetensors``); a failed write (a full disk) is one error
+    naming the file."""
+    try:
+        return _write_safetensors(path, entries, metadata, on_tensor, hashed)
+    except OSError as exc:
+        raise OutputWriteError.of(os.fspath(path), exc) from None
+
+
+def _write_safetensors(
     path: str | os.PathLike,
     entries: Iterable[TensorEntry],
     metadata: dict[str, str] | None = None,

@@ -820,6 +820,45 @@ def test_flipped_byte_grid(flip_bench, capsys, kind):
     run_flips(flip_bench, kind, flip_cases(flip_bench[kind]["work"], None, 0, 200, f"grid-{kind}"), capsys)
 
 
+ENGINE_FILES = [("deepspeed", 2, "deepspeed/global_step2/mp_rank_00_model_states.pt"),
+                ("deepspeed", 2, "deepspeed/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                ("deepspeed", 2, "deepspeed/latest"), ("deepspeed", 2, "deepspeed/zero_to_fp32.py"),
+                ("accelerate", None, "accelerate/optimizer.bin"), ("accelerate", None, "accelerate/model.safetensors"),
+                ("hf_trainer", None, "hf_trainer/optimizer.pt"), ("hf_trainer", None, "hf_trainer/trainer_state.json")]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine,stage,rel", ENGINE_FILES, ids=[r[2].split("/")[-1] for r in ENGINE_FILES])
+def test_flipped_byte_in_an_engine_file(engine_ckpt, tmp_path, capsys, engine, stage, rel):
+    """The engine's own files inside our checkpoints (pickles, its tag file, its scripts): a flipped byte at the
+    start, middle and end is caught by verify and by convert, naming the file, before anything unpickles it."""
+    src = copy(engine_ckpt(engine, stage), tmp_path / "ckpt")
+    size = (src / rel).stat().st_size
+    for pos in (0, size // 2, size - 1):
+        original = flip(src / rel, pos, 0x01)
+        code, out, _ = run_cli(capsys, "verify", src, "-q")
+        assert code == 1 and Path(rel).name in out, out
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
+        assert_one_line_error(code, err, Path(rel).name, words=["digest"])
+        (src / rel).write_bytes(original)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_flipped_byte_refused_by_the_deepspeed_resume(ds_ckpts, tmp_path):
+    """Every rank hashes a share of the files before DeepSpeed loads any: a flip in rank 1's optimizer file
+    stops the resume on both ranks, naming it, and nothing is saved."""
+    src = copy(ds_ckpts(2), tmp_path / "ckpt")
+    rel = "deepspeed/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flip(src / rel, (src / rel).stat().st_size // 2, 0x01)
+    args = ["--steps", "3", *SIZES, "--zero-stage", "2", "--resume", str(src), "--output-dir", str(tmp_path / "resumed")]
+    proc = subprocess.run(trainer_cmd("trainers.deepspeed", 2, *args), env=engine_env(), capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in proc.stderr, proc.stderr[-3000:]
+    assert "digest differs" in proc.stderr
+    assert committed(tmp_path / "resumed") == []
+
+
 @pytest.mark.parametrize("victim", ["components/model.safetensors", "components/optimizer.safetensors",
                                     "components/data.json"])  # (the RNG files are equal: no dropout, nothing drew)
 def test_file_swapped_from_another_step(run8, tmp_path, capsys, victim):
@@ -980,6 +1019,37 @@ def test_max_shard_size_that_is_not_a_size(base, tmp_path, capsys):
                              "--max-shard-size", "lots")
     assert code == 2 and "Traceback" not in out + err, err
     assert not (tmp_path / "out").exists()
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG), as they would on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+from converters.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_write_that_fails_midway(base, tmp_path):
+    """An output file that cannot be written whole (a full disk; here a file-size limit): one line naming the
+    file, exit 2, no destination and no staging directory left."""
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, "convert", str(base / "uni"), str(tmp_path / "out"),
+                             "--to", "accelerate", "--world-size", "1"], env=worker_env(), capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert_one_line_error(result.returncode, result.stderr, str(tmp_path), words=["could not be written"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupt_while_starting(base, tmp_path):
+    """SIGINT while the console script is still importing torch: one line (or, before Python itself is up,
+    the signal's plain death), never a traceback."""
+    exe = shutil.which("interop") or pytest.fail("console script 'interop' is not installed")
+    proc = subprocess.Popen([exe, "inspect", str(base / "uni")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    assert (proc.returncode, err.strip().splitlines()) in ((130, ["interop: interrupted; nothing was written"]), (-signal.SIGINT, [])), (proc.returncode, err)
 
 
 @pytest.mark.parametrize("weights", ["safetensors", "pytorch_model.bin"])
