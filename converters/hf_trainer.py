@@ -24,7 +24,6 @@ import os
 import sys
 from typing import Any
 
-import torch
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError, MissingFileError

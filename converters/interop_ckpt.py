@@ -7,7 +7,6 @@ every other component is carried over as saved.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 

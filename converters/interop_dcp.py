@@ -15,7 +15,7 @@ from typing import Any
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, Manifest, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, Manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import open_checkpoint

@@ -23,7 +23,7 @@ from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
 from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native
 from .topology import Topology
-from .verify import check_files, tree_records, unlisted
+from .verify import check_against_manifest, tree_records
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,12 @@ class CheckpointManager:
     def claim(self) -> None:
         """Make this run the only writer of ``root`` (collective; rank 0 holds the lock until the process
         ends). A second run into the same directory would publish over this one's checkpoints: it is refused."""
-        error = own = None
-        if self.collective.rank == 0 and not self.claimed:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-                locking.claim(self.lock_path(), self.root)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn it
-                error, own = describe_error(exc), exc
-        self.agree(error, what=f"claiming {self.root}", own=own)
+        def take() -> None:
+            os.makedirs(self.root, exist_ok=True)
+            locking.claim(self.lock_path(), self.root)
+
+        if not self.claimed:
+            self.on_rank_zero(take, what=f"claiming {self.root}", failure=SaveFailedError)
         self.claimed = True
 
     # ------------------------------------------------------------------------------------------------
@@ -270,12 +268,7 @@ class CheckpointManager:
         try:
             directory = resolve_checkpoint_dir(os.path.abspath(path or self.root))
             manifest = read_manifest(directory)
-            problems = unlisted(directory, manifest)
-            if problems:
-                raise problems[0]
-            check_files(directory, manifest, manifest.files)
-            if verify:
-                check_files(directory, manifest, sorted(manifest.files)[rank :: self.collective.world_size], digest=True)
+            check_against_manifest(directory, manifest, verify, share=(rank, self.collective.world_size))
         except Exception as exc:  # noqa: BLE001
             error, own_exc = describe_error(exc), exc
         self.agree(error, failure=LoadFailedError, what="load", own=own_exc)

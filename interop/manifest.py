@@ -109,7 +109,7 @@ def _self_digest(data: dict[str, Any]) -> str:
 
 # --- the schema -------------------------------------------------------------------------------------------
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # component keys name directories: one plain path part
-_INT_FIELDS = ("world_size", "dp", "tp", "pp", "zero_stage", "step", "num_processes", "scheduler_steps_per_step", "padded_vocab_size")
+_INT_FIELDS = ("world_size", "dp", "tp", "pp", "zero_stage", "step", "scheduler_steps_per_step")  # values arithmetic uses
 
 
 def _validate(data: dict[str, Any], path: str) -> None:

@@ -23,7 +23,7 @@ import torch
 from . import codec
 from .commit import durable_write, fsync_path, staged_output, write_manifest
 from .dtypes import dtype_from_name, dtype_name
-from .errors import ConversionError, CorruptCheckpointError, MissingFileError
+from .errors import ConversionError, CorruptCheckpointError
 from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
 from .pieces import write_piece

@@ -14,17 +14,12 @@ from typing import Callable, Iterable
 
 from . import digests
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
-from .jsonio import read_json
 from .logical import stored_name
 from .manifest import MANIFEST, FileRecord, Manifest, read_manifest
 from .paths import describe_entry, inside, tree_entries
 from .safetensors_io import SafetensorsFile, safetensors_digests
 
 HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
-
-
-def file_digest(path: str) -> str:
-    return digests.of_file(path)
 
 
 def digest_as(path: str, recorded: str | None) -> str:
@@ -50,7 +45,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     for rel in mine:
         fsync_path(os.path.join(root, rel))
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        hashed = pool.map(lambda rel: file_digest(os.path.join(root, rel)), mine)
+        hashed = pool.map(lambda rel: digests.of_file(os.path.join(root, rel)), mine)
         records = {rel: FileRecord(os.path.getsize(os.path.join(root, rel)), d) for rel, d in zip(mine, hashed)}
     for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
         fsync_path(d)
@@ -71,13 +66,6 @@ def checked_path(directory: str, rel: str, record: FileRecord) -> str:
     if st.st_size != record.bytes:
         raise CorruptCheckpointError(path, f"size {st.st_size} bytes, manifest says {record.bytes} (truncated or replaced)")
     return path
-
-
-def check_file(directory: str, rel: str, record: FileRecord, digest: bool = False) -> None:
-    """Raise naming the file when it is missing, a link, of the wrong size, or (with ``digest``) altered."""
-    path = checked_path(directory, rel, record)
-    if digest and digest_as(path, record.digest) != record.digest:
-        raise CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
 
 
 def check_files(directory: str, manifest: Manifest, rels: Iterable[str], digest: bool = False) -> None:
@@ -114,21 +102,32 @@ def unlisted(directory: str, manifest: Manifest) -> list[CheckpointError]:
     return problems
 
 
-def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True) -> Manifest:
-    """The manifest of the committed checkpoint at ``directory``, once everything a reader may use has been
-    checked against it: nothing on disk that it does not list, every listed file present with its size and
-    (``digests_checked``) digest. With ``by_tensor``, files holding the manifest's tensors are checked here by
-    their headers (the tensors, shapes and dtypes the manifest lists) and their bytes are the reader's to check
-    tensor by tensor as it loads them (``LazyTensor.digest``), so no byte is read twice; without, they are
-    hashed whole like every other file (for a reader that does not know the manifest's tensors)."""
-    manifest = read_manifest(directory)
+def check_against_manifest(directory: str, manifest: Manifest, digests_checked: bool = True,
+                           skip_digests: Iterable[str] = (), share: tuple[int, int] = (0, 1)) -> None:
+    """Raise on the first thing at ``directory`` that is not as ``manifest`` says: something on disk it does not
+    list, a listed file missing, a link or of another size, and (``digests_checked``) a digest that differs.
+    ``share=(rank, world)`` digests every world-th file, so ranks can check a checkpoint between them."""
     extra = unlisted(directory, manifest)
     if extra:
         raise extra[0]
-    by_tensor = set(tensors_by_file(manifest)) if by_tensor else set()
     check_files(directory, manifest, manifest.files)
-    check_files(directory, manifest, [r for r in manifest.files if r not in by_tensor], digest=digests_checked)
-    for problem in tensor_problems(directory, manifest, by_tensor, hashed=False):
+    if digests_checked:
+        skip = set(skip_digests)
+        rank, world = share
+        check_files(directory, manifest, [r for r in sorted(manifest.files) if r not in skip][rank::world], digest=True)
+
+
+def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True) -> Manifest:
+    """The manifest of the committed checkpoint at ``directory``, once everything a reader may use has been
+    checked against it (``check_against_manifest``). With ``by_tensor``, files holding the manifest's tensors
+    are checked here by their headers (the tensors, shapes and dtypes the manifest lists) and their bytes are
+    the reader's to check tensor by tensor as it loads them (``LazyTensor.digest``), so no byte is read twice;
+    without, they are hashed whole like every other file (for a reader that does not know the manifest's
+    tensors)."""
+    manifest = read_manifest(directory)
+    by_tensor_files = set(tensors_by_file(manifest)) if by_tensor else set()
+    check_against_manifest(directory, manifest, digests_checked, skip_digests=by_tensor_files)
+    for problem in tensor_problems(directory, manifest, by_tensor_files, hashed=False):
         raise problem
     return manifest
 

@@ -227,7 +227,7 @@ def test_load_refuses_uncommitted_and_checks_sizes_and_digests(tmp_path):
     raw = bytearray(open(tensor_file, "rb").read())
     raw[-1] ^= 0xFF  # same size, different bytes
     open(tensor_file, "wb").write(bytes(raw))
-    result = manager.load(path, verify=False)  # --no-verify: sizes match, the flipped byte goes through...
+    manager.load(path, verify=False)  # --no-verify: sizes match, the flipped byte goes through...
     assert any("--no-verify" in n for n in manager.resume_notes)  # ...and the run's next manifests say so
     with pytest.raises(CorruptCheckpointError, match=r"box\.safetensors: content digest differs"):
         manager.load(path)  # digests are checked by default

@@ -618,6 +618,25 @@ def test_hf_index_naming_a_shard_outside(base, tmp_path, capsys):
     assert_convert_refused(capsys, src, tmp_path / "out", tmp_path, words=["outside"])
 
 
+def test_hugging_face_cache_snapshot_links_into_its_own_blobs(base, tmp_path, capsys):
+    """The one place links are expected: a hub cache snapshot, whose files link into the repository's blobs/.
+    It converts; a link from the same snapshot to a file outside the repository is still refused."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        blob = repo / "blobs" / hashlib.sha256(name.encode()).hexdigest()
+        shutil.copy(base / "hf" / name, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    code, out, err = run_cli(capsys, "convert", snapshot, tmp_path / "out", "--to", "universal")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "diff", base / "hf", tmp_path / "out", "--model-only")
+    assert code == 0 and "0 different" in out, out
+    (snapshot / "extra.json").symlink_to(base / "hf" / "config.json")
+    assert_convert_refused(capsys, snapshot, tmp_path / "out2", tmp_path / "hub", "extra.json", words=["outside"])
+
+
 @pytest.mark.parametrize("target", ["etc-passwd", "identical-copy"])
 def test_symlink_in_universal_checkpoint_pointing_outside(base, tmp_path, capsys, target):
     """components/data.json -> a file outside: /etc/passwd, or a byte-identical copy (digest and size match)."""
