@@ -530,6 +530,9 @@ def test_planted_pickle_in_bare_hf_model_dir(base, tmp_path, capsys):
     assert not marker.exists()
     assert_one_line_error(code, err, "pytorch_model.bin")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(InteropError, match="pytorch_model.bin"):  # a trainer started from it: the same refusal
+        BaseTrainer(TrainerConfig(init_from=str(src), steps=1, output_dir=str(tmp_path / "run")))
+    assert not marker.exists()
     run_cli(capsys, "convert", src, tmp_path / "trusted", "--to", "universal", "--trust-pickle")
     assert marker.exists(), "the test payload does not work"
 

@@ -80,7 +80,14 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.init_from:
-        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype)
+        from converters import registry
+        from converters.pickle_safety import weights_only_loads
+
+        # the directory is read as `interop convert` reads it first (paths and links kept inside it, every
+        # pickle through the restricted loader, our checkpoints' digests), then transformers loads it weights-only
+        registry.read(cfg.init_from, registry.Options(trust_pickle=cfg.trust_pickle, verify_digests=cfg.verify))
+        with weights_only_loads(cfg.trust_pickle):
+            model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
     if cfg.activation_checkpointing:
