@@ -44,6 +44,7 @@ from interop.universal import model_entries, scalar_value, split_optimizer_state
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .engine_checkpoint import carried_components, component_state, enclosing_manifest, holds_native, write_engine_checkpoint
 from .families import meta_model, tied_groups
+from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
@@ -131,16 +132,10 @@ def describe(directory: str) -> AccelerateFiles:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
-def _config_near(directory: str, manifest: Manifest | None) -> dict[str, Any] | None:
+def _config_near(directory: str, manifest: Manifest | None, root: str) -> dict[str, Any] | None:
     if manifest is not None and manifest.model and isinstance(manifest.model.get("config"), dict):
         return manifest.model["config"]
-    for candidate in (directory, os.path.dirname(directory)):
-        path = os.path.join(candidate, "config.json")
-        if os.path.isfile(path):
-            from .hf import read_config
-
-            return read_config(candidate)
-    return None
+    return config_near(directory, root)
 
 
 def _optimizer_from_dcp(directory: str) -> OptimizerState:
@@ -244,7 +239,7 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     directory = locate(path)
     files = describe(directory)
     manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
-    config = _config_near(directory, manifest)
+    config = _config_near(directory, manifest, path)
     tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
     if files.fsdp:
         reader = DCPReader(os.path.join(directory, MODEL_DCP))

@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 verify found problems or diff found differences; 2 the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from importlib.metadata import entry_points
@@ -16,7 +17,7 @@ import os
 
 from interop import __version__
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
-from interop.errors import InteropError
+from interop.errors import InteropError, one_line
 from interop.locking import exclusive
 from interop.logical import LogicalCheckpoint
 from interop.manifest import MANIFEST, Manifest, read_manifest
@@ -146,12 +147,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # --- convert -------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _parents_of(dst: str):
+    """DST's parent directories, made for the conversion (its lock lies there) and removed again if it fails."""
+    made, d = [], os.path.dirname(os.path.abspath(dst))
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
     check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
-    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
-    with exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time, read to publish
+    with _parents_of(args.dst), exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time
         src_fmt, ckpt = registry.read(args.src, options)
         total = sum(t.spec.nbytes for _, t in ckpt.tensors())
         options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
@@ -295,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (InteropError, OSError) as exc:
-        print(f"interop {args.command}: error: {exc}", file=sys.stderr)
+        print(f"interop {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"interop {args.command}: interrupted; nothing was committed", file=sys.stderr)
@@ -305,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - input no check foresaw: one line, never a traceback (unless -v)
         log.debug("unexpected error", exc_info=True)
-        print(f"interop {args.command}: error: unexpected {type(exc).__name__}: {exc} "
+        print(f"interop {args.command}: error: unexpected {type(exc).__name__}: {one_line(exc)} "
               "(the input may be damaged; rerun with -v for the traceback)", file=sys.stderr)
         return EXIT_ERROR
 

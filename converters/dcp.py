@@ -65,11 +65,23 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcodes can be checked one by one
+    """Builds only DCP's metadata types. BUILD may set state on an instance, never on a class itself: an
+    allowed class must not be changed for the rest of the process by a file that is then refused."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file, path: str):
         super().__init__(file)
         self.path = path
         self.allowed = _allowed_globals()
+
+    def _load_build(self) -> None:
+        if isinstance(self.stack[-2], type):
+            raise UnsafePickleError(self.path, "DCP metadata sets attributes of a class; it was not loaded")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
@@ -102,6 +114,9 @@ def read_metadata(directory: str):
         raise CorruptCheckpointError(path, f"is a {type(metadata).__name__}, not DCP metadata")
     for info in (metadata.storage_data or {}).values():  # every data file it names stays inside the directory
         inside(directory, getattr(info, "relative_path", None), path)
+        if getattr(info, "transform_descriptors", None):  # compressed or transformed data: neither reader expands it
+            raise CorruptCheckpointError(path, f"stores {info.relative_path} through transforms {info.transform_descriptors}; "
+                                               "only plain DCP data is read")
         if not all(isinstance(v, int) and v >= 0 for v in (getattr(info, "offset", None), getattr(info, "length", None))):
             raise CorruptCheckpointError(path, f"names a byte range {getattr(info, 'offset', None)}+{getattr(info, 'length', None)} of {info.relative_path}")
     return metadata
@@ -212,6 +227,12 @@ class _Chunk:
     length: int
 
 
+def _regular_file(path: str) -> None:
+    """Refuse a data file that is a pipe or device: opening it would wait forever or read something else."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CorruptCheckpointError(path, "is not a regular file; DCP data files are")
+
+
 class DCPReader:
     """One DCP directory: its entries by flattened key, each readable on its own.
 
@@ -232,11 +253,6 @@ class DCPReader:
             tensor_md = self.metadata.state_dict_metadata.get(index.fqn)
             if tensor_md is None or not hasattr(tensor_md, "chunks"):
                 continue
-            if getattr(info, "transform_descriptors", None):
-                raise CorruptCheckpointError(
-                    os.path.join(self.directory, info.relative_path),
-                    f"entry {index.fqn!r} is stored with transforms {info.transform_descriptors}; only plain DCP storage is read",
-                )
             if index.index is not None:
                 chunk_md = tensor_md.chunks[index.index]
             else:  # megatron-core records the chunk by its offset only
@@ -293,6 +309,7 @@ class DCPReader:
         path = os.path.join(self.directory, relative)
         mm = self._maps.get(relative)
         if mm is None:
+            _regular_file(path)
             try:
                 with open(path, "rb") as f:
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable for torch, never written
@@ -308,6 +325,7 @@ class DCPReader:
 
     def _load(self, relative: str, offset: int, length: int, what: str) -> Any:
         path = os.path.join(self.directory, relative)
+        _regular_file(path)
         try:
             with open(path, "rb") as f:
                 f.seek(offset)

@@ -35,7 +35,6 @@ from interop.errors import (
     UnsupportedStateError,
 )
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.jsonio import read_json
 from interop.manifest import MANIFEST, Manifest
 from interop.paths import inside
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
@@ -44,6 +43,7 @@ from interop.verify import open_checkpoint
 
 from .engine_checkpoint import carried_components, enclosing_manifest, holds_native
 from .families import tied_groups
+from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
 
 log = logging.getLogger(__name__)
@@ -582,7 +582,7 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
     }
     return to_logical(ckpt.model_states[0], trainable, ckpt.frozen, ckpt.buffers, _optimizer(ckpt), source,
-                      ckpt.info.files.tag_dir, manifest, directory)
+                      ckpt.info.files.tag_dir, manifest, directory, root=path)
 
 
 def to_logical(
@@ -595,6 +595,7 @@ def to_logical(
     tag_dir: str,
     manifest: Manifest | None = None,
     directory: str = "",
+    root: str | None = None,
 ) -> LogicalCheckpoint:
     """The logical checkpoint of DeepSpeed files: ``ms0`` (rank 0's model states) gives ties, the step, the
     scheduler and client state; ``manifest`` (of our checkpoint at ``directory`` around them) adds the rest."""
@@ -604,7 +605,7 @@ def to_logical(
         if src in model:
             model[alias] = model[src]
     model_info = (manifest.model if manifest is not None else None) or {}
-    config = model_info.get("config") or _nearby_config(tag_dir)
+    config = model_info.get("config") or config_near(tag_dir, root or tag_dir)
     tied = [[alias, src] for alias, src in shared.items()] or tied_groups(config)
     components = carried_components(directory, manifest, NATIVE_KEY)
     step = manifest.step if manifest is not None else ms0.get("global_steps")
@@ -629,15 +630,6 @@ def to_logical(
     if ms0.get("lr_scheduler") is not None and "scheduler" not in components:
         out.extra_state["lr_scheduler"] = ms0["lr_scheduler"]
     return out
-
-
-def _nearby_config(tag_dir: str) -> dict[str, Any] | None:
-    """config.json beside the checkpoint (HF Trainer and accelerate users keep it there), if any."""
-    for d in (tag_dir, os.path.dirname(tag_dir), os.path.dirname(os.path.dirname(tag_dir))):
-        p = os.path.join(d, "config.json")
-        if os.path.isfile(p):
-            return read_json(p, "model config")
-    return None
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:

@@ -34,7 +34,7 @@ import torch
 from interop.commit import read_tag, staged_output
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnknownFormatError
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.paths import inside
+from interop.paths import inside, plain_name
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
@@ -184,7 +184,7 @@ def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoin
         "ds_version": ms0.get("ds_version"),
         "tag": os.path.basename(os.path.normpath(files.tag_dir)),
     }
-    return to_logical(ms0, trainable, frozen, buffers, optimizer, source, files.tag_dir)
+    return to_logical(ms0, trainable, frozen, buffers, optimizer, source, files.tag_dir, root=path)
 
 
 # --- writing -------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def write_ds_universal(
             group_step = _group_scalars(ckpt, names).get("step", torch.tensor(0.0))
             group_steps.append(group_step)
             for name in names:
-                folder = os.path.join(zero, name)
+                folder = os.path.join(zero, plain_name(name, "parameter"))  # DeepSpeed's layout: a folder per parameter
                 t = ckpt.model[name]
                 _save({PARAM: t.load().to(torch.float32), "cat_dim": 0}, os.path.join(folder, "fp32.pt"))
                 if progress is not None:
@@ -253,7 +253,7 @@ def write_ds_universal(
                 _save(group_step.clone(), os.path.join(folder, "step.pt"))
         kept = {n: ckpt.model[n].load() for n in order.frozen + order.buffers}  # read once: also in the model states
         for name, t in kept.items():  # as ds_to_universal keeps them: whole, in fp32
-            _save({PARAM: t.to(torch.float32)}, os.path.join(zero, name, "fp32.pt"))
+            _save({PARAM: t.to(torch.float32)}, os.path.join(zero, plain_name(name, "tensor"), "fp32.pt"))
         if filled:
             log.warning("%d optimizer state tensor(s) absent from the source were written as AdamW's initial zeros", filled)
         hyper = [{**h, "params": [g]} for g, h in enumerate(order.hyper)]

@@ -43,6 +43,19 @@ def read_config(path: str) -> dict[str, Any]:
     return config
 
 
+def config_near(start: str, root: str) -> dict[str, Any] | None:
+    """The model's ``config.json`` kept beside an engine checkpoint (HF Trainer and accelerate users keep it
+    in the directory above the engine's): in ``start`` or a directory above it, up to ``root``, the directory
+    the user named, never above it."""
+    current, top = os.path.realpath(start), os.path.realpath(root)
+    while True:
+        if os.path.isfile(os.path.join(current, CONFIG)):
+            return read_config(current)
+        if current == top or not current.startswith(top.rstrip(os.sep) + os.sep):
+            return None
+        current = os.path.dirname(current)
+
+
 def _read_bin(path: str, trust_pickle: bool) -> dict[str, LazyTensor]:
     index_path = inside(path, "pytorch_model.bin.index.json")
     if os.path.isfile(index_path):

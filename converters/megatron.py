@@ -105,7 +105,7 @@ def _read_tracker(root: str) -> str:
         text = f.read().strip()
     if text == "release":
         return "release"
-    if not text.isdigit():
+    if not re.fullmatch(r"[0-9]+", text):
         raise CorruptCheckpointError(path, f"holds {text[:40]!r}, not an iteration number or 'release'")
     return f"iter_{int(text):07d}"
 

@@ -23,6 +23,7 @@ import io
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ def locate(path: str) -> str:
     if os.path.isfile(tracker) and not os.path.isfile(os.path.join(path, METADATA_JSON)):
         with open(tracker, encoding="utf-8") as f:
             text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if re.fullmatch(r"[0-9]+", text) else None
         if name is None:
             raise CorruptCheckpointError(tracker, f"names iteration {text!r}, not a number or 'release'")
         path = os.path.join(path, name)

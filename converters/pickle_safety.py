@@ -59,8 +59,11 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
             f"pickle holds objects beyond tensors and plain containers ({detail}); it was not loaded. "
             "Pass --trust-pickle only if you trust where this file came from",
         ) from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as exc:
-        raise CorruptCheckpointError(path, f"not a readable torch file: {str(exc).splitlines()[0]}") from None
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's loaders fail on damaged bytes in many ways (IndexError, KeyError, ...)
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CorruptCheckpointError(path, f"not a readable torch file: {detail}") from None
 
 
 def screen_pickles(paths: Iterable[str], trust_pickle: bool = False, allow: list[Any] | None = None) -> None:

@@ -54,6 +54,7 @@ def left_out(ckpt: LogicalCheckpoint, fmt: Format) -> str | None:
 
 FORMATS: dict[str, Format] = {}
 _CHECKPOINT_SUBDIRS = ("components", "ranks", "groups", "nodes", "model", "optimizer")
+_OUR_SUBDIRS = ("components", "ranks", "groups", "nodes")  # only our checkpoints hold these
 
 
 def register(fmt: Format) -> Format:
@@ -254,16 +255,36 @@ def writer(name: str) -> Format:
     return fmt
 
 
-def read(path: str, options: Options | None = None) -> tuple[Format, LogicalCheckpoint]:
-    """Detect ``path``'s format and read it. Links leading out of it are refused; a path inside one of our
-    committed checkpoints (``ckpt/model``, ``ckpt/deepspeed``) has that whole checkpoint checked first."""
+def read(path: str, options: Options | None = None, as_format: str | None = None) -> tuple[Format, LogicalCheckpoint]:
+    """Detect ``path``'s format (or take ``as_format``) and read it. Before any format looks at it: links
+    leading out of it and special files are refused, and if it is one of our committed checkpoints (or its
+    root, or a part of one: ``ckpt/model``, ``ckpt/deepspeed``) that whole checkpoint is checked against its
+    manifest, so no format can be detected from, or read, a file the manifest does not vouch for."""
     options = options or Options()
     refuse_escaping_links(path)
-    fmt = detect(path)
+    if check_ours(path, options.verify_digests):
+        options = dataclasses.replace(options, verify_digests=False)  # every file of it was just checked
+    fmt = FORMATS[as_format] if as_format else detect(path)
     if fmt.read is None:
         raise UnknownFormatError(path, f"format {fmt.name!r} can be written but not read")
+    return fmt, fmt.read(path, options)
+
+
+def check_ours(path: str, digests_checked: bool = True) -> bool:
+    """Check the committed checkpoint ``path`` is, names by ``latest``, or lies inside against its manifest;
+    refuse a staging directory or our layout without a manifest. False when ``path`` is no checkpoint of ours."""
+    if os.path.normpath(path).endswith(STAGING_SUFFIX):
+        read_manifest(path)  # refuses staging directories with the reason
+    directory = resolve_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        open_checkpoint(directory, digests_checked)
+        return True
+    if any(os.path.isdir(os.path.join(directory, d)) for d in _OUR_SUBDIRS):
+        raise UncommittedCheckpointError(
+            directory, f"has no {MANIFEST}: the save never committed, or the manifest was removed; it will not be loaded"
+        )
     owner = enclosing_checkpoint(path)
     if owner is not None:
-        open_checkpoint(owner, options.verify_digests, by_tensor=False)
-        options = dataclasses.replace(options, verify_digests=False)  # every file of it was just checked
-    return fmt, fmt.read(path, options)
+        open_checkpoint(owner, digests_checked, by_tensor=False)  # its reader does not know the manifest's tensors
+        return True
+    return False

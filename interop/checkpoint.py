@@ -76,12 +76,13 @@ class CheckpointManager:
         self.claimed = False
 
     def lock_path(self) -> str:
-        return os.path.join(self.root, ".interop.lock")
+        return os.path.join(self.root, locking.RUN_LOCK)
 
     def claim(self) -> None:
         """Make this run the only writer of ``root`` (collective; rank 0 holds the lock until the process
         ends). A second run into the same directory would publish over this one's checkpoints: it is refused."""
         def take() -> None:
+            locking.refuse_if_in_use(self.root, self.root)  # a conversion writing it, a run around it
             os.makedirs(self.root, exist_ok=True)
             locking.claim(self.lock_path(), self.root)
 

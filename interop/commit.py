@@ -17,6 +17,7 @@ from typing import Iterator
 
 from . import digests
 from .errors import DestinationExistsError, MissingFileError, OutputWriteError
+from . import locking
 from .locking import exclusive
 from .manifest import MANIFEST, STAGING_SUFFIX, FileRecord, Manifest, read_manifest
 from .paths import check_relative
@@ -112,9 +113,14 @@ def read_tag(path: str, what: str = "tag file") -> str | None:
     """The one name a tag file (``latest``, DeepSpeed's ``latest``, ``latest_universal``) holds, checked to be a
     plain relative name inside its directory; None when there is no such file."""
     from .errors import CorruptCheckpointError
+    from .paths import containment_root, is_within
 
     if not os.path.isfile(path):
         return None
+    if os.path.islink(path) and not is_within(path, containment_root(os.path.dirname(os.path.abspath(path)))):
+        from .errors import UnsafePathError
+
+        raise UnsafePathError(path, "is a symbolic link leading outside its directory; a tag file is read only from inside")
     if os.path.getsize(path) > 4096:
         raise CorruptCheckpointError(path, f"is {os.path.getsize(path)} bytes; a {what} holds one name")
     with open(path, "rb") as f:
@@ -188,21 +194,22 @@ def check_destination(dst: str, overwrite: bool, src: str | None = None) -> None
     """Refuse a non-empty ``dst`` without ``overwrite``, and (given the source) a ``dst`` that is the source,
     holds it or lies inside it: replacing it would delete the source before it was read."""
     if src is not None:
-        from .paths import is_within
+        from .paths import containment_root, is_within
 
-        real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+        # the source's whole extent: for a Hugging Face cache snapshot its repository, whose blobs/ it links to
+        real_src, real_dst = containment_root(src), os.path.realpath(dst)
         if is_within(real_dst, real_src) or is_within(real_src, real_dst):
             raise DestinationExistsError(
                 f"{dst}: is the source {src}, contains it or lies inside it; write the output outside the source"
             )
     if os.path.lexists(dst) and not _is_empty_dir(dst) and not overwrite:
         raise DestinationExistsError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
+    locking.refuse_if_in_use(dst, dst)  # a running trainer's output directory, or another conversion's target
 
 
 def destination_lock(dst: str) -> str:
     """The lock file that makes one process at a time write ``dst`` (beside it, removed when released)."""
-    dst = os.path.abspath(dst)
-    return os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.lock")
+    return locking._beside(os.path.abspath(dst))
 
 
 _STAGING = re.compile(r"\.(\d+)" + re.escape(STAGING_SUFFIX) + "$")

@@ -12,6 +12,11 @@ class InteropError(Exception):
     """Base class for every error this toolkit raises on purpose."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a library's own message may span several)."""
+    return " ".join(str(exc).split())
+
+
 class CheckpointError(InteropError):
     """A problem with a checkpoint on disk; ``path`` names the file or directory at fault."""
 
@@ -83,6 +88,10 @@ class LoadFailedError(InteropError):
 
 class DestinationExistsError(InteropError):
     """A conversion target exists and is not empty; pass --overwrite to replace it."""
+
+
+class ConfigurationError(InteropError, ValueError):
+    """A setting cannot be used (a trainer flag, a layout that does not divide, a model the trainer cannot run)."""
 
 
 class ConversionError(InteropError):

@@ -67,6 +67,8 @@ def _kind(value: Any) -> str:
 def read_json(path: str | os.PathLike, what: str = "JSON", expect: type | None = dict) -> Any:
     """Parse the JSON file at ``path``; with ``expect`` (default ``dict``), refuse any other top-level type."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CorruptCheckpointError(path, f"is not a regular file, expected {what}")
     try:
         size = os.path.getsize(path)
         if size > MAX_BYTES:
@@ -77,8 +79,6 @@ def read_json(path: str | os.PathLike, what: str = "JSON", expect: type | None =
         from .errors import MissingFileError
 
         raise MissingFileError(path, f"{what} not found") from None
-    except IsADirectoryError:
-        raise CorruptCheckpointError(path, f"is a directory, expected {what}") from None
     value = loads(raw, path, what)
     if expect is not None and not isinstance(value, expect):
         names = {dict: "an object", list: "an array", str: "a string"}

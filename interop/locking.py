@@ -17,6 +17,8 @@ from typing import Iterator
 
 from .errors import CheckpointInUseError
 
+RUN_LOCK = ".interop.lock"  # in a run's output directory, held by its rank 0 while the run lives
+
 _held: dict[str, tuple[int, int]] = {}  # lock path -> (fd, claims) held by this process
 _guard = threading.Lock()
 
@@ -70,6 +72,45 @@ def release(lock_path: str, remove: bool = False) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path)  # while still locked: a waiter that opened it re-checks the inode
         os.close(fd)
+
+
+def holder_elsewhere(lock_path: str) -> str | None:
+    """The pid of another process holding ``lock_path`` now, or None (not held, held by this process, or no
+    such file). Tests without taking or creating anything."""
+    lock_path = os.path.abspath(lock_path)
+    if lock_path in _held:
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing releases a shared lock we may have taken
+    return None
+
+
+def refuse_if_in_use(path: str, what: str) -> None:
+    """Refuse to write ``path`` while another process writes it or a directory holding it: a running trainer
+    (its output directory's ``RUN_LOCK``) or a conversion (the destination's lock beside it)."""
+    current = os.path.abspath(path)
+    while True:
+        for lock in (os.path.join(current, RUN_LOCK), _beside(current)):
+            holder = holder_elsewhere(lock)
+            if holder is not None:
+                raise CheckpointInUseError(f"{what}: another interop process (pid {holder}) is writing {current}; "
+                                           "wait for it to finish or choose another path")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def _beside(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
 
 
 @contextlib.contextmanager

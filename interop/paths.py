@@ -26,6 +26,14 @@ def check_relative(rel: object, where: str | None) -> str:
     return rel
 
 
+def plain_name(name: object, what: str) -> str:
+    """``name`` if it can be one path component (a tensor or state key used as a file or folder name by a
+    writer): not empty, not ``.``/``..``, no ``/`` or NUL. A name from a checkpoint must not steer a write."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name or "\\" in name:
+        raise UnsafePathError(None, f"{what} {name!r} cannot name a file: it would lead outside the output")
+    return name
+
+
 def containment_root(directory: str) -> str:
     """The directory a checkpoint's files may resolve into: the checkpoint itself, or for a snapshot in the
     Hugging Face hub cache (``models--org--name/snapshots/<rev>/``, whose files are links into the repository's
@@ -76,12 +84,19 @@ def describe_entry(directory: str, rel: str, st: os.stat_result) -> str | None:
 
 def refuse_escaping_links(directory: str) -> None:
     """Refuse a directory holding a symbolic link that leads outside it (or, for a Hugging Face cache snapshot,
-    outside its repository): whatever reads it by a fixed name would read another file."""
+    outside its repository), or a special file (a pipe, a device): whatever reads it by a fixed name would
+    read another file, or wait forever."""
     if not os.path.isdir(directory):
         return
     root = containment_root(directory)
     for rel, st in tree_entries(directory):
+        path = os.path.join(directory, rel)
         if stat.S_ISLNK(st.st_mode):
-            path = os.path.join(directory, rel)
             if not is_within(path, root):
                 raise UnsafePathError(path, f"is a symbolic link to {os.path.realpath(path)}, outside the checkpoint {root}")
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise UnsafePathError(path, "is a symbolic link to a file that does not exist") from None
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise UnsafePathError(path, "is not a regular file (a pipe, socket or device); a checkpoint holds regular files")

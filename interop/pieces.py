@@ -20,6 +20,7 @@ from .tensors import tensor_digest
 def write_piece(directory: str, base: str, state: Any, writer: int | None = None) -> dict[str, FileRecord]:
     """Encode ``state`` without pickle and write it under ``directory``; returns the files written."""
     skeleton, tensors = codec.encode(state)
+    inside(directory, base + ".json")  # a component key from the source is part of ``base``: it stays in the output
     os.makedirs(os.path.dirname(os.path.join(directory, base)), exist_ok=True)
     records: dict[str, FileRecord] = {}
     if tensors:

@@ -134,11 +134,11 @@ def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tu
     """The file's composite digest (see ``interop.digests``) and each tensor's digest, by ``algo``, reading
     the file once. The header is validated first, so the tensors are contiguous and in order."""
     st = SafetensorsFile(path)
-    h = digests.hasher(algo)
     tensor_digests: dict[str, str] = {}
     with open(st.path, "rb") as f:
-        h.update(f.read(st.data_start))
-        for name, (_, begin, end) in sorted(st._entries.items(), key=lambda e: e[1][1]):
+        f.seek(st.data_start)
+        for name in st.in_file_order():
+            _, begin, end = st._entries[name]
             t = digests.hasher(algo)
             remaining = end - begin
             while remaining:
@@ -147,9 +147,19 @@ def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tu
                     raise CorruptCheckpointError(st.path, "truncated while hashing")
                 t.update(chunk)
                 remaining -= len(chunk)
-            h.update(t.digest())
             tensor_digests[name] = digests.label(algo, t.hexdigest())
-    return digests.label(algo, h.hexdigest(), composite=True), tensor_digests
+    return composite_digest(st, tensor_digests, algo), tensor_digests
+
+
+def composite_digest(st: "SafetensorsFile", tensor_digests: dict[str, str], algo: str) -> str:
+    """The file digest of ``st`` from its header bytes and its tensors' digests (as recorded or computed):
+    with a manifest's tensor digests this checks every header byte without reading the tensors again."""
+    h = digests.hasher(algo)
+    with open(st.path, "rb") as f:
+        h.update(f.read(st.data_start))
+    for name in st.in_file_order():
+        h.update(bytes.fromhex(tensor_digests[name].split(":", 1)[1]))
+    return digests.label(algo, h.hexdigest(), composite=True)
 
 
 def write_safetensors(
@@ -277,6 +287,9 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self._entries)
+
+    def in_file_order(self) -> list[str]:
+        return sorted(self._entries, key=lambda name: (self._entries[name][1], self._entries[name][2]))
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

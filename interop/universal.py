@@ -30,7 +30,7 @@ from .pieces import write_piece
 from .planner import pieces_for
 from . import digests
 from .jsonio import read_json
-from .paths import inside
+from .paths import inside, plain_name
 from .safetensors_io import TensorEntry, read_hf_safetensors, write_safetensors
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
 from .tensors import LazyTensor, tensor_digest
@@ -94,11 +94,13 @@ def write_sharded(
     # hashes anyway (no second pass); one of another algorithm checks itself as it loads
     checked = {name for name, t in tensors.items() if t.digest is not None and digests.parse(t.digest, t.origin)[0] == digests.ALGO}
     hashed = hashed or bool(checked)
-    entries = [
-        TensorEntry(name, t.spec, (lambda t=t: t.load(verify=False)) if name in checked else t.load, t.mapped_pieces)
+    entries = [  # a tensor whose digest this writer cannot check goes through load(), which checks it
+        TensorEntry(name, t.spec, (lambda t=t: t.load(verify=False)) if name in checked else t.load,
+                    t.mapped_pieces if t.digest is None or name in checked else None)
         for name, t in tensors.items()
     ]
     shards = shard_groups(entries, max_shard_size)
+    plain_name(stem, "optimizer state key" if subdir == "optimizer" else "file stem")  # a key from the source names the file
     result = WriteResult()
     os.makedirs(os.path.join(root, subdir), exist_ok=True)
     weight_map: dict[str, str] = {}

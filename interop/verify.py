@@ -17,7 +17,7 @@ from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .logical import stored_name
 from .manifest import MANIFEST, FileRecord, Manifest, read_manifest
 from .paths import describe_entry, inside, tree_entries
-from .safetensors_io import SafetensorsFile, safetensors_digests
+from .safetensors_io import SafetensorsFile, composite_digest, safetensors_digests
 
 HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
 
@@ -99,6 +99,17 @@ def unlisted(directory: str, manifest: Manifest) -> list[CheckpointError]:
             problems.append(CorruptCheckpointError(path, why))
         elif rel not in manifest.files and rel != MANIFEST:
             problems.append(CorruptCheckpointError(path, "is not listed in the manifest (an extra file; a reader or engine could pick it up)"))
+    holding: set[str] = set()  # every directory a listed file lies in, at any depth
+    for rel in manifest.files:
+        d = os.path.dirname(rel)
+        while d and d not in holding:
+            holding.add(d)
+            d = os.path.dirname(d)
+    for dirpath, dirnames, _ in os.walk(directory):
+        for name in dirnames:
+            rel = os.path.relpath(os.path.join(dirpath, name), directory)
+            if rel not in holding and not os.path.islink(os.path.join(dirpath, name)):
+                problems.append(CorruptCheckpointError(os.path.join(directory, rel), "is a directory the manifest does not list"))
     return problems
 
 
@@ -115,6 +126,8 @@ def check_against_manifest(directory: str, manifest: Manifest, digests_checked: 
         skip = set(skip_digests)
         rank, world = share
         check_files(directory, manifest, [r for r in sorted(manifest.files) if r not in skip][rank::world], digest=True)
+    for problem in index_problems(directory, manifest):
+        raise problem
 
 
 def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True) -> Manifest:
@@ -166,31 +179,49 @@ def _tensor_file_problems(directory: str, rel: str, manifest: Manifest, expected
             rec, spec = manifest.tensors[expected[name]], st.spec(name)
             if list(spec.shape) != rec.shape or dtype_name(spec.dtype) != rec.dtype:
                 problems.append(CorruptCheckpointError(path, f"tensor {name!r} is {spec.describe()}, the manifest says {rec.dtype}{rec.shape}"))
+        recorded = manifest.files[rel].digest
+        algo = digests.parse(recorded, path)[0]
         if hashed:
-            recorded = manifest.files[rel].digest
-            file_digest_, tensor_digests = safetensors_digests(path, digests.parse(recorded, path)[0])
-            if file_digest_ != recorded:
-                problems.append(CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)"))
+            file_digest_, tensor_digests = safetensors_digests(path, algo)
             for name in sorted(found & set(expected)):
                 want = manifest.tensors[expected[name]].digest
                 if want is not None and tensor_digests[name] != want:  # one writer hashed both: one algorithm
                     problems.append(CorruptCheckpointError(path, f"tensor {name!r} differs from the digest the manifest records for it"))
+        elif not problems:  # the header's every byte, from the recorded tensor digests: no tensor read twice
+            recorded_tensors = {name: manifest.tensors[expected[name]].digest or "" for name in found}
+            usable = all(d.startswith(algo + ":") for d in recorded_tensors.values())
+            file_digest_ = composite_digest(st, recorded_tensors, algo) if usable else safetensors_digests(path, algo)[0]
+        else:
+            file_digest_ = recorded
+        if file_digest_ != recorded:
+            problems.append(CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)"))
     except CheckpointError as exc:
         problems.append(exc)
     return problems
 
 
-def index_problems(directory: str, manifest: Manifest) -> list[CheckpointError]:
-    """Every ``*.safetensors.index.json`` the manifest lists names listed shards and exactly the tensors they hold."""
+def index_problems(directory: str, manifest: Manifest, rels: Iterable[str] | None = None) -> list[CheckpointError]:
+    """Every weight index (``*.index.json``) among ``rels`` (default: every listed file) names only listed
+    files inside the checkpoint, and a safetensors index exactly the tensors its shards hold: an engine that
+    loads through the index (transformers does) reads what the manifest vouches for, nothing else."""
+    from .jsonio import read_json
     from .safetensors_io import read_index
 
     problems: list[CheckpointError] = []
-    for rel in manifest.files:
-        if rel.endswith(".safetensors.index.json"):
-            try:
-                read_index(os.path.join(directory, rel), os.path.join(directory, os.path.dirname(rel)), listed=manifest.files, root=directory)
-            except CheckpointError as exc:
-                problems.append(exc)
+    for rel in manifest.files if rels is None else rels:
+        if not rel.endswith(".index.json"):
+            continue
+        path, folder = os.path.join(directory, rel), os.path.join(directory, os.path.dirname(rel))
+        try:
+            if rel.endswith(".safetensors.index.json"):
+                read_index(path, folder, listed=manifest.files, root=directory)
+                continue
+            weight_map = read_json(path, "weight index").get("weight_map")
+            for fname in set(weight_map.values()) if isinstance(weight_map, dict) else [None]:
+                if os.path.relpath(inside(folder, fname, path), directory) not in manifest.files:
+                    raise CorruptCheckpointError(path, f"names {fname!r}, which the manifest does not list")
+        except CheckpointError as exc:
+            problems.append(exc)
     return problems
 
 
@@ -217,7 +248,7 @@ def verify_checkpoint(directory: str, digests: bool = True, progress: Callable |
             plain = [r for r in present if r not in tensor_files]
             problems += [p for p in pool.map(lambda r: _digest_problem(directory, r, manifest.files[r]), plain) if p]
     problems += tensor_problems(directory, manifest, [r for r in present if r in tensor_files], hashed=digests)
-    problems += index_problems(directory, manifest)
+    problems += index_problems(directory, manifest, present)
     for name, tensor in manifest.tensors.items():
         if tensor.file not in manifest.files:
             problems.append(CorruptCheckpointError(os.path.join(directory, tensor.file), f"holds tensor {name!r} but is not listed in the manifest"))

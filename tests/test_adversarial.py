@@ -1249,3 +1249,179 @@ def test_stale_latest_tmp_is_cleaned_by_the_next_save(tmp_path):
     trainer.save()
     assert not stale.exists(), "a killed save's latest.tmp<pid> survived the next save"
     assert (tmp_path / "run" / "latest").read_text().strip() == "checkpoint-2"
+
+
+# =====================================================================================================
+# 8. a second adversarial review's findings (each refused now)
+# =====================================================================================================
+def test_files_planted_beside_a_committed_checkpoint_are_never_read(base, tmp_path, capsys):
+    """An engine's files dropped at our checkpoint's root must not make it read as that engine's format: the
+    checkpoint is checked against its manifest before any format looks at it."""
+    src = copy(base / "run" / "checkpoint-2", tmp_path / "ckpt")
+    shutil.copy(base / "hf" / "model.safetensors", src / "model.safetensors")
+    shutil.copy(base / "hf" / "config.json", src / "config.json")
+    assert_convert_refused(capsys, src, tmp_path / "out", tmp_path, "model.safetensors")
+
+
+@pytest.mark.parametrize("target", ["ds-universal", "universal"])
+def test_names_from_the_source_never_steer_a_write(base, tmp_path, capsys, target):
+    """Tensor names become DeepSpeed-universal folder names and optimizer state keys universal file stems: a
+    name like '../../x' or '/abs/x' is refused and nothing is written outside DST."""
+    from safetensors.torch import load_file, save_file
+
+    src = copy(base / "hf", tmp_path / "box" / "src")
+    weights = load_file(str(src / "model.safetensors"))
+    if target == "ds-universal":
+        weights["../../../escaped"] = torch.zeros(3)
+        weights[str(tmp_path / "abs_escaped")] = torch.zeros(2)
+        save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    else:  # an optimizer state key, through a universal checkpoint whose state.json and manifest agree
+        src = copy(base / "uni1", tmp_path / "box" / "uni")
+        state_path = src / "optimizer" / "state.json"
+        state = json.loads(state_path.read_text())
+        state["state_keys"].append("../../escaped")
+        state_path.write_text(json.dumps(state))
+        reseal(src, "optimizer/state.json")
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "box" / "out", "--to", target)
+    assert snapshot(tmp_path) == before, "convert wrote something"
+    assert code == 2 and "Traceback" not in err, err
+    assert not list(tmp_path.rglob("*escaped*"))
+
+
+def test_a_tag_file_linked_outside_is_not_read(base, tmp_path, capsys):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret-token-123")
+    run = copy(base / "run", tmp_path / "run")
+    (run / "latest").unlink()
+    (run / "latest").symlink_to(secret)
+    for argv in (("verify", run), ("inspect", run), ("convert", run, tmp_path / "out", "--to", "universal")):
+        code, out, err = run_cli(capsys, *argv)
+        assert "secret-token" not in out + err and code in (1, 2) and "Traceback" not in err, (argv, out, err)
+
+
+def test_an_index_leading_outside_through_a_linked_directory_is_not_read(base, tmp_path, capsys):
+    src = copy(base / "uni", tmp_path / "ck" / "uni")
+    outside = tmp_path / "ck" / "outside"
+    shutil.move(src / "model", outside)
+    index = json.loads((outside / "model.safetensors.index.json").read_text())
+    index["marker"] = "OUTSIDE-CONTENT"
+    (outside / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "model").symlink_to(outside)
+    code, out, err = run_cli(capsys, "verify", src, "-q")
+    assert code == 1 and "OUTSIDE-CONTENT" not in out + err, out
+    assert_convert_refused(capsys, src, tmp_path / "out", tmp_path / "ck", words=["outside"])
+
+
+def test_a_special_file_in_a_checkpoint_never_blocks(base, tmp_path, capsys):
+    """A pipe where a file should be: refused at once, never opened (opening a FIFO would wait forever)."""
+    uni = copy(base / "uni", tmp_path / "uni")
+    (uni / "model" / "model.safetensors.index.json").unlink()
+    os.mkfifo(uni / "model" / "model.safetensors.index.json")
+    code, out, _ = run_cli(capsys, "verify", uni, "-q")
+    assert code == 1 and "not a regular file" in out, out
+    dcp = tmp_path / "dcp"
+    assert main(["convert", str(base / "uni1"), str(dcp), "--to", "dcp"]) == 0
+    capsys.readouterr()
+    data = next(p for p in dcp.iterdir() if p.suffix == ".distcp")
+    data.unlink()
+    os.mkfifo(data)
+    code, _, err = run_cli(capsys, "convert", dcp, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, data.name, words=["regular"])
+
+
+def test_a_checkpoint_without_its_manifest_is_not_read_as_an_engine_directory(base, tmp_path, capsys):
+    """Our checkpoint with its manifest removed, or a staging directory: refused, not read as the bare engine
+    directory inside it (which would drop the digests and the carried components)."""
+    src = copy(base / "run" / "checkpoint-2", tmp_path / "checkpoint-2.staging")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, words=["staging"])
+    (src / "manifest.json").unlink()
+    renamed = src.rename(tmp_path / "checkpoint-2")
+    code, _, err = run_cli(capsys, "convert", renamed, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, "checkpoint-2", words=["manifest"])
+
+
+def test_a_flip_in_a_header_s_metadata_is_caught_by_convert(base, tmp_path, capsys):
+    src = copy(base / "uni1", tmp_path / "uni")
+    header, data = read_header(src / "model" / "model.safetensors")
+    header["__metadata__"] = {"format": "pu"}  # same length: only the file digest can tell
+    write_header(src / "model" / "model.safetensors", header, data)
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, "model.safetensors", words=["digest"])
+
+
+def test_dcp_metadata_cannot_change_a_class(tmp_path, capsys):
+    """BUILD on a class object (not an instance) would set attributes of DCP's own Metadata class for the
+    rest of the process, even though the file is then refused."""
+    import pickle as _pickle
+    import pickletools
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    body = (_pickle.PROTO + b"\x04" + _pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\nMetadata\n"
+            + _pickle.EMPTY_DICT + _pickle.SHORT_BINUNICODE + b"\x08poisoned" + _pickle.BININT1 + b"\x01"
+            + _pickle.SETITEM + _pickle.BUILD + _pickle.STOP)
+    pickletools.dis(body, out=open(os.devnull, "w"))  # a well-formed pickle
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(body)
+    code, _, err = run_cli(capsys, "convert", tmp_path / "dcp", tmp_path / "out", "--to", "universal")
+    assert_one_line_error(code, err, ".metadata")
+    assert not hasattr(Metadata, "poisoned")
+
+
+def test_an_extra_empty_directory_is_caught(base, tmp_path, capsys):
+    src = copy(base / "uni1", tmp_path / "uni")
+    (src / "model" / "model.safetensors.index.json").mkdir()
+    code, out, _ = run_cli(capsys, "verify", src, "-q")
+    assert code == 1 and "model.safetensors.index.json" in out, out
+    assert_convert_refused(capsys, src, tmp_path / "out", tmp_path, "model.safetensors.index.json")
+
+
+def test_init_from_reads_the_directory_as_transformers_will(base, tmp_path):
+    """--init-from a directory that also looks like DCP, whose index leads outside: refused (it is read as
+    the Hugging Face directory transformers loads); and a config asking for its own code (auto_map) never
+    runs that code."""
+    init = copy(base / "hfs", tmp_path / "ck" / "init")
+    assert main(["convert", str(base / "uni1"), str(tmp_path / "dcp"), "--to", "dcp"]) == 0
+    for p in (tmp_path / "dcp").iterdir():
+        shutil.copy(p, init / p.name)
+    index = json.loads((init / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "ck" / "outside").mkdir()
+    shutil.move(init / shard, tmp_path / "ck" / "outside" / shard)
+    index["weight_map"] = {k: (f"../outside/{shard}" if v == shard else v) for k, v in index["weight_map"].items()}
+    (init / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InteropError, match="outside"):
+        BaseTrainer(TrainerConfig(init_from=str(init), steps=1, output_dir=str(tmp_path / "run")))
+    remote = copy(base / "hf", tmp_path / "remote")
+    config = json.loads((remote / "config.json").read_text())
+    config.update(model_type="evil", auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    (remote / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (remote / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    proc = subprocess.run([sys.executable, "-m", "trainers.base", "--steps", "1", "--init-from", str(remote),
+                           "--output-dir", str(tmp_path / "run2")], env=dict(worker_env(), HF_HOME=str(tmp_path / "hf_home")),
+                          capture_output=True, text=True, timeout=300, input="y\n", cwd=ROOT)
+    assert not marker.exists(), "the checkpoint's own code ran"
+    assert proc.returncode == 2 and len(trainer_error_lines(proc.stderr)) == 1, proc.stderr[-2000:]
+    assert "auto_map" in proc.stderr
+
+
+def test_convert_into_a_running_trainer_s_directory_is_refused(base, tmp_path, capsys):
+    """A trainer holds its output directory: a conversion with --overwrite into it, or into a directory inside
+    it, is refused while the run lives, and the run's checkpoints stay as they were."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom interop import locking\n"
+                               f"locking.claim({str(tmp_path / 'run' / '.interop.lock')!r}, 'run')\nprint('held', flush=True)\ntime.sleep(120)"],
+                              env=worker_env(), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        (tmp_path / "run").mkdir()
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(tmp_path / "run")
+        for dst in (tmp_path / "run", tmp_path / "run" / "inner"):
+            code, _, err = run_cli(capsys, "convert", base / "uni1", dst, "--to", "universal", "--overwrite")
+            assert_one_line_error(code, err, words=["another"])
+        assert snapshot(tmp_path / "run") == before
+    finally:
+        holder.kill()
+        holder.wait()

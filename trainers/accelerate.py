@@ -30,6 +30,7 @@ from converters.pickle_safety import numpy_allowlist, weights_only_loads
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
+from interop.errors import ConfigurationError
 
 from .accelerate_compat import enable_cpu_fsdp, has_accelerator
 from .base import BaseTrainer, TrainerConfig, configure_logging, param_group_names, run
@@ -143,9 +144,9 @@ class AccelerateTrainer(BaseTrainer):
     def __init__(self, cfg: AccelerateTrainerConfig):
         super().__init__(cfg)
         if cfg.batch_size % self.world_size:
-            raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over {self.world_size} processes")
+            raise ConfigurationError(f"--batch-size {cfg.batch_size} does not split evenly over {self.world_size} processes")
         if self.fsdp and (cfg.comm_hook != "none" or cfg.local_sgd_steps):
-            raise ValueError("--comm-hook and --local-sgd-steps apply to DDP; FSDP2 shards instead of all-reducing whole gradients")
+            raise ConfigurationError("--comm-hook and --local-sgd-steps apply to DDP; FSDP2 shards instead of all-reducing whole gradients")
         self.group_names = param_group_names(self.model)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, self.optimizer, self.scheduler)
         self.powersgd = None

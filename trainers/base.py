@@ -21,6 +21,7 @@ import torch
 
 from converters.families import tied_groups
 from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
+from interop.errors import ConfigurationError, InteropError, one_line
 from interop.sharding import LocalModel, ShardingMetadata
 
 from . import memory
@@ -54,6 +55,7 @@ class TrainerConfig:
     dtype: str = "float32"
     freeze: str = ""  # comma-separated parameter-name prefixes to freeze, e.g. "model.layers.0.mlp"
     verify: bool = True  # on resume, check every file's digest against the manifest (--no-verify: sizes only)
+    debug: bool = False  # show the traceback of an error instead of its one line
     trust_pickle: bool = False  # let the engine unpickle anything in the checkpoint's files (trusted sources only)
 
 
@@ -72,7 +74,7 @@ def tiny_config(kind: str, tied: bool = False):
             vocab_size=VOCAB_SIZE, n_positions=128, n_embd=48, n_layer=2, n_head=4,
             tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
         )
-    raise ValueError(f"unknown tiny model {kind!r} (llama or gpt2)")
+    raise ConfigurationError(f"unknown tiny model {kind!r} (llama or gpt2)")
 
 
 def build_model(cfg: TrainerConfig) -> torch.nn.Module:
@@ -85,9 +87,14 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
 
         # the directory is read as `interop convert` reads it first (paths and links kept inside it, every
         # pickle through the restricted loader, our checkpoints' digests), then transformers loads it weights-only
-        registry.read(cfg.init_from, registry.Options(trust_pickle=cfg.trust_pickle, verify_digests=cfg.verify))
+        # (as the Hugging Face directory transformers will read, whatever else lies there), then transformers
+        # loads it weights-only and never runs code the directory brings (auto_map)
+        ckpt = registry.read(cfg.init_from, registry.Options(trust_pickle=cfg.trust_pickle, verify_digests=cfg.verify), as_format="hf")[1]
+        if (ckpt.config or {}).get("auto_map"):
+            raise ConfigurationError(f"{cfg.init_from}/config.json asks to run code shipped with the model (auto_map); "
+                                     "interop never runs a checkpoint's own code")
         with weights_only_loads(cfg.trust_pickle):
-            model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype)
+            model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=dtype, trust_remote_code=False)
     else:
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(cfg.model, cfg.tied), dtype=dtype)
     if cfg.activation_checkpointing:
@@ -105,7 +112,7 @@ def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     if prefixes:
         frozen = [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
         if not frozen:
-            raise ValueError(f"--freeze {spec!r} matches no parameter of {type(model).__name__}")
+            raise ConfigurationError(f"--freeze {spec!r} matches no parameter of {type(model).__name__}")
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
@@ -312,16 +319,20 @@ def parse_config(argv: list[str] | None = None, cls=TrainerConfig, description: 
 
 def run(make: Callable[[], Any]) -> None:
     """Shared __main__ body: build the trainer (``make``, so that its own start-up errors are caught too),
-    resume if asked, train, save at the end, print one JSON summary line. A checkpoint or setup the run
-    cannot use ends it with one line on stderr and exit code 2, as the CLI does."""
+    resume if asked, train, save at the end, print one JSON summary line. Whatever ends the run early is one
+    line on stderr and exit code 2, as the CLI does; ``--debug`` (or INTEROP_DEBUG=1) shows the traceback."""
     import sys
-
-    from interop.errors import InteropError
 
     try:
         _run(make())
-    except InteropError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback, unless asked for
+        if "--debug" in sys.argv or os.environ.get("INTEROP_DEBUG") == "1":
+            raise
+        what = "" if isinstance(exc, InteropError) else f"unexpected {type(exc).__name__}: "
+        hint = "" if isinstance(exc, InteropError) else " (rerun with --debug for the traceback)"
+        print(f"error: {what}{one_line(exc)}{hint}", file=sys.stderr, flush=True)
         os._exit(2)  # a process group may be half torn down; nothing of this run is left to flush
 
 

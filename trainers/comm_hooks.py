@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from interop.rng import numpy_state_dict, numpy_state_tuple
+from interop.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,10 @@ def register_compression(ddp_model: torch.nn.Module, hook: str, named: dict[torc
         import torch.distributed as dist
 
         if dist.get_backend() == "gloo":
-            raise ValueError("--comm-hook bf16: torch's bf16 hook needs NCCL (or XCCL); with gloo use fp16 or powersgd")
+            raise ConfigurationError("--comm-hook bf16: torch's bf16 hook needs NCCL (or XCCL); with gloo use fp16 or powersgd")
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
         return PowerSGDStateful(ddp_model, named, **powersgd)
     else:
-        raise ValueError(f"unknown gradient compression {hook!r} (one of {', '.join(HOOKS)})")
+        raise ConfigurationError(f"unknown gradient compression {hook!r} (one of {', '.join(HOOKS)})")
     return None

@@ -32,6 +32,7 @@ from converters import interop_dcp
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
+from interop.errors import ConfigurationError
 
 from . import memory
 from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
@@ -91,9 +92,9 @@ class MegatronTrainer(BaseTrainer):
         rank, world = super().init_distributed()
         cfg = self.cfg
         if cfg.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule!r}: one of {', '.join(SCHEDULES)}")
+            raise ConfigurationError(f"--pipeline-schedule {cfg.pipeline_schedule!r}: one of {', '.join(SCHEDULES)}")
         if world % (cfg.tp * cfg.pp):
-            raise ValueError(f"world size {world} is not a multiple of tp x pp = {cfg.tp} x {cfg.pp}")
+            raise ConfigurationError(f"world size {world} is not a multiple of tp x pp = {cfg.tp} x {cfg.pp}")
         self.dp = world // (cfg.tp * cfg.pp)
         self.device = torch.device("cpu")
         if torch.cuda.is_available():  # one GPU per process, as torchrun numbers them
@@ -128,10 +129,10 @@ class MegatronTrainer(BaseTrainer):
     def __init__(self, cfg: MegatronTrainerConfig):
         super().__init__(cfg)
         if cfg.batch_size % self.dp:
-            raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over {self.dp} data-parallel replicas")
+            raise ConfigurationError(f"--batch-size {cfg.batch_size} does not split evenly over {self.dp} data-parallel replicas")
         self.microbatches = cfg.microbatches or cfg.pp
         if (cfg.batch_size // self.dp) % self.microbatches:
-            raise ValueError(f"{cfg.batch_size // self.dp} samples per replica do not split into {self.microbatches} microbatches")
+            raise ConfigurationError(f"{cfg.batch_size // self.dp} samples per replica do not split into {self.microbatches} microbatches")
         self.schedule = self._build_schedule() if cfg.pp > 1 else None
 
     def _build_schedule(self):

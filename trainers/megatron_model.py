@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from interop.errors import ConfigurationError
 from torch import nn
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -40,7 +41,7 @@ class StageLayout:
 def stage_layouts(num_layers: int, num_stages: int) -> list[StageLayout]:
     """Megatron's even split: stage s holds layers [s*L/P, (s+1)*L/P)."""
     if num_stages < 1 or num_layers % num_stages:
-        raise ValueError(f"{num_layers} decoder layers do not split evenly over {num_stages} pipeline stages")
+        raise ConfigurationError(f"{num_layers} decoder layers do not split evenly over {num_stages} pipeline stages")
     per = num_layers // num_stages
     return [StageLayout(s, num_stages, tuple(range(s * per, (s + 1) * per))) for s in range(num_stages)]
 
@@ -54,9 +55,9 @@ class CausalLMStage(nn.Module):
         super().__init__()
         config = hf_model.config
         if config.model_type not in LLAMA_FAMILY:
-            raise ValueError(f"the Megatron-style trainer runs Llama-family models ({', '.join(LLAMA_FAMILY)}), not {config.model_type!r}")
+            raise ConfigurationError(f"the Megatron-style trainer runs Llama-family models ({', '.join(LLAMA_FAMILY)}), not {config.model_type!r}")
         if layout.num_stages > 1 and config.tie_word_embeddings:
-            raise ValueError("tied input and output embeddings live on the first and last stage; untie them to run pipeline parallel")
+            raise ConfigurationError("tied input and output embeddings live on the first and last stage; untie them to run pipeline parallel")
         self.config = config
         self.layout = layout
         self.checkpoint_stage = False  # recompute the whole stage in backward (set by enable_activation_checkpointing)
@@ -123,7 +124,7 @@ def apply_tensor_parallel(stage: CausalLMStage, tp_mesh) -> None:
     for what, n in (("attention heads", config.num_attention_heads), ("key/value heads", config.num_key_value_heads),
                     ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
         if n % tp:
-            raise ValueError(f"tensor parallel size {tp} does not divide the {what} ({n})")
+            raise ConfigurationError(f"tensor parallel size {tp} does not divide the {what} ({n})")
     parallelize_module(stage, tp_mesh, tensor_parallel_plan(stage))
 
 
@@ -138,4 +139,4 @@ def enable_activation_checkpointing(stage: CausalLMStage, granularity: str) -> N
         stage.checkpoint_stage = True
         stage.gradient_checkpointing = True  # what memory.activation_checkpoints counts
     else:
-        raise ValueError(f"activation checkpointing granularity {granularity!r}: layer or stage")
+        raise ConfigurationError(f"activation checkpointing granularity {granularity!r}: layer or stage")

@@ -7,6 +7,7 @@ from importlib.resources import files
 from typing import Any
 
 import torch
+from interop.errors import ConfigurationError
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 VOCAB_SIZE = 256  # byte-level tokens: no tokenizer download needed
@@ -40,7 +41,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"corpus of {len(self.tokens)} tokens is shorter than one sequence of {seq_len}")
+            raise ConfigurationError(f"corpus of {len(self.tokens)} tokens is shorter than one sequence of {seq_len}")
 
     def sample(self, i: int) -> torch.Tensor:
         start = i * self.seq_len
