@@ -63,21 +63,22 @@ def inside(directory: str, rel: object, where: str | None = None) -> str:
 
 
 def tree_entries(directory: str) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of everything under ``directory`` but the directories themselves, links not
-    followed: what a checkpoint holds on disk."""
+    """(relative path, lstat) of everything under ``directory`` (files, directories, links, anything else),
+    links not followed: what a checkpoint holds on disk."""
     for dirpath, dirnames, filenames in os.walk(directory):
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+        for name in dirnames + filenames:
             full = os.path.join(dirpath, name)
             yield os.path.relpath(full, directory), os.lstat(full)
 
 
 def describe_entry(directory: str, rel: str, st: os.stat_result) -> str | None:
-    """Why the entry at ``rel`` cannot be part of a checkpoint (a link, a device, a pipe), or None."""
+    """Why the entry at ``rel`` cannot be part of a checkpoint (a link, a device, a pipe), or None for a
+    regular file or a directory."""
     if stat.S_ISLNK(st.st_mode):
         target = os.path.realpath(os.path.join(directory, rel))
         where = "inside" if is_within(target, containment_root(directory)) else "outside"
         return f"is a symbolic link to {target}, {where} the checkpoint; a checkpoint holds its own regular files"
-    if not stat.S_ISREG(st.st_mode):
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         return "is not a regular file"
     return None
 

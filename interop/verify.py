@@ -9,6 +9,7 @@ verify``: every problem, one line each.
 from __future__ import annotations
 
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -91,25 +92,23 @@ def _digest_problem(directory: str, rel: str, record: FileRecord) -> CheckpointE
 
 def unlisted(directory: str, manifest: Manifest) -> list[CheckpointError]:
     """What lies in the checkpoint directory that the manifest does not list: extra files, links, devices."""
-    problems: list[CheckpointError] = []
-    for rel, st in tree_entries(directory):
-        path = os.path.join(directory, rel)
-        why = describe_entry(directory, rel, st)
-        if why:
-            problems.append(CorruptCheckpointError(path, why))
-        elif rel not in manifest.files and rel != MANIFEST:
-            problems.append(CorruptCheckpointError(path, "is not listed in the manifest (an extra file; a reader or engine could pick it up)"))
     holding: set[str] = set()  # every directory a listed file lies in, at any depth
     for rel in manifest.files:
         d = os.path.dirname(rel)
         while d and d not in holding:
             holding.add(d)
             d = os.path.dirname(d)
-    for dirpath, dirnames, _ in os.walk(directory):
-        for name in dirnames:
-            rel = os.path.relpath(os.path.join(dirpath, name), directory)
-            if rel not in holding and not os.path.islink(os.path.join(dirpath, name)):
-                problems.append(CorruptCheckpointError(os.path.join(directory, rel), "is a directory the manifest does not list"))
+    problems: list[CheckpointError] = []
+    for rel, st in tree_entries(directory):
+        path = os.path.join(directory, rel)
+        why = describe_entry(directory, rel, st)
+        if why:
+            problems.append(CorruptCheckpointError(path, why))
+        elif stat.S_ISDIR(st.st_mode):
+            if rel not in holding:
+                problems.append(CorruptCheckpointError(path, "is a directory the manifest does not list"))
+        elif rel not in manifest.files and rel != MANIFEST:
+            problems.append(CorruptCheckpointError(path, "is not listed in the manifest (an extra file; a reader or engine could pick it up)"))
     return problems
 
 
