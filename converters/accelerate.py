@@ -42,7 +42,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import carried_components, component_state, enclosing_manifest, holds_native, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
@@ -153,7 +153,7 @@ def _param_names(directory: str, manifest: Manifest | None, config, model: dict,
     if meta is None:
         raise ConversionError(
             f"{directory}: optimizer.bin keeps parameters by position only, and there is no config.json to tell "
-            "their names; put the model's config.json beside it"
+            "their names; pass the model's config with --config CONFIG.json (or the model's directory)"
         )
     named = [(n, tuple(p.shape)) for n, p in meta.named_parameters() if n in model]
     sizes = [len(g["params"]) for g in groups]
@@ -235,11 +235,12 @@ def rng_to_accelerate(state: dict[str, Any], step: int) -> dict[str, Any]:
     return out
 
 
-def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool = True,
+                    config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     directory = locate(path)
     files = describe(directory)
-    manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
-    config = _config_near(directory, manifest, path)
+    manifest, owner = owning_checkpoint(directory, NATIVE_KEY, verify_digests)
+    config = config or _config_near(directory, manifest, path)
     tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
     if files.fsdp:
         reader = DCPReader(os.path.join(directory, MODEL_DCP))
@@ -271,7 +272,7 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
         extra[SCHEDULER] = scale_scheduler(load_accelerate_file(sched_path, trust_pickle), factor, 1, sched_path)
     for name in files.custom:
         extra[name[: -len(".pkl")]] = load_accelerate_file(os.path.join(directory, name), trust_pickle)
-    components = carried_components(os.path.dirname(directory), manifest, NATIVE_KEY)
+    components = carried_components(owner, manifest, NATIVE_KEY)
     if RNG not in components:
         rank_state[RNG] = [
             rng_from_accelerate(load_accelerate_file(os.path.join(directory, f"random_states_{r}.pkl"), trust_pickle))

@@ -16,6 +16,7 @@ from typing import Callable
 import os
 
 from interop import __version__
+from .model_config import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
 from interop.errors import InteropError, one_line
 from interop.locking import exclusive
@@ -60,7 +61,8 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups")},
+        config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
 
@@ -167,9 +169,13 @@ def _parents_of(dst: str):
 def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
+    registry.check_dtype_flag(target, args.dtype)
     check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
     with _parents_of(args.dst), exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time
         src_fmt, ckpt = registry.read(args.src, options)
+        missing = registry.missing_config(ckpt, target)
+        if missing:
+            ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
         total = sum(t.spec.nbytes for _, t in ckpt.tensors())
         options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
         try:
@@ -177,8 +183,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         finally:
             close()
     print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): {human_bytes(total)}")
-    written = os.path.join(args.dst, MANIFEST)  # what was lost on the way is recorded there too (reader's and writer's)
-    notes = read_manifest(args.dst).notes if os.path.isfile(written) else list(ckpt.notes)
+    if target.loads_with:
+        print(f"load it with: {target.loads_with.replace('{dst}', args.dst)}")
+    directory = resolve_checkpoint_dir(args.dst)  # an engine's tag file may lead to the folder with our manifest
+    written = os.path.join(directory, MANIFEST)  # what was lost on the way is recorded there too (reader's and writer's)
+    notes = read_manifest(directory).notes if os.path.isfile(written) else list(ckpt.notes)
     lost = registry.left_out(ckpt, target)
     for note in notes + ([lost] if lost and lost not in notes else []):
         print(f"note: {note}")
@@ -217,11 +226,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(f"! {e.key}: max |a-b| {e.max_abs:.6g}")
         else:
             print(f"{'=' if e.status == 'exact' else '~'} {e.key}: {e.status}" + (f" (max |a-b| {e.max_abs:.3g})" if e.status == "close" else ""))
-    n = len(report.entries)
+    both = len(report.entries) - report.count("only_a") - report.count("only_b")
     print(
-        f"{fa.name} vs {fb.name}: {n} compared, {report.count('exact')} exact, {report.count('close')} within atol, "
-        f"{len(report.problems)} different"
+        f"{fa.name} vs {fb.name}: {both} compared, {report.count('exact')} exact, {report.count('close')} within atol, "
+        f"{len(report.different)} different; {report.count('only_a')} only in A, {report.count('only_b')} only in B"
     )
+    if not args.model_only and (a.optimizer is None) != (b.optimizer is None):
+        side = "A" if a.optimizer is None else "B"
+        print(f"hint: {side} holds no optimizer state; compare the weights alone with --model-only")
     return EXIT_PROBLEMS if report.problems else 0
 
 
@@ -262,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
     p.add_argument("--limit", type=int, default=50, help="rows of the tensor table to print (0: all; default 50)")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
 
     p = add("verify", cmd_verify, "check a committed checkpoint: every file present, sizes and digests match")
     p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
@@ -275,12 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=writable, help="target format")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
     p.add_argument("--max-shard-size", type=_size_arg, default="5GiB", help="largest safetensors file (default 5GiB; e.g. 500MB, 2GiB)")
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
     g.add_argument("--world-size", type=int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
+    g.add_argument("--param-groups", choices=("source", "single", "decay"),
+                   help="DeepSpeed: how the loading script groups its optimizer's parameters: as the source did (default; "
+                        "one group if --deepspeed-config has an optimizer section), one group (model.parameters()), or "
+                        "decay / no-decay as transformers' Trainer")
     g.add_argument("--fsdp", action="store_true", help="accelerate: the FSDP2 sharded layout (DCP) instead of DDP's")
     g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="Megatron: tensor-parallel size")
     g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="Megatron: pipeline-parallel size")
@@ -293,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit-exact)")
     p.add_argument("--model-only", action="store_true", help="compare model weights only, not optimizer state")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
 
     for ep in entry_points(group="interop.commands"):
         try:

@@ -122,6 +122,9 @@ def read_metadata(directory: str):
     return metadata
 
 
+NATIVE_KEY = "torch_dcp"  # the native component of our checkpoint around a plain DCP directory
+
+
 def is_dcp_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
@@ -544,12 +547,14 @@ def optimizer_tree(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any
     return {"state": state, "param_groups": [{**h, "params": list(g)} for h, g in zip(order.hyper, order.groups)]}
 
 
-def read_dcp_checkpoint(path: str) -> LogicalCheckpoint:
+def read_dcp_checkpoint(path: str, verify_digests: bool = True) -> LogicalCheckpoint:
     """Any DCP checkpoint: ``model.*`` entries (or, with no ``model`` prefix, every top-level tensor) are the
     model; an ``optimizer`` subtree in torch's name-keyed layout is the optimizer. Other entries are left out."""
+    from .engine_checkpoint import carried_components, owning_checkpoint
     from .families import tied_groups
     from .hf import read_config
 
+    manifest, owner = owning_checkpoint(path, NATIVE_KEY, verify_digests)  # ours: every file checked first
     reader = DCPReader(path)
     keys = set(reader.tensor_keys())
     prefixed = {".".join(map(str, p[1:])): k for k, p in reader.paths.items() if p[0] == "model" and k in keys}
@@ -565,22 +570,35 @@ def read_dcp_checkpoint(path: str) -> LogicalCheckpoint:
     model = drop_tied_aliases(model, tied)
     skipped = sorted(k for k, p in reader.paths.items() if p[0] not in ("model", "optimizer") and prefixed)
     notes = [f"DCP entries outside model/optimizer not converted: {skipped[:5]}"] if skipped else []
-    return LogicalCheckpoint(model=model, config=config, optimizer=optimizer, source={"format": "dcp"}, tied=tied, notes=notes)
+    return LogicalCheckpoint(model=model, config=config, optimizer=optimizer, source={"format": "dcp"}, tied=tied, notes=notes,
+                             components=carried_components(owner, manifest, NATIVE_KEY),
+                             topology=manifest.topology if manifest is not None else None,
+                             step=manifest.step if manifest is not None else None)
 
 
 def write_dcp_checkpoint(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False) -> None:
-    """``{"model": ..., "optimizer": ...}`` as one DCP checkpoint (config.json beside it when known)."""
+    """``{"model": ..., "optimizer": ...}`` as one DCP checkpoint at ``dst`` (``dcp.load(state, checkpoint_id=dst)``),
+    config.json, our manifest and the source's other components beside it."""
     import json
 
-    from interop.commit import durable_write, staged_output
+    import torch
 
+    from interop.commit import durable_write
+    from interop.sharding import ShardingMetadata, Strategy
+
+    from .engine_checkpoint import write_engine_checkpoint
     from .param_order import engine_order
 
     order = engine_order(ckpt)
     state: dict[str, Any] = {"model": model_tree(ckpt, order)}
     if ckpt.optimizer is not None:
         state["optimizer"] = optimizer_tree(ckpt, order)
-    with staged_output(dst, overwrite) as out:
+
+    def write_files(out: str) -> None:
         write_dcp(state, out)
         if ckpt.config is not None:
             durable_write(os.path.join(out, "config.json"), json.dumps(ckpt.config, indent=2).encode())
+
+    sharding = ShardingMetadata(strategy=Strategy.SINGLE, precision=ckpt.source.get("dtype") or "float32")
+    write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"torch": torch.__version__},
+                            {"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None, overwrite)

@@ -41,7 +41,7 @@ from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
-from .engine_checkpoint import carried_components, enclosing_manifest, holds_native
+from .engine_checkpoint import carried_components, owning_checkpoint, holds_native, native_dir
 from .families import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
@@ -125,15 +125,15 @@ class NativeFiles:
 
 
 def locate(path: str) -> str:
-    """The tag directory holding the ZeRO files, from any of: the tag directory, a directory with ``latest``,
-    one of our trainer's checkpoints (``<ckpt>/deepspeed``), or a root of such checkpoints."""
+    """The tag directory holding the ZeRO files, from any of: the tag directory (ours has them beside the
+    manifest), a directory with ``latest``, an older checkpoint of ours (``<ckpt>/deepspeed``)."""
     if not os.path.exists(path):
         raise MissingFileError(path, "no such file or directory")
     if not os.path.isdir(path):
         raise UnknownFormatError(path, "is a file; point at a DeepSpeed checkpoint directory")
     if any(OPTIM_FILE.match(n) for n in os.listdir(path)):
         return path
-    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, NATIVE_KEY)):
+    if os.path.isdir(os.path.join(path, NATIVE_KEY)):
         return locate(os.path.join(path, NATIVE_KEY))
     latest = os.path.join(path, "latest")
     tag = read_tag(latest, "DeepSpeed 'latest' file")
@@ -554,17 +554,18 @@ def _client_state(ms: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ms.items() if k not in _DS_KEYS}
 
 
-def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool = True,
+                   config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     """A ZeRO checkpoint (DeepSpeed's, accelerate's ``pytorch_model`` tag, or our trainer's) as a logical one;
     ours is checked against its manifest before any file is unpickled."""
     directory = resolve_checkpoint_dir(path)  # ours: a checkpoint, or a root whose 'latest' names one
     manifest = open_checkpoint(directory, verify_digests) if os.path.isfile(os.path.join(directory, MANIFEST)) else None
     if manifest is not None:
-        path = os.path.join(directory, NATIVE_KEY)
+        path = native_dir(directory, manifest, NATIVE_KEY)
     else:  # pointed at the engine's directory (or a tag) inside one of ours: still checked against its manifest
         engine_dir = os.path.dirname(locate(path))
-        manifest = enclosing_manifest(engine_dir, NATIVE_KEY, verify_digests)
-        directory = os.path.dirname(engine_dir) if manifest is not None else directory
+        manifest, owner = owning_checkpoint(engine_dir, NATIVE_KEY, verify_digests)
+        directory = owner if manifest is not None else directory
     ckpt = read_native(path, trust_pickle)
     trainable = {
         p.name: LazyTensor(TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
@@ -582,7 +583,7 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
     }
     return to_logical(ckpt.model_states[0], trainable, ckpt.frozen, ckpt.buffers, _optimizer(ckpt), source,
-                      ckpt.info.files.tag_dir, manifest, directory, root=path)
+                      ckpt.info.files.tag_dir, manifest, directory, root=path, config=config)
 
 
 def to_logical(
@@ -596,6 +597,8 @@ def to_logical(
     manifest: Manifest | None = None,
     directory: str = "",
     root: str | None = None,
+    native_key: str = NATIVE_KEY,
+    config: dict[str, Any] | None = None,
 ) -> LogicalCheckpoint:
     """The logical checkpoint of DeepSpeed files: ``ms0`` (rank 0's model states) gives ties, the step, the
     scheduler and client state; ``manifest`` (of our checkpoint at ``directory`` around them) adds the rest."""
@@ -605,9 +608,9 @@ def to_logical(
         if src in model:
             model[alias] = model[src]
     model_info = (manifest.model if manifest is not None else None) or {}
-    config = model_info.get("config") or config_near(tag_dir, root or tag_dir)
+    config = config or model_info.get("config") or config_near(tag_dir, root or tag_dir)
     tied = [[alias, src] for alias, src in shared.items()] or tied_groups(config)
-    components = carried_components(directory, manifest, NATIVE_KEY)
+    components = carried_components(directory, manifest, native_key)
     step = manifest.step if manifest is not None else ms0.get("global_steps")
     notes = []
     client = _client_state(ms0)

@@ -30,8 +30,8 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value
 
 from .deepspeed import NATIVE_KEY, NativeLayout
-from .engine_checkpoint import write_engine_checkpoint
-from .param_order import EngineOrder, engine_order
+from .engine_checkpoint import Written, write_engine_checkpoint
+from .param_order import EngineOrder, engine_order, regroup
 from .pickle_safety import save_torch
 
 log = logging.getLogger(__name__)
@@ -168,14 +168,31 @@ def _optimizer_state_dict(state: dict[int, dict[str, Any]], hyper: list[dict], f
     }
 
 
+def optimizer_grouping(ds_config: dict[str, Any] | None, grouping: str | None) -> tuple[str, dict[str, Any] | None]:
+    """How the engine that loads the checkpoint groups its parameters, and the hyper-parameters its config
+    sets. A DeepSpeed config with an ``optimizer`` section builds it from ``model.parameters()``: one group."""
+    section = (ds_config or {}).get("optimizer") or {}
+    params = dict(section.get("params") or {})
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return grouping or ("single" if section else "source"), (params or None)
+
+
+def grouped_order(ckpt: LogicalCheckpoint, ds_config: dict[str, Any] | None, grouping: str | None) -> EngineOrder:
+    name, hyper = optimizer_grouping(ds_config, grouping)
+    return regroup(engine_order(ckpt), ckpt, name, hyper)
+
+
 def write_native(
     ckpt: LogicalCheckpoint,
     directory: str,
     layout: NativeLayout,
     ds_config: dict[str, Any] | None = None,
     step: int | None = None,
+    grouping: str | None = None,
 ) -> str:
-    """Write ``ckpt`` as DeepSpeed would save it from a run of ``layout``; returns the tag directory."""
+    """Write ``ckpt`` as DeepSpeed would save it from a run of ``layout``, its optimizer's parameters grouped
+    as ``grouping`` says (see :func:`optimizer_grouping`); returns the tag directory."""
     deepspeed, LossScaler, ZeroStageEnum, fragment_address = _deepspeed()
     world, stage = layout.world_size, layout.zero_stage
     if stage not in (1, 2, 3):
@@ -185,7 +202,7 @@ def write_native(
     dtype = dtype_from_name(layout.precision)
     step = ckpt.step if step is None else step
     step = int(step or 0)
-    order = engine_order(ckpt)
+    order = grouped_order(ckpt, ds_config, grouping)
     ds_config = dict(ds_config or {})
     ds_config.setdefault("zero_optimization", {})
     ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": stage}
@@ -355,19 +372,22 @@ def write_deepspeed(
     layout: NativeLayout,
     ds_config: dict[str, Any] | None = None,
     overwrite: bool = False,
+    grouping: str | None = None,
 ) -> Manifest:
-    """An interop checkpoint whose ``deepspeed/`` is a native ZeRO checkpoint of ``layout``, with the source's
-    other components (scheduler, data position, RNG, ...) beside it: our DeepSpeed trainer resumes from it,
-    and ``engine.load_checkpoint(dst + "/deepspeed")`` and ``zero_to_fp32.py`` work on it directly."""
+    """``dst`` as ``engine.save_checkpoint(dst)`` leaves it for a run of ``layout`` (``latest``, ``global_step<N>/``,
+    ``zero_to_fp32.py``), our manifest and the source's other components (scheduler, data position, RNG, ...)
+    beside the ZeRO files in ``global_step<N>/``: ``engine.load_checkpoint(dst)``, ``zero_to_fp32.py dst`` and our
+    DeepSpeed trainer's ``--resume dst`` all load it."""
     sharding = ShardingMetadata(
         strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
         master_precision="float32", zero_stage=layout.zero_stage,
     )
-    def write_files(directory: str) -> None:
-        write_native(ckpt, directory, layout, ds_config)
+    def write_files(directory: str) -> Written:
+        return Written(at=os.path.basename(write_native(ckpt, directory, layout, ds_config, grouping=grouping)))
 
+    name, _ = optimizer_grouping(ds_config, grouping)
+    optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer is not None else "AdamW", "grouping": name,
+                 "param_names": grouped_order(ckpt, ds_config, grouping).groups}
     return write_engine_checkpoint(
-        ckpt, dst, NATIVE_KEY, write_files, sharding,
-        {"deepspeed": _deepspeed()[0].__version__}, {"class": ckpt.optimizer.cls} if ckpt.optimizer is not None else None,
-        overwrite,
+        ckpt, dst, NATIVE_KEY, write_files, sharding, {"deepspeed": _deepspeed()[0].__version__}, optimizer, overwrite,
     )

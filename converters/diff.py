@@ -25,6 +25,11 @@ class DiffReport:
     def problems(self) -> list[TensorDiff]:
         return [e for e in self.entries if e.status not in ("exact", "close")]
 
+    @property
+    def different(self) -> list[TensorDiff]:
+        """Entries on both sides that are not equal (values, shape or dtype); not those on one side only."""
+        return [e for e in self.problems if e.status not in ("only_a", "only_b")]
+
     def count(self, status: str) -> int:
         return sum(e.status == status for e in self.entries)
 

@@ -21,7 +21,6 @@ What DeepSpeed's loaders read, and so what a written checkpoint must hold for al
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -31,7 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import read_tag, staged_output
+from interop.commit import read_tag
+from interop.manifest import MANIFEST
+from interop.verify import open_checkpoint
+from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnknownFormatError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.paths import inside, plain_name
@@ -39,6 +41,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
+from .engine_checkpoint import Written, native_dir, write_engine_checkpoint
 from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
@@ -46,6 +49,7 @@ from .pickle_safety import save_torch
 log = logging.getLogger(__name__)
 
 LATEST = "latest_universal"
+NATIVE_KEY = "ds_universal"  # the native component of our checkpoint around a universal tag directory
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"  # DeepSpeed's key for the tensor in a universal state file
@@ -129,9 +133,14 @@ def _groups_of(osd: dict[str, Any], path: str) -> tuple[list[dict[str, Any]], di
     return groups, group_of_flat, dict(base.get("state") or {})
 
 
-def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
-    """A DeepSpeed universal checkpoint (``ds_to_universal``'s or ours) as a logical one."""
+def read_ds_universal(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+    """A DeepSpeed universal checkpoint (``ds_to_universal``'s or ours) as a logical one; ours is checked
+    against its manifest before any file is unpickled."""
     files = universal_files(locate(path))
+    manifest = None
+    if os.path.isfile(os.path.join(files.tag_dir, MANIFEST)):
+        manifest = open_checkpoint(files.tag_dir, verify_digests, by_tensor=False)
+        native_dir(files.tag_dir, manifest, NATIVE_KEY)  # refuses our checkpoint of another layout
     optim_path = os.path.join(files.zero, OPTIMIZER_STATE)
     osd = load_ds_file(optim_path, trust_pickle)
     if not isinstance(osd, dict):
@@ -184,7 +193,8 @@ def read_ds_universal(path: str, trust_pickle: bool = False) -> LogicalCheckpoin
         "ds_version": ms0.get("ds_version"),
         "tag": os.path.basename(os.path.normpath(files.tag_dir)),
     }
-    return to_logical(ms0, trainable, frozen, buffers, optimizer, source, files.tag_dir, root=path)
+    return to_logical(ms0, trainable, frozen, buffers, optimizer, source, files.tag_dir, manifest, files.tag_dir,
+                      root=path, native_key=NATIVE_KEY)
 
 
 # --- writing -------------------------------------------------------------------------------------------------
@@ -208,6 +218,7 @@ def write_ds_universal(
 ) -> str:
     """Write ``ckpt`` as a DeepSpeed universal checkpoint under ``dst`` (``engine.load_checkpoint(dst)`` with
     ``"checkpoint": {"load_universal": true}``, on any stage and world size); returns the tag directory's name.
+    Our manifest and the source's other components sit in the tag directory beside DeepSpeed's files.
 
     A source without optimizer state (a Hugging Face model) gets AdamW's initial state, zeros at step 0, which
     is what the optimizer would start from anyway; DeepSpeed's ZeRO-3 loader needs the files to exist."""
@@ -227,7 +238,8 @@ def write_ds_universal(
     if not ds_config and ckpt.source.get("dtype") == "bfloat16":  # record the precision it was trained in
         ds_config["bf16"] = {"enabled": True}
     version = deepspeed.__version__
-    with staged_output(dst, overwrite) as out:
+
+    def write_files(out: str) -> Written:
         zero = os.path.join(out, tag, ZERO_DIR)
         group_steps: list[torch.Tensor] = []
         filled = 0
@@ -273,12 +285,12 @@ def write_ds_universal(
             save_torch(states, os.path.join(out, tag, name))
         with open(os.path.join(out, LATEST), "w", encoding="utf-8") as f:
             f.write(tag)
-        if ckpt.config:
-            with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(ckpt.config, f, indent=2)
-        dropped = sorted(ckpt.components)
-        if dropped:
-            log.info("components %s are not written: DeepSpeed's universal layout has no place for them", dropped)
+        return Written(at=tag)
+
+    sharding = ShardingMetadata(strategy=Strategy.ZERO, world_size=int(ckpt.source.get("world_size") or 1),
+                                precision=ckpt.source.get("dtype") or "float32", master_precision="float32")
+    write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"deepspeed": version},
+                            {"class": opt.cls} if opt is not None else None, overwrite)
     log.info("wrote DeepSpeed universal checkpoint %s", os.path.join(dst, tag))
     return tag
 

@@ -1,19 +1,22 @@
-"""An interop checkpoint around an engine's own files (``deepspeed/``, ``accelerate/``): what our engine trainers
-save and resume from, and what ``interop convert --to deepspeed|accelerate`` writes. The engine's directory is
-a native component; the source's other components (data position, trainer state, RNG, ...) are carried beside
-it; everything is staged, listed and digested in the manifest, and published at once."""
+"""An interop checkpoint around an engine's own files: what our engine trainers save and resume from, and what
+``interop convert --to <engine>`` writes. The engine's files are where its own loader, pointed at the output
+directory, looks for them: at the top level (accelerate, Trainer, DCP), or in the folder the engine's tag file
+names (DeepSpeed's ``latest``, ``latest_universal``, Megatron's tracker). Our manifest and the source's other
+components (data position, trainer state, RNG, ...) sit beside the engine's files, which engines ignore;
+everything is staged, listed and digested in the manifest, and published at once."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
-from interop.errors import ConversionError
+from interop.errors import ConversionError, UnknownFormatError
 from interop.logical import ComponentSource, LogicalCheckpoint
 from interop.pieces import read_piece
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from interop.sharding import ShardingMetadata
 from interop.state import SharingPattern, WorldSizePolicy
 from interop.topology import Topology
@@ -42,13 +45,25 @@ def holds_native(path: str, key: str) -> bool:
     return manifest is not None and key in manifest.components and manifest.components[key].native
 
 
-def enclosing_manifest(directory: str, key: str, verify_digests: bool = True) -> Manifest | None:
-    """The manifest of our checkpoint around ``directory`` when it is that checkpoint's native ``key/``
-    directory, with every file checked against it; None for an engine's own bare directory."""
+def native_dir(directory: str, manifest: Manifest, key: str) -> str:
+    """Where our checkpoint at ``directory`` keeps native component ``key``'s files."""
+    if key not in manifest.components or not manifest.components[key].native:
+        raise UnknownFormatError(directory, f"holds no {key!r} files (its components: {sorted(manifest.components)})")
+    return os.path.normpath(os.path.join(directory, manifest.components[key].native_base))
+
+
+def owning_checkpoint(directory: str, key: str, verify_digests: bool = True) -> tuple[Manifest | None, str]:
+    """(manifest, checkpoint directory) of our checkpoint whose native ``key`` files lie at ``directory``:
+    beside its manifest, or (older checkpoints) in its ``key/`` folder; every file checked against the
+    manifest. (None, directory) for an engine's own bare directory."""
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        manifest = open_checkpoint(directory, verify_digests)
+        native_dir(directory, manifest, key)  # refuses our checkpoint around another engine's files
+        return manifest, directory
     parent = os.path.dirname(directory)
     if os.path.basename(directory) != key or not os.path.isfile(os.path.join(parent, MANIFEST)):
-        return None
-    return open_checkpoint(parent, verify_digests)
+        return None, directory
+    return open_checkpoint(parent, verify_digests), parent
 
 
 def carried_components(directory: str, manifest: Manifest | None, key: str) -> dict[str, ComponentSource]:
@@ -81,22 +96,35 @@ def per_rank_notes(components: dict[str, ComponentRecord], topology: dict | None
             for key, rec in components.items() if rec.pattern == SharingPattern.PER_RANK.value and not rec.native]
 
 
+@dataclass
+class Written:
+    """What an engine writer put in the output: ``at`` is the folder (named by the engine's tag file it wrote at
+    the output's top) that holds the checkpoint, "" for the output itself; ``notes`` what it could not keep."""
+
+    at: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
 def write_engine_checkpoint(
     ckpt: LogicalCheckpoint,
     dst: str,
     key: str,
-    write_files: Callable[[str], list[str] | None],
+    write_files: Callable[[str], Written | list[str] | None],
     sharding: ShardingMetadata,
     producer: dict[str, str],
     optimizer: dict | None,
     overwrite: bool = False,
     consumed: frozenset[str] = frozenset(),
 ) -> Manifest:
-    """``write_files(directory)`` writes the engine's files (and may return notes); ``consumed`` names the
-    source components those files already hold, which are therefore not carried beside them."""
+    """``write_files(out)`` writes the engine's files as the engine would save them into ``out`` (the staged
+    ``dst``); ``consumed`` names the source components those files already hold, which are not carried beside."""
     with staged_output(dst, overwrite) as out:
-        notes = write_files(os.path.join(out, key)) or []
-        files: dict[str, FileRecord] = tree_records(out, key)
+        written = write_files(out)
+        if not isinstance(written, Written):
+            written = Written(notes=list(written or []))
+        notes = list(written.notes)
+        at = os.path.join(out, written.at) if written.at else out
+        files: dict[str, FileRecord] = tree_records(at, NATIVE_TOP)
         carried = ckpt
         if consumed:
             carried = LogicalCheckpoint(
@@ -104,12 +132,12 @@ def write_engine_checkpoint(
                 extra_state={k: v for k, v in ckpt.extra_state.items() if k not in consumed},
                 rank_state={k: v for k, v in ckpt.rank_state.items() if k not in consumed},
             )
-        components = copy_components(carried, out, files)
+        components = copy_components(carried, at, files)
         notes += per_rank_notes(components, ckpt.topology, sharding.world_size)
         components[key] = ComponentRecord(
-            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": key}, native=True
+            pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_TOP}, native=True
         )
-        for d in {os.path.dirname(os.path.join(out, rel)) for rel in files}:
+        for d in {os.path.dirname(os.path.join(at, rel)) for rel in files}:
             fsync_path(d)
         manifest = Manifest(
             format=CHECKPOINT_FORMAT,
@@ -125,7 +153,7 @@ def write_engine_checkpoint(
             files=dict(sorted(files.items())),
             notes=list(ckpt.notes) + notes,
         )
-        write_manifest(out, manifest)
+        write_manifest(at, manifest)
     for note in notes:
         log.info("%s", note)
     return manifest

@@ -115,7 +115,8 @@ def write_hf(
 ) -> None:
     """The model part of ``ckpt`` as a Hugging Face directory; optimizer and other state are not exported."""
     if ckpt.config is None:
-        raise CorruptCheckpointError(None, "the source records no model config, so no Hugging Face directory can be written")
+        raise CorruptCheckpointError(None, "the source records no model config, so no Hugging Face directory can be written; "
+                                     "pass the model's config with --config CONFIG.json (or the model's directory)")
     with staged_output(dst, overwrite) as out:
         write_model_dir(out, "", ckpt, max_shard_size, progress, hashed=False)  # no manifest describes it
     log.info("wrote Hugging Face model directory %s", dst)

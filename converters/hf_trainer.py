@@ -26,7 +26,7 @@ from typing import Any
 
 
 from interop.commit import resolve_checkpoint_dir
-from interop.errors import CorruptCheckpointError, MissingFileError
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint
 from interop.manifest import Manifest
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
@@ -37,7 +37,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
-from .engine_checkpoint import carried_components, component_state, enclosing_manifest, holds_native, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
 from .families import tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
@@ -91,7 +91,7 @@ def rng_to_hf(state: dict[str, Any]) -> dict[str, Any]:
 
 def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = locate(path)
-    manifest = enclosing_manifest(directory, NATIVE_KEY, verify_digests)
+    manifest, owner = owning_checkpoint(directory, NATIVE_KEY, verify_digests)
     config = read_json(os.path.join(directory, "config.json"), "model config")
     trainer_state = read_json(os.path.join(directory, TRAINER_STATE), "Trainer state")
     step = trainer_state.get("global_step")
@@ -108,7 +108,7 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
         extra[SCHEDULER] = load_accelerate_file(sched_path, trust_pickle)
     rng_files = sorted((f for f in os.listdir(directory) if f.startswith("rng_state")), key=lambda f: (len(f), f))
     rank_state = {RNG: [rng_from_hf(load_accelerate_file(os.path.join(directory, f), trust_pickle)) for f in rng_files]} if rng_files else {}
-    components = carried_components(os.path.dirname(directory), manifest, NATIVE_KEY)
+    components = carried_components(owner, manifest, NATIVE_KEY)
     world = max(1, len(rng_files))
     source = dict((manifest.source or {}) if manifest else {})
     source.update({"format": "hf-trainer", "world_size": world, "step": step})
@@ -126,11 +126,14 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     import transformers
 
     notes: list[str] = []
+    if ckpt.config is None:  # a Trainer checkpoint is a model directory: from_pretrained reads its config.json
+        raise ConversionError("the source records no model config, so no Trainer checkpoint can be written; "
+                              "pass the model's config with --config CONFIG.json (or the model's directory)")
     os.makedirs(directory, exist_ok=True)
     order = engine_order(ckpt)
     write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(ckpt.config or {}, f, indent=2)
+        json.dump(ckpt.config, f, indent=2)
     save_torch(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_PT))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:

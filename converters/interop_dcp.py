@@ -9,7 +9,6 @@ Writing one needs no process group: the tensors are written whole, and each rank
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from interop.commit import resolve_checkpoint_dir
@@ -21,7 +20,7 @@ from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
-from .engine_checkpoint import carried_components, write_engine_checkpoint
+from .engine_checkpoint import carried_components, native_dir, write_engine_checkpoint
 from .families import tied_groups
 from .engine_checkpoint import committed_manifest
 from .param_order import EngineOrder, engine_order
@@ -90,7 +89,7 @@ def _tuples(hyper: dict[str, Any]) -> dict[str, Any]:
 def read_interop_dcp(path: str, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = resolve_checkpoint_dir(path)
     manifest = open_checkpoint(directory, verify_digests)
-    reader = DCPReader(os.path.join(directory, NATIVE_KEY))
+    reader = DCPReader(native_dir(directory, manifest, NATIVE_KEY))
     tensor_keys = set(reader.tensor_keys())
     model = {path[1]: reader.lazy(key) for key, path in reader.paths.items() if path[0] == "model" and key in tensor_keys}
     if not model:

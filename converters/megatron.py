@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import durable_write, staged_output
+from interop.commit import durable_write
 from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.sharding import ShardingMetadata, Strategy
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
@@ -39,12 +40,13 @@ from .megatron_map import (
     split, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
-from .engine_checkpoint import component_state
+from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+NATIVE_KEY = "megatron"  # the native component of our checkpoint around an iteration directory
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -342,8 +344,81 @@ def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple
     return per_name, named_groups, master
 
 
-def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
+DISTRIB_OPTIM = "distrib_optim.pt"  # --use-distributed-optimizer: the optimizer's state, beside model_optim_rng.pt
+PARAM_ALIGNMENT = 64  # megatron-core's _ParamAndGradBuffer starts each parameter at a multiple of 64 (distributed optimizer)
+
+
+def distributed_layout(params: list[tuple[str, tuple[int, ...]]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each parameter lies in megatron-core's flat buffer of one model chunk with the distributed optimizer
+    (``param_and_grad_buffer.py``): in reverse module order, each start rounded up to a multiple of 64, one
+    bucket (the default, no --overlap-grad-reduce). Returns {name: (start, end)} and the unpadded length, which
+    ``distrib_optim.pt`` stores per buffer: the bucket's end padding (a multiple of the DP size) is not saved, so
+    the file is the same for every data-parallel size."""
+    index, offset = {}, 0
+    for name, shape in reversed(params):
+        offset = -(-offset // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        numel = 1
+        for d in shape:
+            numel *= d
+        index[name] = (offset, offset + numel)
+        offset += numel
+    return index, offset
+
+
+def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: str, trust_pickle: bool):
+    """One rank's optimizer saved by megatron-core's DistributedOptimizer: the param groups (and step) stay in
+    model_optim_rng.pt, the fp32 main params and Adam moments of the whole TP x PP rank are in distrib_optim.pt
+    (gathered from every DP rank), flat in the buffer layout of :func:`distributed_layout`."""
+    path = os.path.join(os.path.dirname(model_path), DISTRIB_OPTIM)
+    saved = load_megatron_file(path, trust_pickle)
+    if isinstance(saved, list) and len(saved) == 1:
+        saved = saved[0]
+    if not isinstance(saved, dict) or not saved.get("buckets_coalesced"):
+        raise CorruptCheckpointError(path, "is not a distributed optimizer's parameter state of this Megatron version "
+                                     "(one optimizer, buckets_coalesced); chained optimizers (MoE) are not supported")
+    buffers = {k: v for k, v in saved.items() if k != "buckets_coalesced"}
+    if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
+        raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values() if isinstance(v, dict)]} "
+                              "dtypes; one buffer of one dtype (one model chunk, one precision) is supported")
+    (dtypes, flat), = buffers[0].items()
+    if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) for k in ("param", "exp_avg", "exp_avg_sq")):
+        raise CorruptCheckpointError(path, f"buffer {dtypes} lacks param / exp_avg / exp_avg_sq tensors")
+    params = [(n, tuple(rank.tensors[n].shape)) for n in rank.names]
+    index, total = distributed_layout(params)
+    if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
+        raise CorruptCheckpointError(path, f"holds {flat.get('numel_unpadded')} elements per tensor; this rank's parameters "
+                                     f"lay out to {total} (another model, or a bucketed --overlap-grad-reduce layout)")
+    opt = state.get("optimizer")
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or not groups:
+        raise CorruptCheckpointError(model_path, "optimizer entry holds no param_groups beside distrib_optim.pt")
+    decay = [n for n in rank.names if not is_no_decay(n, tuple(rank.tensors[n].shape))]
+    no_decay = [n for n in rank.names if is_no_decay(n, tuple(rank.tensors[n].shape))]
+    named_groups, per_name, master, seen = [], {}, {}, set()
+    for g in groups:  # Megatron's groups: decay, and no decay (biases, norms); their order does not matter
+        zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
+        if zero_wd in seen:
+            raise ConversionError(f"{model_path}: two optimizer groups {'without' if zero_wd else 'with'} weight decay; "
+                                  "only Megatron's decay / no-decay split can be placed in distrib_optim.pt")
+        seen.add(zero_wd)
+        members = no_decay if zero_wd else decay
+        named_groups.append({**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": list(members)})
+        for n in members:
+            a, b = index[n]
+            shape = tuple(rank.tensors[n].shape)
+            per_name[n] = {"exp_avg": flat["exp_avg"][a:b].view(shape), "exp_avg_sq": flat["exp_avg_sq"][a:b].view(shape),
+                           "step": g.get("step", 0)}
+            master[n] = flat["param"][a:b].view(shape)
+    left = [n for n in rank.names if n not in per_name]
+    if left:
+        raise ConversionError(f"{model_path}: parameters in no optimizer group: {left[:3]}")
+    return per_name, named_groups, master
+
+
+def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     files = locate(path)
+    manifest, owner = owning_checkpoint(files.iteration_dir, NATIVE_KEY, verify_digests)  # ours: checked first
     first = files.paths[(0, 0)]
     head = load_megatron_file(first, trust_pickle)
     args = head.get("args")
@@ -364,7 +439,12 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
     if missing:
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
 
-    optim = {key: _rank_optimizer(states[key], ranks[key], files.paths[key]) for key in ranks}
+    optim = {
+        key: _distributed_optimizer(states[key], ranks[key], files.paths[key], trust_pickle)
+        if os.path.isfile(os.path.join(os.path.dirname(files.paths[key]), DISTRIB_OPTIM))
+        else _rank_optimizer(states[key], ranks[key], files.paths[key])
+        for key in ranks
+    }
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
     model_dtype = next(iter(ranks[(0, 0)].tensors.values())).dtype
     cache = MergedCache()
@@ -419,6 +499,8 @@ def read_megatron(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         model=model, config=config, optimizer=optimizer, source=source,
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step,
         extra_state=extra, rank_state=rank_state, notes=notes,
+        components=carried_components(owner, manifest, NATIVE_KEY),
+        topology=manifest.topology if manifest is not None else None,
     )
 
 
@@ -552,7 +634,8 @@ def write_megatron(
     progress: Callable[[str], None] | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
-    ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt``. Holds one pipeline stage in memory at a time."""
+    ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
+    source's other components beside the rank folders. Holds one pipeline stage in memory at a time."""
     arch, padded, dtype = target_shape(ckpt, tp)
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
@@ -579,7 +662,7 @@ def write_megatron(
     if rng_source is not None and len(rng_source) != tp * pp:
         ckpt.notes.append(f"RNG streams: the source's {len(rng_source)} do not map onto {tp * pp} ranks; each rank starts a fresh one")
         rng_source = None
-    with staged_output(dst, overwrite) as out:
+    def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
         for p, stage in enumerate(stages):
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
@@ -593,6 +676,14 @@ def write_megatron(
                     progress(d)
             del stage_write
         durable_write(os.path.join(out, TRACKER), str(step).encode())
+        return Written(at=os.path.basename(iteration_dir))
+
+    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp, tp=tp, pp=pp,
+                                precision=dtype_name(dtype), master_precision="float32" if mixed else None)
+    # Megatron's files hold the scheduler, the vocabulary padding and every rank's RNG: not carried again
+    write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "legacy torch"},
+                            {"class": opt.cls} if opt is not None else None, overwrite,
+                            frozenset({SCHEDULER, PADDING, "rng"}))
     log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from interop.commit import durable_write, staged_output
+from interop.commit import durable_write
+from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.jsonio import read_json
@@ -37,7 +38,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .dcp import DCPReader, write_dcp
-from .engine_checkpoint import component_state
+from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
     is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
@@ -52,6 +53,9 @@ COMMON = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
 LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+NATIVE_KEY = "megatron_dist"  # the native component of our checkpoint around a torch_dist iteration directory
 
 
 def stacked_name(megatron: str) -> str:
@@ -93,8 +97,9 @@ def is_megatron_dist(path: str) -> bool:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
-def read_megatron_dist(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
+def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = locate(path)
+    manifest, owner = owning_checkpoint(directory, NATIVE_KEY, verify_digests)  # ours: checked first
     backend = _backend(directory)
     if not backend or backend.get("sharded_backend") != "torch_dist":
         raise CorruptCheckpointError(os.path.join(directory, METADATA_JSON), f"is not a torch_dist checkpoint ({backend})")
@@ -152,6 +157,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False) -> LogicalCheckpoi
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
+        components=carried_components(owner, manifest, NATIVE_KEY),
+        topology=manifest.topology if manifest is not None else None,
     )
 
 
@@ -249,7 +256,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         common[SCHEDULER] = scheduler
-    with staged_output(dst, overwrite) as out:
+    def write_files(out: str) -> Written:
         directory = os.path.join(out, f"iter_{step:07d}")
         write_dcp(state, directory)
         buffer = io.BytesIO()
@@ -257,5 +264,10 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         durable_write(os.path.join(directory, COMMON), buffer.getvalue())
         durable_write(os.path.join(directory, METADATA_JSON), json.dumps(BACKEND).encode())
         durable_write(os.path.join(out, TRACKER), str(step).encode())
+        return Written(at=os.path.basename(directory))
+
+    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp, tp=tp, precision=dtype_name(dtype))
+    write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "torch_dist"},
+                            {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 

@@ -36,6 +36,46 @@ class EngineOrder:
     module_keys: list[str]
 
 
+GROUPINGS = ("source", "single", "decay")
+
+
+def decay_parameter_names(config: dict[str, Any] | None, names: list[str]) -> set[str]:
+    """Which of ``names`` transformers' Trainer puts in its weight-decay group (``get_decay_parameter_names``:
+    not biases, not norms); without a config, the parameters of two or more dimensions."""
+    model = meta_model(config)
+    if model is None:
+        return set()
+    import transformers
+
+    return set(transformers.Trainer.get_decay_parameter_names(None, model))  # ``self`` is unused there
+
+
+def regroup(order: EngineOrder, ckpt: LogicalCheckpoint, grouping: str, hyper: dict[str, Any] | None = None) -> EngineOrder:
+    """``order`` with its trainable parameters grouped as a user's optimizer groups them: ``source`` (as saved),
+    ``single`` (one group, as ``model.parameters()``), ``decay`` (transformers' Trainer: decay / no decay).
+    ``hyper`` (a DeepSpeed config's optimizer params) overrides the groups' hyper-parameters."""
+    if grouping not in GROUPINGS:
+        raise ConversionError(f"param grouping {grouping!r} is not one of {', '.join(GROUPINGS)}")
+    trainable = [n for n in order.module_keys if any(n in g for g in order.groups)]
+    base = dict(order.hyper[0]) if order.hyper else {**ADAMW_DEFAULTS}
+    steps = {float(e["value"]) for e in (ckpt.optimizer.scalars.get("step", {}).values() if ckpt.optimizer else [])}
+    if grouping != "source" and len(steps) > 1:
+        raise ConversionError(f"the source's groups are at different optimizer steps {sorted(steps)}; they cannot be regrouped")
+    if grouping == "single":
+        groups, hypers = [trainable], [base]
+    elif grouping == "decay":
+        decay = decay_parameter_names(ckpt.config, trainable) or {n for n in trainable if len(ckpt.model[n].spec.shape) >= 2}
+        decayed = next((h for h, g in zip(order.hyper, order.groups) if g and g[0] in decay), base)
+        groups = [[n for n in trainable if n in decay], [n for n in trainable if n not in decay]]
+        hypers = [dict(decayed), {**decayed, "weight_decay": 0.0}]
+    else:
+        groups, hypers = [list(g) for g in order.groups], [dict(h) for h in order.hyper]
+    if hyper:
+        hypers = [{**h, **hyper, **({"weight_decay": 0.0} if grouping == "decay" and i == 1 else {})} for i, h in enumerate(hypers)]
+    kept = [(g, h) for g, h in zip(groups, hypers) if g]
+    return replace(order, groups=[g for g, _ in kept], hyper=[h for _, h in kept])
+
+
 def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
     aliases = {t: s for t, *sources in ckpt.tied for s in sources[:1] if s in ckpt.model}
     model = meta_model(ckpt.config)

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from interop.errors import MissingFileError, UncommittedCheckpointError, UnknownFormatError
+from interop.dtypes import dtype_from_name
+from interop.errors import ConfigurationError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from interop.logical import LogicalCheckpoint
 from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
@@ -15,6 +16,7 @@ from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
+from .model_config import apply_config
 from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
 
 
@@ -28,6 +30,7 @@ class Options:
     verify_digests: bool = True  # every byte a reader uses is checked against the manifest
     progress: Callable | None = None
     extra: dict = field(default_factory=dict)  # target-specific flags (world size, stage, ...) for later formats
+    config: dict | None = None  # --config: the model's config.json, for sources that carry none
 
 
 @dataclass
@@ -40,6 +43,39 @@ class Format:
     # what a written checkpoint holds besides weights and config: "optimizer", "components" (any: scheduler,
     # data position, trainer state, RNG, ...) or named ones; a conversion into a narrower format says what it left out
     keeps: frozenset[str] = frozenset({"optimizer", "components"})
+    # the one line that loads a written checkpoint in its consumer, pointed at the output as it is ({dst})
+    loads_with: str = ""
+    promises_config: bool = False  # the output has a place for the model's config.json that consumers read
+    takes_dtype: bool = False  # --dtype sets the precision the output's weights are stored (or trained) in
+
+
+def check_dtype_flag(fmt: Format, dtype: str | None) -> None:
+    """--dtype is honoured by the formats that store a training precision, and refused by the others."""
+    if dtype and not fmt.takes_dtype:
+        takers = ", ".join(n for n, f in FORMATS.items() if f.takes_dtype)
+        raise ConfigurationError(f"--dtype: {fmt.name} keeps the source's tensors as they are and has no precision "
+                                 f"to set; --dtype applies to {takers}")
+
+
+def with_dtype(ckpt: LogicalCheckpoint, dtype: str | None) -> LogicalCheckpoint:
+    """``ckpt`` with its floating weights stored in ``dtype`` (and recorded as its precision)."""
+    if not dtype:
+        return ckpt
+    target = dtype_from_name(dtype)
+    config = dict(ckpt.config) if ckpt.config is not None else None
+    if config is not None:
+        config.pop("dtype", None)
+        config["torch_dtype"] = dtype
+    return dataclasses.replace(ckpt, model={n: t.cast(target) for n, t in ckpt.model.items()}, config=config,
+                               source={**ckpt.source, "dtype": dtype})
+
+
+def missing_config(ckpt: LogicalCheckpoint, fmt: Format) -> str | None:
+    """A note when the output would lack the config.json its format promises (the source carries none)."""
+    if ckpt.config is not None or not fmt.promises_config:
+        return None
+    return (f"the source carries no model config: the {fmt.name} output has no config.json, so from_pretrained "
+            "cannot load its model; convert again with --config CONFIG.json (or the model's directory)")
 
 
 def left_out(ckpt: LogicalCheckpoint, fmt: Format) -> str | None:
@@ -78,6 +114,8 @@ register(
         _is_universal,
         lambda p, o: read_universal(p, o.verify_digests),
         lambda c, d, o: write_universal(c, d, o.max_shard_size, o.overwrite, o.progress),
+        loads_with="interop convert {dst} OUT --to <format>; transformers.AutoModelForCausalLM.from_pretrained('{dst}/model')",
+        promises_config=True,
     )
 )
 register(
@@ -95,6 +133,7 @@ register(
         interop_dcp.is_interop_dcp,
         lambda p, o: interop_dcp.read_interop_dcp(p, o.verify_digests),
         lambda c, d, o: interop_dcp.write_interop_dcp(c, d, o.overwrite),
+        loads_with='python -m trainers.megatron --resume {dst}',
     )
 )
 
@@ -118,7 +157,7 @@ def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     world = extra.get("world_size") or ckpt.source.get("world_size") or 1
     stage = extra.get("zero_stage") or ckpt.source.get("zero_stage") or 2
     dtype = extra.get("dtype") or ckpt.source.get("dtype") or "float32"
-    write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype), config, o.overwrite)
+    write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype), config, o.overwrite, extra.get("param_groups"))
 
 
 register(
@@ -126,8 +165,10 @@ register(
         "deepspeed",
         "DeepSpeed ZeRO-1/2/3 checkpoint (DeepSpeed's own, accelerate's, or an interop DeepSpeed trainer's)",
         deepspeed.is_deepspeed_checkpoint,
-        lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests),
+        lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests, o.config),
         _write_deepspeed,
+        loads_with="engine.load_checkpoint('{dst}')",
+        takes_dtype=True,
     )
 )
 def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -139,9 +180,9 @@ register(
         "ds-universal",
         "DeepSpeed universal checkpoint (ds_to_universal's layout; load_universal loads it on any stage and world size)",
         ds_universal.is_ds_universal,
-        lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle),
+        lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle, o.verify_digests),
         _write_ds_universal,
-        keeps=frozenset({"optimizer"}),
+        loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -155,11 +196,14 @@ register(
         "accelerate",
         "Accelerate save_state directory, DDP (model.safetensors + optimizer.bin) or FSDP2 (DCP directories)",
         accelerate.is_accelerate_checkpoint,
-        lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests),
+        lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests, o.config),
         _write_accelerate,
+        loads_with="accelerator.load_state('{dst}')",
     )
 )
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    if o.extra.get("dtype"):
+        ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
     megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite)
 
 
@@ -168,9 +212,10 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         "megatron-dist",
         "Megatron torch_dist checkpoint (metadata.json, common.pt, DCP data with stacked layers); loads at any TP x PP",
         megatron_dist.is_megatron_dist,
-        lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle),
+        lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle, o.verify_digests),
         _write_megatron_dist,
-        keeps=frozenset({"optimizer", megatron.SCHEDULER}),
+        loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist --no-load-rng',
+        takes_dtype=True,
     )
 )
 register(
@@ -178,15 +223,17 @@ register(
         "dcp",
         "torch.distributed.checkpoint directory (.metadata + .distcp files), e.g. torchtitan's or dcp.save's",
         dcp.is_dcp_dir,
-        lambda p, o: dcp.read_dcp_checkpoint(p),
+        lambda p, o: dcp.read_dcp_checkpoint(p, o.verify_digests),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
-        keeps=frozenset({"optimizer"}),
+        loads_with="torch.distributed.checkpoint.load(state_dict, checkpoint_id='{dst}')",
     )
 )
 def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     tp = o.extra.get("tp") or ckpt.source.get("tp") or 1
     pp = o.extra.get("pp") or ckpt.source.get("pp") or 1
     te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
+    if o.extra.get("dtype"):
+        ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite)
 
 
@@ -195,9 +242,10 @@ register(
         "megatron",
         "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt)",
         megatron.is_megatron_legacy,
-        lambda p, o: megatron.read_megatron(p, o.trust_pickle),
+        lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests),
         _write_megatron,
-        keeps=frozenset({"optimizer", megatron.SCHEDULER, "rng"}),  # Megatron's own scheduler and RNG states
+        loads_with='Megatron-LM: --load {dst} --ckpt-format torch',
+        takes_dtype=True,
     )
 )
 register(  # before "hf": a Trainer checkpoint directory is also a model directory
@@ -207,6 +255,7 @@ register(  # before "hf": a Trainer checkpoint directory is also a model directo
         hf_trainer.is_hf_trainer_checkpoint,
         lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests),
         lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
+        loads_with="Trainer(...).train(resume_from_checkpoint='{dst}')",
     )
 )
 register(
@@ -215,8 +264,10 @@ register(
         "Hugging Face model directory (config.json + safetensors or pytorch_model.bin)",
         hf.is_hf_dir,
         lambda p, o: hf.read_hf(p, o.trust_pickle),
-        lambda c, d, o: hf.write_hf(c, d, o.overwrite, o.max_shard_size, o.progress),
+        lambda c, d, o: hf.write_hf(with_dtype(c, o.extra.get("dtype")), d, o.overwrite, o.max_shard_size, o.progress),
+        takes_dtype=True,
         keeps=frozenset(()),
+        loads_with="transformers.AutoModelForCausalLM.from_pretrained('{dst}')",
     )
 )
 
@@ -267,7 +318,10 @@ def read(path: str, options: Options | None = None, as_format: str | None = None
     fmt = FORMATS[as_format] if as_format else detect(path)
     if fmt.read is None:
         raise UnknownFormatError(path, f"format {fmt.name!r} can be written but not read")
-    return fmt, fmt.read(path, options)
+    ckpt = fmt.read(path, options)
+    if options.config is not None:
+        apply_config(ckpt, options.config, path)
+    return fmt, ckpt
 
 
 def check_ours(path: str, digests_checked: bool = True) -> bool:

@@ -13,7 +13,7 @@ torchrun --nproc_per_node 2 -m trainers.deepspeed --zero-stage 3 --steps 4 --out
 CKPT="$OUT/zero3/checkpoint-4"
 
 interop convert "$CKPT" "$OUT/hf" --to hf
-python "$CKPT/deepspeed/zero_to_fp32.py" "$CKPT/deepspeed" "$OUT/zero_to_fp32" --safe_serialization
+python "$CKPT/zero_to_fp32.py" "$OUT/zero3" "$OUT/zero_to_fp32" --safe_serialization   # the run's root: 'latest' names CKPT
 cp "$OUT/hf/config.json" "$OUT/zero_to_fp32/"                  # DeepSpeed's tool writes the weights only
 interop diff "$OUT/hf" "$OUT/zero_to_fp32" --model-only          # exit 1 on any difference
 

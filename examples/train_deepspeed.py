@@ -4,8 +4,9 @@
     deepspeed --num_gpus 2 examples/train_deepspeed.py --deepspeed_config examples/ds_zero3_bf16.json --resume
 
 On a machine without a GPU it runs on DeepSpeed's CPU accelerator with gloo (nothing to set).
-Every checkpoint's deepspeed/ directory is a plain DeepSpeed checkpoint: zero_to_fp32.py and
-engine.load_checkpoint work on it; `interop convert` turns it into any other layout.
+Every checkpoint holds DeepSpeed's own files beside our manifest, and the output directory's `latest` names
+the newest: `engine.load_checkpoint(OUTPUT_DIR)` and `zero_to_fp32.py OUTPUT_DIR OUT` work on it as they are;
+`interop convert` turns it into any other layout.
 """
 
 from trainers.deepspeed import main

@@ -17,11 +17,11 @@ from . import locking
 from .commit import STAGING_SUFFIX, fsync_path, fsync_tree, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
-from .manifest import CHECKPOINT_FORMAT, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from .manifest import CHECKPOINT_FORMAT, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from .pieces import component_files, read_piece, state_fingerprint, write_piece
 from .planner import pieces_for, plan_save, resolve_load
 from .replication import find_mismatches
-from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native
+from .state import ComponentSpec, NativeLoad, SharingPattern, StateComponent, WorldSizePolicy, components_of, is_native, native_base
 from .topology import Topology
 from .verify import check_against_manifest, tree_records
 
@@ -144,6 +144,8 @@ class CheckpointManager:
             components = components_of(self.provider)
             specs = [c.resolve() for c in components]
             native = [c for c in components if is_native(c.stateful)]
+            if sum(native_base(c) == NATIVE_TOP for c in native) > 1:
+                raise ComponentError(f"components {[c.key for c in native]} all write at the checkpoint's top level; at most one may")
             plan = plan_save([s for c, s in zip(components, specs) if c not in native], topology)
             writes = {p.component for p in plan.writes_of(rank)}
             for comp, spec in zip(components, specs):
@@ -174,7 +176,7 @@ class CheckpointManager:
             for piece in plan.writes_of(rank):
                 records.update(write_piece(staging, piece.base, states[piece.component], writer=rank))
             for comp in native:  # collective: the engine's own save, on every rank
-                comp.stateful.save_native(os.path.join(staging, comp.key))
+                comp.stateful.save_native(os.path.normpath(os.path.join(staging, native_base(comp))))
             for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
                 fsync_path(d)
         except Exception as exc:  # noqa: BLE001
@@ -192,7 +194,7 @@ class CheckpointManager:
         error = None
         if rank == 0:
             try:
-                manifest = self._manifest(step, specs, topology, plan, all_records, metadata, {c.key for c in native})
+                manifest = self._manifest(step, specs, topology, plan, all_records, metadata, {c.key: native_base(c) for c in native})
                 fsync_tree(staging)  # every directory's entries (ranks/, components/, the engine's) are durable
                 write_manifest(staging, manifest)
                 publish(staging, final)
@@ -212,14 +214,16 @@ class CheckpointManager:
         records: dict[str, FileRecord] = {}
         try:
             for comp in native:
-                if not os.path.isdir(os.path.join(staging, comp.key)):
-                    raise ComponentError(f"native component {comp.key!r} wrote nothing into {os.path.join(staging, comp.key)}")
-                records.update(tree_records(staging, comp.key, share))
+                base = native_base(comp)
+                found = tree_records(staging, base, share) if os.path.isdir(os.path.join(staging, base)) else {}
+                if not found and share[0] == 0:
+                    raise ComponentError(f"native component {comp.key!r} wrote nothing into {os.path.normpath(os.path.join(staging, base))}")
+                records.update(found)
         except Exception as exc:  # noqa: BLE001
             return describe_error(exc), records
         return None, records
 
-    def _manifest(self, step, specs, topology, plan, all_records, metadata, native: set[str]) -> Manifest:
+    def _manifest(self, step, specs, topology, plan, all_records, metadata, native: dict[str, str]) -> Manifest:
         meta = dict(metadata or {})
         extra = getattr(self.provider, "get_checkpoint_metadata", None)
         if extra is not None:
@@ -238,7 +242,7 @@ class CheckpointManager:
                 policy=spec.policy.value,
                 required=spec.required,
                 group=spec.group,
-                pieces={"native": spec.key} if spec.key in native else {p.owner: p.base for p in plan.pieces if p.component == spec.key},
+                pieces={"native": native[spec.key]} if spec.key in native else {p.owner: p.base for p in plan.pieces if p.component == spec.key},
                 native=spec.key in native,
             )
             for spec in specs
@@ -347,7 +351,7 @@ class CheckpointManager:
                 f"{directory}: component {comp.key!r} holds the engine's own files; this trainer's stateful has no load_native()"
             )
         if not component_files(record, manifest.files):
-            raise CorruptCheckpointError(os.path.join(directory, comp.key), f"native component {comp.key!r} lists no files")
+            raise CorruptCheckpointError(directory, f"native component {comp.key!r} lists no files")
         note = None
         # the engine's files are for the layout the sharding section names (a conversion writes them for its
         # target), which may differ from the topology the carried per-rank pieces came from
@@ -361,5 +365,6 @@ class CheckpointManager:
             if policy is WorldSizePolicy.DROP:
                 return f"component {comp.key!r}: saved by {written_for} ranks, now {current.world_size}; not loaded (policy 'drop')"
             note = f"component {comp.key!r}: saved by {written_for} ranks, loaded onto {current.world_size} (policy '{policy.value}')"
-        comp.stateful.load_native(NativeLoad(os.path.join(directory, comp.key), saved, current, rank, manifest, scratch))
+        where = os.path.normpath(os.path.join(directory, record.native_base))
+        comp.stateful.load_native(NativeLoad(where, saved, current, rank, manifest, scratch))
         return note

@@ -136,17 +136,42 @@ def read_latest(root: str) -> str | None:
     return read_tag(os.path.join(root, LATEST), "'latest' file")
 
 
+# The tag files an engine reads in the directory it is pointed at, naming the checkpoint inside: ours and
+# DeepSpeed's ``latest``, DeepSpeed's ``latest_universal`` (load_universal), Megatron-LM's tracker (an
+# iteration number, for ``iter_%07d``, or ``release``). Our checkpoints written for an engine sit where its tag
+# file leads, so the engine and our tools pointed at the same directory find the same checkpoint.
+ROOT_TAGS = (LATEST, "latest_universal", "latest_checkpointed_iteration.txt")
+
+
+def read_root_tag(root: str) -> tuple[str, str] | None:
+    """(tag file, the directory name it leads to) for the first tag file in ``root``; None without one."""
+    from .errors import CorruptCheckpointError
+
+    for tag_file in ROOT_TAGS:
+        path = os.path.join(root, tag_file)
+        name = read_tag(path, f"{tag_file!r} file")
+        if name is None:
+            continue
+        if tag_file == ROOT_TAGS[2] and name != "release":
+            if not re.fullmatch(r"[0-9]{1,12}", name):
+                raise CorruptCheckpointError(path, f"holds {name[:40]!r}, not an iteration number or 'release'")
+            name = f"iter_{int(name):07d}"
+        return tag_file, name
+    return None
+
+
 def resolve_checkpoint_dir(path: str) -> str:
-    """A checkpoint directory, or a root whose ``latest`` names one (which must lie inside the root)."""
+    """A checkpoint directory, or a root whose tag file (``latest``, ...) names one inside it."""
     from .paths import inside
 
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
-    name = read_latest(path)
-    if name is not None:
-        target = inside(path, name, os.path.join(path, LATEST))
+    found = read_root_tag(path)
+    if found is not None:
+        tag_file, name = found
+        target = inside(path, name, os.path.join(path, tag_file))
         if not os.path.isdir(target):
-            raise MissingFileError(os.path.join(path, LATEST), f"names {name!r}, which does not exist")
+            raise MissingFileError(os.path.join(path, tag_file), f"names {name!r}, which does not exist")
         return target
     return path
 

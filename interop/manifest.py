@@ -40,6 +40,11 @@ class TensorRecord:
     file: str
     digest: str
 
+# A native component at the top level of its checkpoint: every listed file outside our own folders is the
+# engine's. Our pieces live only in these folders, so the engine's files and ours never share a name.
+NATIVE_TOP = "."
+OUR_FOLDERS = ("components", "ranks", "groups", "nodes")
+
 
 @dataclass
 class ComponentRecord:
@@ -49,6 +54,12 @@ class ComponentRecord:
     group: str | None = None
     pieces: dict[str, str] = field(default_factory=dict)  # owner -> base path (files: base.json, base.safetensors)
     native: bool = False  # written by the engine itself: every file under pieces["native"] + "/" belongs to it
+
+    @property
+    def native_base(self) -> str:
+        """Where a native component's files lie: a folder, or ``NATIVE_TOP`` for the checkpoint's top level,
+        beside the manifest, where the engine's own loader pointed at the directory finds them."""
+        return self.pieces.get("native", "")
 
 
 @dataclass
@@ -202,7 +213,8 @@ def _validate(data: dict[str, Any], path: str) -> None:
         if rec.get("group") is not None and not isinstance(rec["group"], str):
             fail(f"components[{key!r}].group must be a name")
         for owner, base in mapping(f"components[{key!r}].pieces", rec.get("pieces")).items():
-            check_relative(base, path)
+            if not (rec.get("native") and base == NATIVE_TOP):
+                check_relative(base, path)
 
 
 def now_iso() -> str:

@@ -11,7 +11,7 @@ from . import codec
 from .commit import durable_write
 from .errors import CorruptCheckpointError, MissingFileError
 from .jsonio import read_json
-from .manifest import ComponentRecord, FileRecord
+from .manifest import NATIVE_TOP, OUR_FOLDERS, ComponentRecord, FileRecord
 from .paths import inside
 from .safetensors_io import SafetensorsFile, save_tensors
 from .tensors import tensor_digest
@@ -37,9 +37,16 @@ def piece_files(bases: Iterable[str], listed: Container[str]) -> list[str]:
     return [f"{b}{ext}" for b in bases for ext in (".json", ".safetensors") if f"{b}{ext}" in listed]
 
 
+def is_native_top_file(rel: str) -> bool:
+    """Whether listed file ``rel`` belongs to a native component kept at the checkpoint's top level."""
+    return rel.split("/", 1)[0] not in OUR_FOLDERS
+
+
 def component_files(record: ComponentRecord, listed: Iterable[str]) -> list[str]:
     """Every listed file of one component: its pieces' files, or for a native component its whole directory."""
     if record.native:
+        if record.native_base == NATIVE_TOP:
+            return [f for f in listed if is_native_top_file(f)]
         prefixes = tuple(base + "/" for base in record.pieces.values())
         return [f for f in listed if f.startswith(prefixes)]
     listed = set(listed)

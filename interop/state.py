@@ -65,6 +65,10 @@ class NativeStateful(Protocol):
     Every rank calls both methods together, as the engines require. ``save_native`` writes into a directory
     the adapter owns (inside the staging directory, so the commit protocol still decides what is committed);
     the adapter then lists and digests every file it finds there. ``load_native`` gets a :class:`NativeLoad`.
+
+    A stateful with ``native_top = True`` writes at the checkpoint's top level, beside the manifest, so the
+    engine's own loader pointed at the checkpoint (or at the run's root, through ``latest``) finds its files;
+    otherwise it gets a folder named by the component's key. At most one component of a checkpoint is at the top.
     """
 
     def save_native(self, directory: str) -> None: ...
@@ -86,6 +90,13 @@ class NativeLoad:
 
 def is_native(stateful: Any) -> bool:
     return callable(getattr(stateful, "save_native", None)) and callable(getattr(stateful, "load_native", None))
+
+
+def native_base(component: "StateComponent") -> str:
+    """Where a native component's files go inside its checkpoint (see :class:`NativeStateful`)."""
+    from .manifest import NATIVE_TOP
+
+    return NATIVE_TOP if getattr(component.stateful, "native_top", False) else component.key
 
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")

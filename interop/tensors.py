@@ -47,6 +47,13 @@ class LazyTensor:
         tensor = tensor.detach()
         return cls(TensorSpec(tuple(tensor.shape), tensor.dtype), lambda: tensor, origin)
 
+    def cast(self, dtype: torch.dtype) -> "LazyTensor":
+        """This tensor in ``dtype`` (a floating tensor; others and same-dtype ones are returned as they are),
+        read and checked only when loaded."""
+        if self.spec.dtype == dtype or not self.spec.dtype.is_floating_point:
+            return self
+        return LazyTensor(TensorSpec(self.spec.shape, dtype), lambda: self.load().to(dtype), f"{self.origin} as {dtype_name(dtype)}")
+
     def load(self, verify: bool = True) -> torch.Tensor:
         """The tensor, checked against its spec and (unless the caller hashes the bytes itself, ``verify=False``)
         against the digest its manifest records."""

@@ -16,8 +16,10 @@ from typing import Callable, Iterable
 from . import digests
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .logical import stored_name
-from .manifest import MANIFEST, FileRecord, Manifest, read_manifest
+from .locking import RUN_LOCK
+from .manifest import MANIFEST, NATIVE_TOP, FileRecord, Manifest, read_manifest
 from .paths import describe_entry, inside, tree_entries
+from .pieces import component_files, is_native_top_file
 from .safetensors_io import SafetensorsFile, composite_digest, safetensors_digests
 
 HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
@@ -36,11 +38,14 @@ def digest_as(path: str, recorded: str | None) -> str:
 
 def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
     """FileRecords (size, digest) of every file under ``root/subdir``, keyed relative to ``root``; each made
-    durable. ``share=(rank, world)`` takes every world-th file, so ranks can digest a tree between them."""
+    durable. ``share=(rank, world)`` takes every world-th file, so ranks can digest a tree between them.
+    ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders."""
     from .commit import fsync_path
 
     top = os.path.join(root, subdir)
     rels = sorted(os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names)
+    if subdir == NATIVE_TOP:
+        rels = [r for r in rels if is_native_top_file(r) and r != MANIFEST and r != RUN_LOCK]
     rank, world = share
     mine = rels[rank::world]
     for rel in mine:
@@ -253,7 +258,7 @@ def verify_checkpoint(directory: str, digests: bool = True, progress: Callable |
             problems.append(CorruptCheckpointError(os.path.join(directory, tensor.file), f"holds tensor {name!r} but is not listed in the manifest"))
     for key, comp in manifest.components.items():
         if comp.native:
-            if not any(rel.startswith(tuple(b + "/" for b in comp.pieces.values())) for rel in manifest.files):
+            if not component_files(comp, manifest.files):
                 problems.append(CorruptCheckpointError(directory, f"native component {key!r} has no files listed in the manifest"))
             continue
         for base in comp.pieces.values():

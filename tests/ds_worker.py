@@ -3,8 +3,12 @@
     torchrun --nproc_per_node 2 tests/ds_worker.py layouts OUT           # one short run per stage x precision
     torchrun --nproc_per_node N tests/ds_worker.py train [trainer flags]  # train (and resume), save, print JSON
     torchrun --nproc_per_node N tests/ds_worker.py reload [trainer flags] # resume, save at once, train on
-    torchrun --nproc_per_node N tests/ds_worker.py universal SRC OUT [trainer flags]
-        # engine.load_checkpoint(SRC) with the config's load_universal, save natively to OUT, print JSON
+    torchrun --nproc_per_node N tests/ds_worker.py user-load SRC OUT CONFIG single|decay
+        # a user's own script, no trainer of ours: deepspeed.initialize(model, model_parameters=model.parameters()
+        # (single) or transformers' decay / no-decay groups (decay), config=CONFIG), load_checkpoint(SRC), save to OUT
+    torchrun --nproc_per_node N tests/ds_worker.py load SRC OUT [trainer flags]
+        # a user's script: engine.load_checkpoint(SRC) (load_universal if the config says so), nothing of ours
+        # in between; the engine then saves natively to OUT for the test to read; prints JSON
 
 The model is a tiny Llama with awkward sizes (hidden 45, intermediate 101: flat groups and norms do not divide
 evenly by the world size), tied embeddings, a frozen MLP and a persistent buffer.
@@ -54,17 +58,41 @@ def reload(cfg: DeepSpeedTrainerConfig) -> None:
     shutdown()
 
 
-def universal(src: str, out: str, cfg: DeepSpeedTrainerConfig) -> None:
-    """What DeepSpeed's own load_universal makes of SRC, saved back by the engine for the test to read."""
+def load(src: str, out: str, cfg: DeepSpeedTrainerConfig) -> None:
+    """What DeepSpeed's own load_checkpoint (or load_universal) makes of SRC, pointed at it as a user would,
+    saved back by the engine for the test to read."""
     trainer = OddTrainer(cfg)
     engine = trainer.engine
-    assert engine.load_universal_checkpoint(), "the config must set checkpoint.load_universal"
     loaded, _ = engine.load_checkpoint(src)
     engine.save_checkpoint(out, tag="loaded")
     groups = engine.optimizer.optimizer.param_groups  # the torch optimizer's groups (ZeRO-3: one per sub-group)
     if trainer.rank == 0:
         print(json.dumps({"loaded": loaded, "global_steps": engine.global_steps,
                           "weight_decay": [g["weight_decay"] for g in groups], "lr": [g["lr"] for g in groups]}), flush=True)
+    shutdown()
+
+
+def user_load(src: str, out: str, config: str, grouping: str) -> None:
+    import deepspeed
+    import transformers
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)  # other weights than the checkpoint's: the load must replace them all
+    model = odd_model()
+    if grouping == "single":
+        params = model.parameters()
+    else:
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    with open(config) as f:
+        ds_config = json.load(f)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    loaded, _ = engine.load_checkpoint(src)
+    engine.save_checkpoint(out, tag="loaded")
+    if engine.global_rank == 0:
+        print(json.dumps({"loaded": loaded, "global_steps": engine.global_steps,
+                          "groups": len(engine.optimizer.optimizer.param_groups)}), flush=True)
     shutdown()
 
 
@@ -76,8 +104,10 @@ if __name__ == "__main__":
         run(lambda: OddTrainer(parse_config(args)))
     elif scenario == "reload":
         reload(parse_config(args))
-    elif scenario == "universal":
-        universal(args[0], args[1], parse_config(args[2:]))
+    elif scenario == "user-load":
+        user_load(*args)
+    elif scenario == "load":
+        load(args[0], args[1], parse_config(args[2:]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     # Every scenario has left the process group and its files are committed. About one exit in ten of a

@@ -150,6 +150,15 @@ def megatron_optimizer(model):
     return FP32Optimizer(adam, config, init_state_fn)
 
 
+def megatron_lm_load_dir(load: str) -> tuple[str, int]:
+    """What Megatron-LM's ``--load DIR`` reads (training/checkpointing.py's read_metadata and
+    get_checkpoint_name; megatron.training is not on PyPI): the tracker file in DIR names the iteration."""
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt")) as f:
+        text = f.read().strip()
+    iteration = 0 if text == "release" else int(text)
+    return os.path.join(load, "release" if text == "release" else f"iter_{iteration:07d}"), iteration
+
+
 def legacy_path(root: str, tp: int, pp: int, iteration: int) -> str:
     """Megatron-LM's get_checkpoint_name for this rank."""
     t, p = ps_ranks()
@@ -209,12 +218,11 @@ def main() -> None:
         save_logits(model, out)
     else:  # load-legacy / load-dist: a checkpoint we wrote; with-optimizer resumes it, otherwise a fresh optimizer
         with_optimizer = scenario.endswith("+optimizer")
-        if scenario.startswith("load-legacy"):
-            from converters.megatron import load_megatron_file, locate
+        if scenario.startswith("load-legacy"):  # Megatron-LM's --load PATH: the tracker, then this rank's file
+            from converters.megatron import load_megatron_file
 
-            files = locate(path)
-            t, p = ps_ranks()
-            state = load_megatron_file(files.paths[(t, p)])
+            _, iteration = megatron_lm_load_dir(path)
+            state = load_megatron_file(legacy_path(path, tp, pp, iteration))
             result = model.load_state_dict(state["model"], strict=True)
             assert not result.missing_keys and not result.unexpected_keys, result
             if with_optimizer:
@@ -226,7 +234,7 @@ def main() -> None:
             state = {"model": sharded}
             if with_optimizer:
                 state["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
-            loaded = dist_checkpointing.load(state, path)
+            loaded = dist_checkpointing.load(state, megatron_lm_load_dir(path)[0])
             model.load_state_dict(loaded["model"], strict=True)
             if with_optimizer:
                 optimizer.load_state_dict(loaded["optimizer"])

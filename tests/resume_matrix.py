@@ -148,8 +148,8 @@ def round_trip_is_lossless(source: Source, converted: Path, work: Path) -> None:
     interop("convert", str(converted), str(back), "--to", "universal", "--overwrite")
     model_only = ["--model-only"] if source.layout.key == "hf" else []
     done = run_processes([sys.executable, "-c", DIFF_WITHOUT_ENGINES, "diff", str(source.universal), str(back), *model_only], timeout=600)
-    summary = done.stdout.strip().splitlines()[-1]
-    if " 0 different" not in summary or " 0 exact" in summary:
+    summary = next(line for line in done.stdout.splitlines() if " compared, " in line)
+    if "0 different; 0 only in A, 0 only in B" not in summary or " 0 exact" in summary:
         raise AssertionError(f"round trip through {converted.name} changed something: {summary}")
 
 
@@ -192,7 +192,9 @@ def run_pair(source: Source, target_key: str, work: Path) -> Result:
         result.notes += [line.removeprefix("note: ") for line in done.stdout.splitlines() if line.startswith("note: ")]
         interop("verify", str(converted), "--quiet")
         round_trip_is_lossless(source, converted, work)
-        manifest = json.loads((converted / "manifest.json").read_text())
+        from interop.commit import resolve_checkpoint_dir  # an engine's tag file may lead to our manifest
+
+        manifest = json.loads((Path(resolve_checkpoint_dir(str(converted))) / "manifest.json").read_text())
         missing = [n for n in result.notes if n not in manifest.get("notes", [])]
         if missing:
             raise AssertionError(f"notes printed by convert but not in the manifest: {missing}")

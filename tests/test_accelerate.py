@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,10 +87,11 @@ def test_cpu_fsdp_shim_relies_on_what_accelerate_still_does():
 def test_fsdp2_runs_on_cpu_processes_and_matches_ddp(runs):
     ddp_dir, ddp_losses = runs["ddp"]
     fsdp_dir, fsdp_losses = runs["fsdp"]
-    assert sorted(os.listdir(fsdp_dir / "checkpoint-4" / "accelerate")) == [
-        "optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
-    assert sorted(os.listdir(ddp_dir / "checkpoint-4" / "accelerate")) == [
-        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+    ours = ["components", "manifest.json", "ranks"]  # beside accelerate's files, which load_state(checkpoint) reads
+    assert sorted(os.listdir(fsdp_dir / "checkpoint-4")) == sorted(ours + [
+        "optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"])
+    assert sorted(os.listdir(ddp_dir / "checkpoint-4")) == sorted(ours + [
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"])
     # The same model, data and optimizer sharded two ways: the same losses up to float rounding.
     assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
     manifest = json.loads((fsdp_dir / "checkpoint-4" / "manifest.json").read_text())
@@ -134,7 +136,7 @@ def test_accelerator_load_state_accepts_ours(runs, tmp_path, source, fsdp, world
     out = tmp_path / "acc"
     convert(src, out, "--to", "accelerate", "--world-size", str(world), *(["--fsdp"] if fsdp else []))
     gathered = tmp_path / "gathered.pt"
-    acc_run(world, "load_state", str(out / "accelerate"), str(gathered), *(["--fsdp"] if fsdp else []))
+    acc_run(world, "load_state", str(out), str(gathered), *(["--fsdp"] if fsdp else []))
     state = torch.load(gathered, weights_only=False)
     assert state["distributed_type"] == ("FSDP" if fsdp else "MULTI_CPU")  # torchrun: a process group even of one
     expected = logical(src)
@@ -159,7 +161,7 @@ def test_accelerator_load_state_accepts_ours(runs, tmp_path, source, fsdp, world
     else:
         assert resumed == pytest.approx(losses[2:], rel=1e-5)
     if fsdp:
-        merged = subprocess.run(["accelerate", "merge-weights", str(out / "accelerate" / "pytorch_model_fsdp_0"),
+        merged = subprocess.run(["accelerate", "merge-weights", str(out / "pytorch_model_fsdp_0"),
                                  str(tmp_path / "merged")], env=worker_env(), capture_output=True, text=True)
         assert merged.returncode == 0, merged.stderr
         from safetensors.torch import load_file
@@ -199,7 +201,7 @@ def test_resume_one_process_to_two_through_universal(runs, tmp_path):
 def test_accelerate_merge_weights_equals_our_hf_export(runs, tmp_path):
     ckpt = runs["fsdp"][0] / "checkpoint-4"
     merged = tmp_path / "merged"
-    result = subprocess.run(["accelerate", "merge-weights", str(ckpt / "accelerate" / "pytorch_model_fsdp_0"), str(merged)],
+    result = subprocess.run(["accelerate", "merge-weights", str(ckpt / "pytorch_model_fsdp_0"), str(merged)],
                             env=worker_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     convert(ckpt, tmp_path / "hf", "--to", "hf")
@@ -219,7 +221,7 @@ def test_dcp_reader_equals_torch_dcp_to_torch_save(runs, tmp_path):
     touches only the chunks it overlaps."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    directory = runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "optimizer_0"
+    directory = runs["fsdp"][0] / "checkpoint-4" / "optimizer_0"
     dcp_to_torch_save(str(directory), str(tmp_path / "ref.pt"))
     ref = torch.load(tmp_path / "ref.pt", weights_only=False)
     reader = DCPReader(str(directory))
@@ -278,7 +280,7 @@ def test_zero_checkpoint_resumes_in_accelerate_fsdp2(runs, tmp_path):
     ds = ds_json(ds_run(2, "train", "--zero-stage", "3", *RUN, "--output-dir", str(tmp_path / "ds")))
     convert(tmp_path / "ds" / "checkpoint-2", tmp_path / "u", "--to", "universal")
     convert(tmp_path / "u", tmp_path / "fsdp", "--to", "accelerate", "--world-size", "2", "--fsdp")
-    acc_run(2, "load_state", str(tmp_path / "fsdp" / "accelerate"), str(tmp_path / "g.pt"), "--fsdp")
+    acc_run(2, "load_state", str(tmp_path / "fsdp"), str(tmp_path / "g.pt"), "--fsdp")
     state = torch.load(tmp_path / "g.pt", weights_only=False)
     zero = logical(tmp_path / "ds" / "checkpoint-2")
     for name, tensor in state["model"].items():
@@ -297,7 +299,7 @@ def test_zero_checkpoint_resumes_in_accelerate_fsdp2(runs, tmp_path):
 # --- bad input ----------------------------------------------------------------------------------------------
 def test_dcp_directory_without_metadata(runs, tmp_path):
     broken = tmp_path / "model"
-    shutil.copytree(runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "pytorch_model_fsdp_0", broken)
+    shutil.copytree(runs["fsdp"][0] / "checkpoint-4" / "pytorch_model_fsdp_0", broken)
     os.remove(broken / ".metadata")
     with pytest.raises(MissingFileError, match=r"\.metadata: missing: not a torch.distributed.checkpoint directory"):
         DCPReader(str(broken))
@@ -308,7 +310,7 @@ def test_dcp_directory_without_metadata(runs, tmp_path):
 def test_missing_random_states(runs, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(runs["ddp"][0] / "checkpoint-4", ckpt)
-    os.remove(ckpt / "accelerate" / "random_states_0.pkl")
+    os.remove(ckpt / "random_states_0.pkl")
     with pytest.raises(MissingFileError, match=r"random_states_0\.pkl: missing: accelerate saved 2 processes' RNG states"):
         read_accelerate(str(ckpt))
     result = cli("convert", str(ckpt), str(tmp_path / "out"), "--to", "universal")
@@ -318,16 +320,16 @@ def test_missing_random_states(runs, tmp_path):
 def test_optimizer_state_for_unknown_parameters(runs, tmp_path):
     ddp = tmp_path / "ddp"
     shutil.copytree(runs["ddp"][0] / "checkpoint-4", ddp)
-    path = ddp / "accelerate" / "optimizer.bin"
+    path = ddp / "optimizer.bin"
     state = torch.load(path, weights_only=True)
     state["state"][999] = dict(state["state"][0])
     torch.save(state, path)
-    reseal(ddp, "accelerate/optimizer.bin")  # the manifest agrees: the reader's own check must catch it
+    reseal(ddp, "optimizer.bin")  # the manifest agrees: the reader's own check must catch it
     with pytest.raises(CorruptCheckpointError, match=r"optimizer\.bin: optimizer state for parameter ids no param group holds: \[999\]"):
         read_accelerate(str(ddp))
 
     opt = tmp_path / "optimizer_0"
-    reader = DCPReader(str(runs["fsdp"][0] / "checkpoint-4" / "accelerate" / "optimizer_0"))
+    reader = DCPReader(str(runs["fsdp"][0] / "checkpoint-4" / "optimizer_0"))
     tree = unflatten_lists(reader.nested(("optimizer",)))
     tree["state"]["model.not_a_parameter.weight"] = tree["state"]["model.norm.weight"]
     write_dcp({"optimizer": tree}, str(opt))
@@ -386,7 +388,7 @@ def test_local_sgd_resume_continues_the_uninterrupted_run(tmp_path):
     flags = ["--local-sgd-steps", "2"]
     full = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "full")))
     ckpt = tmp_path / "full" / "checkpoint-3"
-    counter = torch.load(ckpt / "accelerate" / "custom_checkpoint_0.pkl", weights_only=True)
+    counter = torch.load(ckpt / "custom_checkpoint_0.pkl", weights_only=True)
     assert counter == {"num_steps": 3, "local_sgd_steps": 2}
     resumed = last_json(acc_run(2, "train", *LONG, *flags, "--output-dir", str(tmp_path / "r"), "--resume", str(ckpt)))
     assert resumed["losses"] == full["losses"][3:]
@@ -475,7 +477,7 @@ def test_bare_save_state_directories(runs, tmp_path):
     for layout in ("fsdp", "ddp"):
         ckpt = runs[layout][0] / "checkpoint-4"
         bare = tmp_path / layout
-        shutil.copytree(ckpt / "accelerate", bare)
+        shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
         config = json.loads((ckpt / "manifest.json").read_text())["model"]["config"]
         (bare / "config.json").write_text(json.dumps(config))
         ours = read_accelerate(str(ckpt))
@@ -489,3 +491,32 @@ def test_bare_save_state_directories(runs, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k].load(), b[k].load()) for k in a)
         assert theirs.extra_state["scheduler"] == ours.extra_state["scheduler"]
         assert len(theirs.rank_state["rng"]) == 2  # accelerate's RNG files become the per-rank rng component
+
+
+def test_bare_ddp_save_state_converts_with_config(tmp_path):
+    """accelerate's save_state directory as accelerate leaves it (no config.json beside it): optimizer.bin names
+    its parameters by position only, so the model's config comes with --config; it is checked against the
+    tensors first, and a config of another model is refused naming the tensor and both shapes."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "trainers.accelerate", *RUN, "--output-dir", str(run)],
+                          env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = run / "checkpoint-4"
+    bare = shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    config = json.loads((ckpt / "manifest.json").read_text())["model"]["config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    refused = cli("convert", str(bare), str(tmp_path / "u0"), "--to", "universal")
+    assert refused.returncode == 2 and "--config" in refused.stderr and not (tmp_path / "u0").exists()
+    convert(bare, tmp_path / "u", "--to", "universal", "--config", str(tmp_path / "config.json"))
+    theirs, ours = logical(tmp_path / "u"), logical(ckpt)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    assert json.loads((tmp_path / "u" / "model" / "config.json").read_text()) == config
+
+    other = {**config, "hidden_size": config["hidden_size"] * 2}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    wrong = cli("convert", str(bare), str(tmp_path / "u2"), "--to", "universal", "--config", str(tmp_path / "other.json"))
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    h = config["hidden_size"]
+    assert re.search(rf"tensor '[\w.]+' is \[\d+, {h}\] in the checkpoint but \[\d+, {2 * h}\] in the --config model", wrong.stderr), wrong.stderr
+    assert not (tmp_path / "u2").exists()

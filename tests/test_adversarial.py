@@ -456,7 +456,6 @@ RESUME_ROWS = [
                                  ("accelerate", None, ACC_FILES), ("hf_trainer", None, HFT_FILES))
     for f in files
 ]
-SUBDIR = {"deepspeed": "deepspeed/global_step2", "accelerate": "accelerate", "hf_trainer": "hf_trainer"}
 
 
 @pytest.fixture
@@ -472,7 +471,7 @@ def engine_ckpt(request):
 
 def planted_copy(engine_ckpt, tmp_path, engine, stage, name) -> tuple[Path, str, Path]:
     src = copy(engine_ckpt(engine, stage), tmp_path / "ckpt")
-    rel = f"{SUBDIR[engine]}/{name}"
+    rel = name  # the engine's files lie beside our manifest
     marker = tmp_path / "marker"
     plant_pickle(src, rel, marker)
     return src, rel, marker
@@ -679,7 +678,8 @@ def test_symlink_in_trainer_checkpoint_pointing_outside(base, tmp_path, capsys, 
 @pytest.mark.dist
 def test_deepspeed_latest_naming_a_tag_outside(ds_ckpts, tmp_path, capsys):
     """A bare DeepSpeed checkpoint whose `latest` says "../../elsewhere", where a complete tag directory waits."""
-    src = copy(ds_ckpts(2) / "deepspeed", tmp_path / "x" / "a" / "ds")
+    src = tmp_path / "x" / "a" / "ds"
+    shutil.copytree(ds_ckpts(2), src / "global_step2", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
     shutil.copytree(src / "global_step2", tmp_path / "x" / "elsewhere")
     (src / "latest").write_text("../../elsewhere")
     assert_convert_refused(capsys, src, tmp_path / "out", tmp_path, words=["outside"])
@@ -687,18 +687,16 @@ def test_deepspeed_latest_naming_a_tag_outside(ds_ckpts, tmp_path, capsys):
 
 @pytest.mark.dist
 def test_deepspeed_latest_outside_in_a_trainer_checkpoint(ds_ckpts, tmp_path, capsys):
-    """The same `latest` inside our trainer's checkpoint (manifest updated; "elsewhere" holds only junk): refused
-    as pointing outside, or ignored in favour of the manifest's own tag, never followed."""
+    """A DeepSpeed `latest` planted inside our trainer's checkpoint, naming "../../elsewhere" (which holds only
+    junk): never followed; the manifest does not list it, so the checkpoint is refused."""
     src = copy(ds_ckpts(2), tmp_path / "x" / "a" / "ckpt")
     (tmp_path / "x" / "elsewhere").mkdir(parents=True)
-    for f in (src / "deepspeed" / "global_step2").iterdir():
+    for f in src.glob("*.pt"):
         (tmp_path / "x" / "elsewhere" / f.name).write_bytes(b"junk")
-    (src / "deepspeed" / "latest").write_text("../../elsewhere")
-    reseal(src, "deepspeed/latest")
+    (src / "latest").write_text("../../elsewhere")
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal")
-    if code != 0:
-        assert_one_line_error(code, err, words=["outside"])
-        assert not (tmp_path / "out").exists()
+    assert_one_line_error(code, err, "latest", words=["not listed"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_trainer_root_latest_naming_a_checkpoint_outside(base, tmp_path, capsys):
@@ -842,15 +840,13 @@ def test_flipped_byte_grid(flip_bench, capsys, kind):
     run_flips(flip_bench, kind, flip_cases(flip_bench[kind]["work"], None, 0, 200, f"grid-{kind}"), capsys)
 
 
-ENGINE_FILES = [("deepspeed", 2, "deepspeed/global_step2/mp_rank_00_model_states.pt"),
-                ("deepspeed", 2, "deepspeed/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-                ("deepspeed", 2, "deepspeed/latest"), ("deepspeed", 2, "deepspeed/zero_to_fp32.py"),
-                ("accelerate", None, "accelerate/optimizer.bin"), ("accelerate", None, "accelerate/model.safetensors"),
-                ("hf_trainer", None, "hf_trainer/optimizer.pt"), ("hf_trainer", None, "hf_trainer/trainer_state.json")]
+ENGINE_FILES = [("deepspeed", 2, "mp_rank_00_model_states.pt"), ("deepspeed", 2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                ("deepspeed", 2, "zero_to_fp32.py"), ("accelerate", None, "optimizer.bin"), ("accelerate", None, "model.safetensors"),
+                ("hf_trainer", None, "optimizer.pt"), ("hf_trainer", None, "trainer_state.json")]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("engine,stage,rel", ENGINE_FILES, ids=[r[2].split("/")[-1] for r in ENGINE_FILES])
+@pytest.mark.parametrize("engine,stage,rel", ENGINE_FILES, ids=[f"{r[0]}-{r[2]}" for r in ENGINE_FILES])
 def test_flipped_byte_in_an_engine_file(engine_ckpt, tmp_path, capsys, engine, stage, rel):
     """The engine's own files inside our checkpoints (pickles, its tag file, its scripts): a flipped byte at the
     start, middle and end is caught by verify and by convert, naming the file, before anything unpickles it."""
@@ -871,7 +867,7 @@ def test_flipped_byte_refused_by_the_deepspeed_resume(ds_ckpts, tmp_path):
     """Every rank hashes a share of the files before DeepSpeed loads any: a flip in rank 1's optimizer file
     stops the resume on both ranks, naming it, and nothing is saved."""
     src = copy(ds_ckpts(2), tmp_path / "ckpt")
-    rel = "deepspeed/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rel = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     flip(src / rel, (src / rel).stat().st_size // 2, 0x01)
     args = ["--steps", "3", *SIZES, "--zero-stage", "2", "--resume", str(src), "--output-dir", str(tmp_path / "resumed")]
     proc = subprocess.run(trainer_cmd("trainers.deepspeed", 2, *args), env=engine_env(), capture_output=True,
@@ -1385,7 +1381,8 @@ def test_init_from_reads_the_directory_as_transformers_will(base, tmp_path):
     init = copy(base / "hfs", tmp_path / "ck" / "init")
     assert main(["convert", str(base / "uni1"), str(tmp_path / "dcp"), "--to", "dcp"]) == 0
     for p in (tmp_path / "dcp").iterdir():
-        shutil.copy(p, init / p.name)
+        if p.is_file() and p.name != "manifest.json":  # DCP's own files (and the config.json beside them)
+            shutil.copy(p, init / p.name)
     index = json.loads((init / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[0]
     (tmp_path / "ck" / "outside").mkdir()

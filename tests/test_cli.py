@@ -239,3 +239,51 @@ def test_committed_checkpoint_without_a_reader_says_so(sources, tmp_path, capsys
     write_manifest(str(ckpt), manifest)
     code, _, err = run_cli(capsys, "inspect", src)
     assert_one_line_error(code, err, str(ckpt), "interop-checkpoint checkpoint of strategy 'pipeline_parallel' has no registered reader")
+
+
+def test_dtype_is_honoured_or_refused(sources, tmp_path, capsys):
+    """`--dtype bfloat16 --to hf` stores bf16 weights (it used to write fp32 silently); a target with no
+    precision to set refuses the flag with one line and writes nothing."""
+    from safetensors import safe_open
+
+    code, out, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "bf16", "--to", "hf", "--dtype", "bfloat16")
+    assert code == 0, err
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    code, out, _ = run_cli(capsys, "diff", sources / "hf", tmp_path / "bf16")
+    assert code == 1 and "dtype float32 vs bfloat16" in out
+    code, _, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "u2", "--to", "universal", "--dtype", "bfloat16")
+    assert_one_line_error(code, err, "--dtype: universal", "deepspeed")
+    assert not (tmp_path / "u2").exists()
+
+
+def test_diff_reports_one_sided_tensors_apart_and_suggests_model_only(sources, capsys):
+    """A checkpoint with optimizer state against a model without: the moments and steps are "only in A", not
+    "different", and the report says --model-only compares the weights alone."""
+    code, out, _ = run_cli(capsys, "diff", sources / "uni", sources / "hf")
+    assert code == 1
+    assert "20 compared, 20 exact, 0 within atol, 0 different; 60 only in A, 0 only in B" in out
+    assert "hint: B holds no optimizer state; compare the weights alone with --model-only" in out
+
+
+def test_convert_prints_the_line_that_loads_the_output(sources, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "hf2", "--to", "hf")
+    assert code == 0, err
+    assert f"load it with: transformers.AutoModelForCausalLM.from_pretrained('{tmp_path / 'hf2'}')" in out
+
+
+def test_config_of_another_model_is_refused_naming_the_tensor(sources, tmp_path, capsys):
+    """--config is checked against the checkpoint's tensors: another model's config names the first tensor
+    that differs and both shapes, exit 2, nothing written."""
+    config = json.loads((sources / "hf" / "config.json").read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    code, _, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "out", "--to", "hf", "--config", other)
+    assert_one_line_error(code, err, "model.layers.0.mlp.gate_proj.weight",
+                          f"[{config['intermediate_size']}, {config['hidden_size']}] in the checkpoint",
+                          f"[{config['intermediate_size'] + 8}, {config['hidden_size']}] in the --config model")
+    assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "same", "--to", "hf", "--config", sources / "hf")
+    assert code == 0, err

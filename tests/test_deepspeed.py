@@ -57,7 +57,8 @@ def initial_model() -> dict[str, torch.Tensor]:
 def zero_to_fp32(path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed")).items()}
+    # the run's root, as a DeepSpeed user points the script at it: its 'latest' names the checkpoint
+    return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path.parent)).items()}
 
 
 def logical_tensors(ckpt) -> dict[str, torch.Tensor]:
@@ -198,10 +199,73 @@ def test_resume_matrix(saved_runs, tmp_path, saved_stage, stage, world):
         assert run["losses"] == pytest.approx(full[3:], rel=1e-5)  # another reduction order: float rounding
 
 
+# --- DeepSpeed's own loader pointed at our directories ------------------------------------------------------
+def engine_load(tmp_path, src, stage: int, world: int) -> tuple[dict, object]:
+    """A user's script: `engine.load_checkpoint(src)` with nothing of ours in between, then the engine's own save."""
+    out = tmp_path / f"engine-saved-z{stage}-w{world}"
+    config = tmp_path / f"ds_zero{stage}.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": stage}, "train_batch_size": 4}))
+    run = last_json(ds_run(world, "load", str(src), str(out), "--deepspeed_config", str(config), "--seq-len", "16",
+                           "--output-dir", str(tmp_path / "unused")))
+    return run, read_deepspeed(str(out))
+
+
+def test_engine_load_checkpoint_on_convert_output_and_run_root(layouts, tmp_path):
+    """`interop convert ... --to deepspeed DST` leaves DST as `engine.save_checkpoint(DST)` would (`latest`,
+    `global_step<N>/`): DeepSpeed's own load_checkpoint(DST) loads every weight and optimizer tensor exactly.
+    (It used to find no `latest` at DST, warn, return None and let training go on from random weights.) A
+    training run's root loads the same way: its `latest` names the checkpoint holding DeepSpeed's files."""
+    saved = layouts[(3, "float32")]
+    dst = tmp_path / "dst"
+    result = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(saved), str(dst), "--to", "deepspeed",
+                             "--world-size", "1", "--zero-stage", "2"], capture_output=True, text=True, env=worker_env())
+    assert result.returncode == 0, result.stderr
+    assert "engine.load_checkpoint" in result.stdout  # the output line says how to load it
+    assert (dst / "latest").read_text().strip() == "global_step2" and (dst / "global_step2" / "manifest.json").is_file()
+    source = read_deepspeed(str(saved))
+    run, loaded = engine_load(tmp_path, dst, 2, 1)
+    assert run["loaded"] is not None and run["global_steps"] == 2
+    assert_same_logical(source, loaded)
+
+    run, loaded = engine_load(tmp_path, layouts[(2, "float32")].parent, 2, 2)  # a run root, as DeepSpeed users point at it
+    assert run["loaded"] is not None and run["global_steps"] == 2
+    assert_same_logical(read_deepspeed(str(layouts[(2, "float32")])), loaded)
+    verify = subprocess.run([sys.executable, "-m", "converters.cli", "verify", str(dst)], capture_output=True, text=True,
+                            env=worker_env())
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("grouping", ["single", pytest.param("decay", marks=pytest.mark.slow)])
+def test_user_script_with_its_own_param_groups_loads_the_output(layouts, tmp_path, grouping):
+    """A user's DeepSpeed script groups its parameters its own way: one group (`model.parameters()`, which a
+    config with an `optimizer` section implies) or transformers' decay / no-decay. `--param-groups` (or the
+    config) lays the flat buffers out for that grouping; engine.load_checkpoint(DST) then loads every weight and
+    Adam moment exactly. (With the source's grouping, DeepSpeed refuses: "different number of parameter groups".)"""
+    saved = layouts[(2, "float32")]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.1, "torch_adam": True}}}))
+    # the config's optimizer section implies one group; a script that groups as transformers' Trainer says so
+    flags = ["--deepspeed-config", str(config)] + (["--param-groups", "decay"] if grouping == "decay" else [])
+    dst = tmp_path / "dst"
+    result = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(saved), str(dst), "--to", "deepspeed",
+                             "--world-size", "1", "--zero-stage", "2", *flags], capture_output=True, text=True, env=worker_env())
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((dst / "global_step2" / "manifest.json").read_text())
+    assert manifest["optimizer"]["grouping"] == grouping
+    run = last_json(ds_run(1, "user-load", str(dst), str(tmp_path / "saved"), str(config), grouping))
+    assert run["loaded"] is not None and run["global_steps"] == 2 and run["groups"] == (1 if grouping == "single" else 2)
+    source, loaded = read_deepspeed(str(saved)), read_deepspeed(str(tmp_path / "saved"))
+    ta, tb = logical_tensors(source), logical_tensors(loaded)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
 # --- DeepSpeed's universal layout ----------------------------------------------------------------------
-def ds_to_universal(native_root, out):
+def ds_to_universal(tag_dir, out):
     """DeepSpeed's own converter, as its docs run it: the output tag directory beside a `latest_universal`."""
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(native_root / "global_step2"),
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
            "--output_folder", str(out / "global_step2_universal"), "--inject_missing_state",
            "--num_extract_workers", "1", "--num_merge_workers", "1"]
     env = worker_env()
@@ -225,7 +289,7 @@ def assert_same_logical(a, b):
 
 @pytest.mark.parametrize("stage,dtype", [(1, "bfloat16"), (2, "float32"), (3, "float32")], ids=["zero1-bf16", "zero2", "zero3"])
 def test_reading_ds_to_universal_equals_reading_its_source(layouts, tmp_path, stage, dtype):
-    native = layouts[(stage, dtype)] / "deepspeed"
+    native = layouts[(stage, dtype)]
     out = ds_to_universal(native, tmp_path / "universal")
     assert detect(str(out)).name == "ds-universal" and detect(str(native)).name == "deepspeed"
     ours = read_ds_universal(str(out))
@@ -244,7 +308,7 @@ def load_universal(tmp_path, source, stage: int, world: int) -> tuple[dict, obje
     """DeepSpeed's engine.load_checkpoint with load_universal, on `world` ranks at `stage`; the engine then
     saves natively, and that is read back."""
     loaded = tmp_path / f"loaded-zero{stage}-w{world}"
-    run = last_json(ds_run(world, "universal", str(source), str(loaded), "--deepspeed_config", universal_config(tmp_path, stage),
+    run = last_json(ds_run(world, "load", str(source), str(loaded), "--deepspeed_config", universal_config(tmp_path, stage),
                            "--seq-len", "16", "--output-dir", str(tmp_path / "unused")))
     return run, read_deepspeed(str(loaded))
 
@@ -256,7 +320,7 @@ def test_load_universal_accepts_ours_on_every_stage(layouts, tmp_path, stage, wo
     result = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(saved), str(out), "--to", "ds-universal"],
                             capture_output=True, text=True, env=worker_env())
     assert result.returncode == 0, result.stderr
-    source = read_deepspeed(str(saved / "deepspeed"))
+    source = read_deepspeed(str(saved))
     assert_same_logical(source, read_ds_universal(str(out)))  # frozen parameters and buffers included, exactly
 
     run, loaded = load_universal(tmp_path, out, stage, world)
@@ -270,7 +334,7 @@ def test_load_universal_accepts_ours_on_every_stage(layouts, tmp_path, stage, wo
 def test_deepspeed_zero3_universal_loses_no_decay_groups_ours_does_not(layouts, tmp_path):
     """DeepSpeed's ZeRO-3 universal loader sets every group's hyper-parameters from group 0's: from
     ds_to_universal's output the no-decay group comes back with weight decay. Ours keeps both groups."""
-    theirs = ds_to_universal(layouts[(3, "float32")] / "deepspeed", tmp_path / "theirs")
+    theirs = ds_to_universal(layouts[(3, "float32")], tmp_path / "theirs")
     run, _ = load_universal(tmp_path, theirs, 3, 2)
     assert run["weight_decay"] == [0.1, 0.1]
 
@@ -278,9 +342,13 @@ def test_deepspeed_zero3_universal_loses_no_decay_groups_ours_does_not(layouts, 
 def test_damaged_universal_names_the_file(layouts, tmp_path):
     out = tmp_path / "universal"
     write_ds_universal(read_deepspeed(str(layouts[(2, "float32")])), str(out))
-    zero = out / "global_step2_universal" / "zero"
+    tag = out / "global_step2_universal"
+    zero = tag / "zero"
     victim = zero / "model.norm.weight" / "exp_avg.pt"
     victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match="model.norm.weight/exp_avg.pt: size 100 bytes, manifest says"):
+        read_ds_universal(str(out))  # our manifest beside DeepSpeed's files catches it before anything is read
+    os.remove(tag / "manifest.json")  # as ds_to_universal leaves it: the reader's own checks
     with pytest.raises(CorruptCheckpointError, match="model.norm.weight/exp_avg.pt"):
         read_ds_universal(str(out)).optimizer.tensors["exp_avg"]["model.norm.weight"].load()
     os.remove(zero / "model.norm.weight" / "fp32.pt")
@@ -290,8 +358,10 @@ def test_damaged_universal_names_the_file(layouts, tmp_path):
 
 # --- bad input -------------------------------------------------------------------------------------------
 def copy_native(layouts, tmp_path, key=(2, "float32")):
+    """DeepSpeed's own files of a checkpoint, as save_checkpoint leaves them: `latest` and the tag folder."""
     dst = tmp_path / "ckpt"
-    shutil.copytree(layouts[key] / "deepspeed", dst)
+    shutil.copytree(layouts[key], dst / "global_step2", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    (dst / "latest").write_text("global_step2")
     return dst, dst / "global_step2"
 
 
@@ -346,8 +416,7 @@ def test_deepspeed_launcher_example_and_zero_to_fp32_script(tmp_path):
                               capture_output=True, text=True, timeout=300)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     ckpt = tmp_path / "run" / "checkpoint-2"
-    native = ckpt / "deepspeed"
-    script = subprocess.run([sys.executable, str(native / "zero_to_fp32.py"), str(native), str(tmp_path / "fp32"),
+    script = subprocess.run([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt.parent), str(tmp_path / "fp32"),
                              "--safe_serialization"], env=env, capture_output=True, text=True, timeout=300)
     assert script.returncode == 0, script.stderr[-3000:]
     theirs = load_file(str(tmp_path / "fp32" / "model.safetensors"))
@@ -371,3 +440,29 @@ def test_mapped_pieces_are_the_tensor_bytes_without_a_copy(layouts, stage):
         assert all(p.untyped_storage().data_ptr() != t.load().untyped_storage().data_ptr() for p in pieces)
     trainable = {n for g in ckpt.optimizer.param_groups for n in g["params"]} | {target for target, *_ in ckpt.tied}
     assert {n for n, t in ckpt.model.items() if t.mapped_pieces is not None} == trainable  # the tied alias too
+
+
+def test_bare_zero_to_universal_notes_a_missing_config_and_takes_one(layouts, tmp_path):
+    """DeepSpeed's own directory records no model config: converting it says so (stdout and manifest) instead
+    of leaving a model/ that from_pretrained cannot load; with --config, model/ loads in transformers."""
+    import transformers
+
+    root, _ = copy_native(layouts, tmp_path)
+    env = worker_env()
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    done = subprocess.run(cli + [str(root), str(tmp_path / "u0"), "--to", "universal"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    note = "the source carries no model config: the universal output has no config.json"
+    assert f"note: {note}" in done.stdout and "--config" in done.stdout
+    assert any(n.startswith(note) for n in json.loads((tmp_path / "u0" / "manifest.json").read_text())["notes"])
+
+    config = json.loads((layouts[(2, "float32")] / "manifest.json").read_text())["model"]["config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(cli + [str(root), str(tmp_path / "u"), "--to", "universal", "--config", str(tmp_path / "config.json")],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "note: the source carries no model config" not in done.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "u" / "model")
+    source = read_deepspeed(str(layouts[(2, "float32")]))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, source.model[name].load()), name

@@ -38,7 +38,7 @@ def test_trainer_losses_are_the_base_trainers_and_resume_is_exact(runs):
     Resumed from step 2, Trainer's own resume_from_checkpoint gives steps 3 and 4 exactly."""
     out, base, hf = runs
     assert hf["losses"] == base
-    files = {p.name for p in (out / "hf" / "checkpoint-2" / "hf_trainer").iterdir()}
+    files = {p.name for p in (out / "hf" / "checkpoint-2").iterdir()}  # Trainer's files beside our manifest
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= files
     assert detect(str(out / "hf" / "checkpoint-2")).name == "hf-trainer"
     resumed = hf_run("--resume", str(out / "hf" / "checkpoint-2"), "--output-dir", str(out / "resumed"))
@@ -63,7 +63,8 @@ def test_truncated_optimizer_file_is_named(runs, tmp_path):
     import shutil
 
     out, _, _ = runs
-    ckpt = shutil.copytree(out / "hf" / "checkpoint-2" / "hf_trainer", tmp_path / "bare")  # a bare Trainer checkpoint
+    ckpt = shutil.copytree(out / "hf" / "checkpoint-2", tmp_path / "bare",  # a bare Trainer checkpoint
+                           ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
     optim = ckpt / "optimizer.pt"
     optim.write_bytes(optim.read_bytes()[:1000])
     with pytest.raises(CorruptCheckpointError, match="optimizer.pt"):

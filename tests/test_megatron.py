@@ -150,7 +150,7 @@ def test_cli_converts_and_refuses_bad_layouts(tmp_path):
     done = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg"), "--to", "megatron", "--tp", "2", "--pp", "2"],
                           capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(tmp_path / "meg" / "iter_0000000")) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(n for n in os.listdir(tmp_path / "meg" / "iter_0000000") if n != "manifest.json") == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     bad = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg3"), "--to", "megatron", "--tp", "3"],
                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert bad.returncode != 0
@@ -158,11 +158,22 @@ def test_cli_converts_and_refuses_bad_layouts(tmp_path):
     assert not (tmp_path / "meg3").exists()
 
 
+def as_megatron_wrote_it(root) -> None:
+    """Our output without our manifest: Megatron-LM's own files, which the reader's own checks must guard."""
+    import shutil
+
+    for iteration in root.glob("iter_*"):
+        os.remove(iteration / "manifest.json")
+        for ours in ("components", "ranks"):
+            shutil.rmtree(iteration / ours, ignore_errors=True)
+
+
 def test_missing_rank_directory_is_named(tmp_path):
     make(llama_config()).save_pretrained(tmp_path / "hf")
     write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
     import shutil
 
+    as_megatron_wrote_it(tmp_path / "meg")
     shutil.rmtree(tmp_path / "meg" / "iter_0000000" / "mp_rank_01_001")
     with pytest.raises(MissingFileError, match=r"mp_rank_01_001: missing: a checkpoint with TP 2 x PP 2"):
         read_megatron(str(tmp_path / "meg"))
@@ -174,6 +185,7 @@ def test_missing_rank_directory_is_named(tmp_path):
 def test_mismatched_vocab_padding_is_named(tmp_path):
     make(llama_config()).save_pretrained(tmp_path / "hf")
     write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 1)
+    as_megatron_wrote_it(tmp_path / "meg")
     path = rank_file(tmp_path / "meg", 0, 0, 1)
     for t in range(2):
         p = rank_file(tmp_path / "meg", t, 0, 1)
@@ -195,6 +207,7 @@ def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
 def test_untrusted_pickle_is_refused(tmp_path):
     make(llama_config()).save_pretrained(tmp_path / "hf")
     write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 1, 1)
+    as_megatron_wrote_it(tmp_path / "meg")
     path = rank_file(tmp_path / "meg", 0, 0, 1)
     state = torch.load(path, weights_only=False)  # not mapped: the file is rewritten below
     state["hook"] = os.getcwd  # a global outside the allowlist: loading would call into os
@@ -215,7 +228,7 @@ def test_hf_to_megatron_dist_to_hf_is_bit_exact(tmp_path, kind):
     model.save_pretrained(tmp_path / "hf")
     write_megatron_dist(read_hf(str(tmp_path / "hf")), str(tmp_path / "dist"), tp=2)
     directory = tmp_path / "dist" / "iter_0000000"
-    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "common.pt", "manifest.json", "metadata.json"]
     assert (directory / "metadata.json").read_text() == (
         '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}')
     common = load_megatron_file(str(directory / "common.pt"))

@@ -94,6 +94,9 @@ def test_megatron_core_checkpoint_through_universal_keeps_every_byte(tmp_path, m
                             (tmp_path / "uni", tmp_path / "meg", ["--to", "megatron", "--tp", "2", "--transformer-impl", "local"])):
         done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
         assert done.returncode == 0, done.stderr
+    verify = subprocess.run([sys.executable, "-m", "converters.cli", "verify", str(tmp_path / "meg")], capture_output=True,
+                            text=True, env=worker_env(), cwd=ROOT)
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # our manifest beside Megatron's files
     theirs, ours = locate(str(ckpt)), locate(str(tmp_path / "meg"))
     assert (ours.tp, ours.pp, ours.iteration) == (2, 1, 1)
     for key, path in theirs.paths.items():
@@ -140,7 +143,7 @@ def test_megatron_core_loads_our_torch_dist_on_another_layout(tmp_path, megatron
                             (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron-dist", "--tp", "2"])):
         done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
         assert done.returncode == 0, done.stderr
-    megatron_run("load-dist+optimizer", tmp_path / "ours" / "iter_0000001", tmp_path / "out", 1, 2)
+    megatron_run("load-dist+optimizer", tmp_path / "ours", tmp_path / "out", 1, 2)  # --load DST, as Megatron-LM
     with open(tmp_path / "out" / "losses.json") as f:
         resumed = json.load(f)
     assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)

@@ -58,7 +58,10 @@ def _fsdp_requested(cfg: AccelerateTrainerConfig) -> bool:
 
 
 class AccelerateState:
-    """Model, optimizer, scheduler, RNG and registered objects, saved and loaded by accelerate itself."""
+    """Model, optimizer, scheduler, RNG and registered objects, saved and loaded by accelerate itself, beside
+    the manifest: ``accelerator.load_state(checkpoint)`` loads one of the run's checkpoints as it is."""
+
+    native_top = True
 
     def __init__(self, trainer: "AccelerateTrainer"):
         self.trainer = trainer

@@ -76,14 +76,17 @@ def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
 
 
 class DeepSpeedEngineState:
-    """The engine's model and optimizer, saved and loaded by DeepSpeed itself (a native component)."""
+    """The engine's model and optimizer, saved and loaded by DeepSpeed itself (a native component). Its files
+    lie beside the manifest (tag ``.``), so the run's ``latest`` naming ``checkpoint-<step>`` is the tag
+    DeepSpeed reads: ``engine.load_checkpoint(output_dir)`` loads a run's newest checkpoint as it is."""
+
+    native_top = True
 
     def __init__(self, trainer: "DeepSpeedTrainer"):
         self.trainer = trainer
 
     def save_native(self, directory: str) -> None:
-        engine = self.trainer.engine
-        engine.save_checkpoint(directory, tag=f"global_step{self.trainer.state.step}")
+        self.trainer.engine.save_checkpoint(directory, tag=".", save_latest=False)
 
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer
@@ -94,8 +97,9 @@ class DeepSpeedEngineState:
         if not info.layout.loads_as(target):
             log.warning("converting %s (%s) to %s for this run", load.directory, info.layout.describe(), target.describe())
             def convert() -> None:  # the manager has checked every digest; the reader screens every pickle
-                ckpt = deepspeed_zero.read_deepspeed(os.path.dirname(load.directory), trust, verify_digests=False)
-                write_native(ckpt, load.scratch, target, ds_config=trainer.engine.config, step=load.manifest.step)
+                ckpt = deepspeed_zero.read_deepspeed(load.directory, trust, verify_digests=False)
+                write_native(ckpt, load.scratch, target, ds_config=trainer.engine.config, step=load.manifest.step,
+                             grouping="source")  # this trainer groups as its checkpoints do
 
             trainer.checkpoints.on_rank_zero(convert, what=f"converting {load.directory}")
             source = load.scratch
@@ -112,7 +116,7 @@ class DeepSpeedEngineState:
                 f"match this engine's ({[len(g) for g in engine_shapes]}): different model, frozen set or grouping"
             )
         with weights_only_loads(trust, real_globals(deepspeed_zero.DEEPSPEED_ALLOWLIST)):
-            path, _ = trainer.engine.load_checkpoint(source, tag=os.path.basename(tag_dir), load_lr_scheduler_states=False)
+            path, _ = trainer.engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir), load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"deepspeed found no checkpoint to load in {source}")
 

@@ -56,7 +56,10 @@ class MegatronTrainerConfig(TrainerConfig):
 
 class DCPModelOptimizer:
     """Model and optimizer through torch.distributed.checkpoint: each rank writes its own shards of the logical
-    tensors, and loading reads whatever part of them this rank's layout needs."""
+    tensors, and loading reads whatever part of them this rank's layout needs. The files lie beside the
+    manifest: ``dcp.load(state, checkpoint_id=checkpoint)`` reads one of the run's checkpoints as it is."""
+
+    native_top = True
 
     def __init__(self, trainer: "MegatronTrainer"):
         self.trainer = trainer
