@@ -6,6 +6,10 @@
         (OUT/logits.pt) and the uninterrupted run's remaining steps (OUT/losses.json, every step's loss).
     save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist): args, iteration,
         model and optimizer as Megatron-LM's save_checkpoint hands them to it with --ckpt-format torch_dist.
+    save-legacy-distopt CKPT OUT (2 ranks, TP1 PP1: data parallel 2): the same through megatron-core's
+        DistributedDataParallel and DistributedOptimizer (each rank a half of every batch, the optimizer state
+        sharded over the two), saved as Megatron-LM does with --use-distributed-optimizer: model_optim_rng.pt
+        and the gathered distrib_optim.pt (DistributedOptimizer.save_parameter_state).
     load-legacy[+optimizer] CKPT OUT, load-dist[+optimizer] CKPT OUT: load a checkpoint we wrote into megatron-core, then
         train on the same batches: from step 1 with its optimizer state (+optimizer), else from step 0 with a
         fresh optimizer. The losses go to OUT/losses.json.
@@ -43,6 +47,28 @@ def cpu_patches() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+
+
+def distributed_optimizer_patches() -> None:
+    """What megatron-core 0.16.1's DDP + DistributedOptimizer also need without CUDA, TransformerEngine or Apex."""
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):  # clip_grads.get_grad_norm_fp32's dummy overflow buffer
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return real_zeros(*args, **kwargs)
+
+    torch.zeros = zeros
+    real_type = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):  # DistributedOptimizer accepts only torch.cuda.{Float,Half,BFloat16}Tensor
+        out = real_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+    torch.Tensor.type = type_
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def megatron_args(tp: int, pp: int) -> argparse.Namespace:
@@ -150,6 +176,60 @@ def megatron_optimizer(model):
     return FP32Optimizer(adam, config, init_state_fn)
 
 
+def distributed_optimizer(model):
+    """megatron-core's DistributedDataParallel and DistributedOptimizer, with the groups' hyper-parameters as
+    megatron_optimizer's (what Megatron's OptimizerParamScheduler sets)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                             clip_grad=0.0, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    for g in optimizer.param_groups:
+        g["weight_decay"], g["lr"] = config.weight_decay * g.get("wd_mult", 1.0), LR
+    return ddp, optimizer
+
+
+def data_parallel_step(ddp, optimizer, step: int) -> float:
+    """One step with each data-parallel rank on its rows of the batch; the loss is the whole batch's mean."""
+    from megatron.core import parallel_state as ps
+
+    rows = batch(step)[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    out, _ = forward(ddp, rows[:, :-1], rows[:, 1:])
+    mean = out.float().mean()
+    mean.backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    assert ok
+    loss = mean.detach().clone()
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss) / ps.get_data_parallel_world_size()
+
+
+def save_distributed(path: str) -> list[float]:
+    """Megatron-LM's save_checkpoint with --use-distributed-optimizer --ckpt-format torch, after one step."""
+    from megatron.core import parallel_state as ps
+
+    distributed_optimizer_patches()
+    ddp, optimizer = distributed_optimizer(build(1, 1))
+    losses = [data_parallel_step(ddp, optimizer, 0)]
+    file = legacy_path(path, 1, 1, 1)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    optimizer.save_parameter_state(os.path.join(os.path.dirname(file), "distrib_optim.pt"))  # data-parallel rank 0 writes
+    if ps.get_data_parallel_rank() == 0:
+        args = megatron_args(1, 1)
+        args.use_distributed_optimizer = True
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": ddp.module.state_dict_for_save_checkpoint(),
+                    "optimizer": optimizer.state_dict()}, file)
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    losses += [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+    return losses
+
+
 def megatron_lm_load_dir(load: str) -> tuple[str, int]:
     """What Megatron-LM's ``--load DIR`` reads (training/checkpointing.py's read_metadata and
     get_checkpoint_name; megatron.training is not on PyPI): the tracker file in DIR names the iteration."""
@@ -186,6 +266,13 @@ def main() -> None:
     tp, pp = int(os.environ["MCORE_TP"]), int(os.environ["MCORE_PP"])
     dist.init_process_group("gloo")
     cpu_patches()
+    if scenario == "save-legacy-distopt":
+        losses = save_distributed(path)
+        if dist.get_rank() == 0:
+            write_json(os.path.join(out, "losses.json"), losses)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     model = build(tp, pp)
     optimizer = megatron_optimizer(model)
     rank, last = dist.get_rank(), dist.get_world_size() - 1

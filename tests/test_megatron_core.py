@@ -147,3 +147,25 @@ def test_megatron_core_loads_our_torch_dist_on_another_layout(tmp_path, megatron
     with open(tmp_path / "out" / "losses.json") as f:
         resumed = json.load(f)
     assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+
+
+# --- the distributed optimizer ------------------------------------------------------------------------------
+def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
+    """megatron-core's DistributedOptimizer at data parallel 2 (distrib_optim.pt: fp32 main params and Adam
+    moments of the whole rank, flat in the gradient buffer's layout) -> universal -> Megatron at TP2 -> megatron-core
+    loads it and trains on with the uninterrupted data-parallel run's losses."""
+    megatron_run("save-legacy-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 1)
+    with open(tmp_path / "out" / "losses.json") as f:
+        uninterrupted = json.load(f)
+    assert (tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    source = read_megatron(str(tmp_path / "ckpt"))
+    assert sorted(source.optimizer.tensors) == ["exp_avg", "exp_avg_sq"] and source.step == 1
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    for src, dst, extra in ((tmp_path / "ckpt", tmp_path / "uni", ["--to", "universal"]),
+                            (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron", "--tp", "2", "--transformer-impl", "local"])):
+        done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+    megatron_run("load-legacy+optimizer", tmp_path / "ours", tmp_path / "resumed", 2, 1)
+    with open(tmp_path / "resumed" / "losses.json") as f:
+        resumed = json.load(f)
+    assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
