@@ -61,7 +61,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -302,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp", action="store_true", help="accelerate: the FSDP2 sharded layout (DCP) instead of DDP's")
     g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="Megatron: tensor-parallel size")
     g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="Megatron: pipeline-parallel size")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron (--to megatron): the optimizer state as Megatron-LM's --use-distributed-optimizer saves it (distrib_optim.pt)")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
 

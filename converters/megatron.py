@@ -631,11 +631,13 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
 
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
-    source's other components beside the rank folders. Holds one pipeline stage in memory at a time."""
+    source's other components beside the rank folders. Holds one pipeline stage in memory at a time.
+    ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
+    beside each rank's file (for any data-parallel size: see :func:`distributed_layout`)."""
     arch, padded, dtype = target_shape(ckpt, tp)
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
@@ -647,8 +649,14 @@ def write_megatron(
     args = argparse.Namespace(**arch.to_args(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp,
-        data_parallel_size=1, use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config),
+        data_parallel_size=1, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
+        hf_config=dict(ckpt.config),
     ))
+    if distributed_optimizer and (te_names or (arch.tied and pp > 1)):
+        # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused
+        # norms and a last stage's tied copy (its own bucket) are other layouts
+        raise ConversionError("--use-distributed-optimizer is written for --transformer-impl local and untied or "
+                              "single-stage embeddings; convert without it (Megatron-LM loads the plain optimizer too)")
     hyper = megatron_hyper(opt)
     model = ckpt.model
     mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
@@ -668,9 +676,13 @@ def write_megatron(
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
             stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
             for t in range(tp):
-                state = _rank_file(args, step, stage_write, t, hyper, opt is not None, mixed, scheduler, rng_source, t + tp * p)
+                with_optim = opt is not None and not distributed_optimizer
+                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng_source, t + tp * p)
                 d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
                 os.makedirs(d)
+                if distributed_optimizer and opt is not None:
+                    state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt)
+                    save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
                 save_torch(state, os.path.join(d, FILE))
                 if progress:
                     progress(d)
@@ -685,6 +697,36 @@ def write_megatron(
                             {"class": opt.cls} if opt is not None else None, overwrite,
                             frozenset({SCHEDULER, PADDING, "rng"}))
     log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
+
+
+def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], dtype: torch.dtype,
+                       opt: OptimizerState) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
+    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps)."""
+    shapes = [(n, tuple(stage.model[t][n_local].shape)) for n, n_local in zip(stage.names, _local_names(stage, t))]
+    index, total = distributed_layout(shapes)
+    flat = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+    for i, (name, n_local) in enumerate(zip(stage.names, _local_names(stage, t))):
+        a, b = index[name]
+        master = stage.master[t][i] if stage.master[t] else stage.model[t][n_local]
+        flat["param"][a:b] = master.float().flatten()
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = stage.state[t].get(name, {}).get(key)
+            if value is None:
+                raise ConversionError(f"the source has no {key} for Megatron's {name}; DistributedOptimizer needs both moments")
+            flat[key][a:b] = value.float().flatten()
+    steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
+    if len(steps) > 1:
+        raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
+    step = steps.pop() if steps else 0.0
+    groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h in hyper]
+    grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
+    return {"optimizer": {"param_groups": groups}}, {"buckets_coalesced": True, 0: {(dtype, grad_dtype): {**flat, "numel_unpadded": total}}}
+
+
+def _local_names(stage: _StageWrite, t: int) -> list[str]:
+    """The names under which TP rank ``t``'s file holds each of the stage's parameters (global layer indices)."""
+    return [k for k, v in stage.model[t].items() if isinstance(v, torch.Tensor)]
 
 
 def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:

@@ -234,7 +234,8 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
     if o.extra.get("dtype"):
         ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
-    megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite)
+    megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
+                            distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
 
 
 register(

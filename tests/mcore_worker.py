@@ -6,6 +6,8 @@
         (OUT/logits.pt) and the uninterrupted run's remaining steps (OUT/losses.json, every step's loss).
     save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist): args, iteration,
         model and optimizer as Megatron-LM's save_checkpoint hands them to it with --ckpt-format torch_dist.
+    load-legacy-distopt CKPT OUT: the same model and optimizer at MCORE_TP (the rest data parallel) load a
+        checkpoint we wrote with --use-distributed-optimizer as Megatron-LM does, then train on from step 1.
     save-legacy-distopt CKPT OUT (2 ranks, TP1 PP1: data parallel 2): the same through megatron-core's
         DistributedDataParallel and DistributedOptimizer (each rank a half of every batch, the optimizer state
         sharded over the two), saved as Megatron-LM does with --use-distributed-optimizer: model_optim_rng.pt
@@ -69,6 +71,21 @@ def distributed_optimizer_patches() -> None:
 
     torch.Tensor.type = type_
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # without TE/Apex the inner optimizer is torch's AdamW, whose per-parameter state also holds 'step', which
+    # distrib_optim.pt does not (the step is the param groups'): keep the one load_state_dict set
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            if "step" in self.optimizer.state[main_param]:
+                tensors = {**tensors, "step": self.optimizer.state[main_param]["step"]}
+        return real_set(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def megatron_args(tp: int, pp: int) -> argparse.Namespace:
@@ -230,6 +247,27 @@ def save_distributed(path: str) -> list[float]:
     return losses
 
 
+def load_distributed(path: str, tp: int, pp: int) -> list[float]:
+    """Megatron-LM's load_checkpoint with --use-distributed-optimizer: the model, the optimizer's param groups,
+    then load_parameter_state(distrib_optim.pt); then train on from step 1 (pipeline size 1)."""
+    from converters.megatron import load_megatron_file
+
+    distributed_optimizer_patches()
+    ddp, optimizer = distributed_optimizer(build(tp, pp))
+    _, iteration = megatron_lm_load_dir(path)
+    file = legacy_path(path, tp, pp, iteration)
+    state = load_megatron_file(file)
+    result = ddp.module.load_state_dict(state["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    optimizer.load_state_dict(state["optimizer"])
+    for inner in optimizer.chained_optimizers:  # without TE/Apex, load_state_dict gives every parameter one shared
+        for s in inner.optimizer.state.values():  # 'step' tensor, which torch's AdamW would then advance once per parameter
+            s["step"] = s["step"].clone()
+    with torch.no_grad():  # an fp32 model's main params are views of its parameters
+        optimizer.load_parameter_state(os.path.join(os.path.dirname(file), "distrib_optim.pt"))
+    return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+
+
 def megatron_lm_load_dir(load: str) -> tuple[str, int]:
     """What Megatron-LM's ``--load DIR`` reads (training/checkpointing.py's read_metadata and
     get_checkpoint_name; megatron.training is not on PyPI): the tracker file in DIR names the iteration."""
@@ -266,9 +304,9 @@ def main() -> None:
     tp, pp = int(os.environ["MCORE_TP"]), int(os.environ["MCORE_PP"])
     dist.init_process_group("gloo")
     cpu_patches()
-    if scenario == "save-legacy-distopt":
-        losses = save_distributed(path)
-        if dist.get_rank() == 0:
+    if scenario in ("save-legacy-distopt", "load-legacy-distopt"):
+        losses = save_distributed(path) if scenario.startswith("save") else load_distributed(path, tp, pp)
+        if dist.get_rank() == dist.get_world_size() - 1:
             write_json(os.path.join(out, "losses.json"), losses)
         dist.barrier()
         dist.destroy_process_group()

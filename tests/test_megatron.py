@@ -266,3 +266,22 @@ def test_optimizer_state_round_trips_through_megatron_dist(tmp_path, trained):
     assert report.count("exact") == len(report.entries) > 0
     assert [g["weight_decay"] for g in back.optimizer.param_groups] == [0.1, 0.0]
     assert back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
+
+
+def test_distributed_optimizer_layout_is_refused_where_it_is_not_known(tmp_path):
+    """distrib_optim.pt's flat layout follows megatron-core's module order, known here for its local spec: with
+    TransformerEngine's fused norms the converter refuses with one line instead of writing a layout it guesses."""
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "meg"),
+                           "--to", "megatron", "--use-distributed-optimizer"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--use-distributed-optimizer is written for --transformer-impl local" in done.stderr
+    assert not (tmp_path / "meg").exists()
+
+
+def test_distributed_layout_is_megatron_cores():
+    """The flat buffer: reverse module order, each start rounded up to 64 (megatron-core's _ParamAndGradBuffer)."""
+    from converters.megatron import distributed_layout
+
+    index, total = distributed_layout([("a", (3, 5)), ("b", (7,)), ("c", (100,))])
+    assert index == {"c": (0, 100), "b": (128, 135), "a": (192, 207)} and total == 207

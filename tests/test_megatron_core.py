@@ -169,3 +169,14 @@ def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
     with open(tmp_path / "resumed" / "losses.json") as f:
         resumed = json.load(f)
     assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+
+    # and written for the distributed optimizer at TP2 x DP1: megatron-core's own load_parameter_state takes it
+    done = subprocess.run(cli + [str(tmp_path / "uni"), str(tmp_path / "ours-dist"), "--to", "megatron", "--tp", "2",
+                                 "--transformer-impl", "local", "--use-distributed-optimizer"],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ours-dist" / "iter_0000001" / "mp_rank_01" / "distrib_optim.pt").is_file()
+    megatron_run("load-legacy-distopt", tmp_path / "ours-dist", tmp_path / "resumed-dist", 2, 1)
+    with open(tmp_path / "resumed-dist" / "losses.json") as f:
+        assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+    assert read_megatron(str(tmp_path / "ours-dist")).optimizer is not None  # and it reads back
