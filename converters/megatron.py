@@ -670,6 +670,8 @@ def write_megatron(
     if rng_source is not None and len(rng_source) != tp * pp:
         ckpt.notes.append(f"RNG streams: the source's {len(rng_source)} do not map onto {tp * pp} ranks; each rank starts a fresh one")
         rng_source = None
+    args.no_save_rng = True  # see no_megatron_rng_note
+    ckpt.notes.append(no_megatron_rng_note())
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
         for p, stage in enumerate(stages):
@@ -804,6 +806,15 @@ def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: b
         state["opt_param_scheduler"] = scheduler
     state["rng_state"] = [_megatron_rng(rng[rank] if rng is not None else None)]
     return state
+
+
+def no_megatron_rng_note() -> str:
+    """Megatron-LM restores its RNG only from a full state: CUDA's generator and the model-parallel tracker's
+    streams, which a CPU source has none of; on a partial one it exits ("Unable to load rng state"). The args we
+    write say ``no_save_rng`` (as Megatron-LM's own --no-save-rng does), so --load needs no --no-load-rng; the
+    python / numpy / torch states stay in the files for readers."""
+    return ("Megatron RNG: the args record no_save_rng (no CUDA or model-parallel tracker states to restore), so "
+            "Megatron-LM loads without --no-load-rng and seeds its streams afresh")
 
 
 def _megatron_rng(s: dict[str, Any] | None) -> dict[str, Any]:

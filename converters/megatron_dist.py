@@ -41,7 +41,7 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
-    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
+    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, no_megatron_rng_note, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, rules
@@ -245,7 +245,9 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         tp, 1, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format="torch_dist", transformer_impl="transformer_engine", world_size=1, data_parallel_size=1,
         use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
+        no_save_rng=True,  # no rng_state object is written: Megatron-LM then does not ask for one
     ))
+    ckpt.notes.append(no_megatron_rng_note())
     common: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
     if opt is not None:
         steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}

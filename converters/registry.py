@@ -214,7 +214,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         megatron_dist.is_megatron_dist,
         lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle, o.verify_digests),
         _write_megatron_dist,
-        loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist --no-load-rng',
+        loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist',
         takes_dtype=True,
     )
 )

@@ -150,6 +150,9 @@ def test_cli_converts_and_refuses_bad_layouts(tmp_path):
     done = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg"), "--to", "megatron", "--tp", "2", "--pp", "2"],
                           capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
+    # Megatron-LM exits on a partial RNG state; the args say there is none, so --load needs no --no-load-rng
+    assert "note: Megatron RNG: the args record no_save_rng" in done.stdout
+    assert load_megatron_file(rank_file(tmp_path / "meg", 1, 1, 2))["args"].no_save_rng is True
     assert sorted(n for n in os.listdir(tmp_path / "meg" / "iter_0000000") if n != "manifest.json") == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     bad = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg3"), "--to", "megatron", "--tp", "3"],
                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
@@ -232,6 +235,7 @@ def test_hf_to_megatron_dist_to_hf_is_bit_exact(tmp_path, kind):
     assert (directory / "metadata.json").read_text() == (
         '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}')
     common = load_megatron_file(str(directory / "common.pt"))
+    assert common["args"].no_save_rng is True  # no rng_state object written, and none asked for
     assert common["iteration"] == 0 and common["args"].padded_vocab_size == 256 and common["args"].ckpt_format == "torch_dist"
     reader = DCPReader(str(directory))
     if kind == "llama":
