@@ -52,6 +52,7 @@ METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
+MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
 LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -141,9 +142,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
         return hf_tensors(rule, [full], arch, f"{directory}[{key}]", cache, tag, spec.dtype, hf_shapes(rule, arch, shape))
 
+    # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
+    masters = {r.megatron: f"{OPTIM_PREFIX}{MASTER}.{names[r.megatron]}" for r in all_rules}
+    has_master = all(k in stored for k in masters.values())
     model: dict[str, LazyTensor] = {}
     for rule in all_rules:
-        model.update(lazy_for(rule, names[rule.megatron], "model"))
+        model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
     optimizer = _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path)
     step = int(common.get("iteration") or 0)
     extra: dict[str, Any] = {}
@@ -155,7 +159,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
-                "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step},
+                "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step,
+                **({"master_dtype": "float32"} if has_master else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
@@ -163,10 +168,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
 
 def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) -> OptimizerState | None:
-    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)})
+    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - {MASTER})
     if not state_keys:
         return None
     saved = common.get("optimizer") or {}
+    if isinstance(saved.get("optimizer"), dict) and "param_groups" not in saved:
+        saved = saved["optimizer"]  # Float16OptimizerWithFloat16Params: the torch optimizer's dict one level down
     groups = saved.get("param_groups")
     if not isinstance(groups, list) or len(groups) != 2:
         raise CorruptCheckpointError(common_path, "optimizer state without Megatron's two param groups (decay, no decay) in common.pt")
@@ -232,11 +239,15 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), dtype)
         if state[key] is None:
             raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
+    mixed = dtype != torch.float32
     for skey, per in (opt.tensors.items() if opt else []):
         for key, rs in by_key.items():
             t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
             if t is not None:
                 state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
+    if mixed and opt is not None:  # the fp32 main params, from the source's fp32 weights (its masters)
+        for key, rs in by_key.items():
+            state[f"{OPTIM_PREFIX}{MASTER}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
     for module in LAYER_LINEARS:  # megatron-core's linears keep an extra state per layer (None without FP8), stored
         for i in range(arch.num_layers):  # as torch_dist stores every sharded object: a list of its replicas' data
             state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{arch.num_layers}"] = [None]
@@ -253,8 +264,9 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
         if len(steps) > 1:
             raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
-        common["optimizer"] = {"state": {"common_step": torch.tensor(steps.pop())} if steps else {},
-                               "param_groups": megatron_hyper(opt)}
+        inner = {"state": {"common_step": torch.tensor(steps.pop())} if steps else {}, "param_groups": megatron_hyper(opt)}
+        # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under "optimizer"
+        common["optimizer"] = {"optimizer": inner} if mixed else inner
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         common[SCHEDULER] = scheduler

@@ -16,6 +16,9 @@
         train on the same batches: from step 1 with its optimizer state (+optimizer), else from step 0 with a
         fresh optimizer. The losses go to OUT/losses.json.
 
+MCORE_BF16=1 runs every scenario in bf16: Float16Module and megatron-core's Float16OptimizerWithFloat16Params, whose fp32
+main params are the weights' truth.
+
 megatron-core's CPU patches live here, in the tests only: its GPT model asks for the CUDA device and RNG
 tracker where a CPU run has neither.
 """
@@ -52,7 +55,8 @@ def cpu_patches() -> None:
 
 
 def distributed_optimizer_patches() -> None:
-    """What megatron-core 0.16.1's DDP + DistributedOptimizer also need without CUDA, TransformerEngine or Apex."""
+    """What megatron-core 0.16.1's DDP + DistributedOptimizer (and its bf16 optimizer) also need without CUDA,
+    TransformerEngine or Apex."""
     real_zeros = torch.zeros
 
     def zeros(*args, **kwargs):  # clip_grads.get_grad_norm_fp32's dummy overflow buffer
@@ -97,9 +101,13 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
         num_query_groups=2, kv_channels=12, max_position_embeddings=64, seq_length=SEQ, position_embedding_type="rope",
         rotary_base=10000, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, untie_embeddings_and_output_weights=True,
         add_bias_linear=False, add_qkv_bias=False, vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=128,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32, bf16=False, fp16=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=DTYPE, bf16=BF16, fp16=False,
         ckpt_format="torch", attention_backend=AttnBackend.auto, iteration=1,
     )
+
+
+BF16 = os.environ.get("MCORE_BF16") == "1"
+DTYPE = torch.bfloat16 if BF16 else torch.float32
 
 
 def build(tp: int, pp: int):
@@ -113,13 +121,18 @@ def build(tp: int, pp: int):
     cfg = TransformerConfig(
         num_layers=2, hidden_size=48, ffn_hidden_size=100, num_attention_heads=4, num_query_groups=2, kv_channels=12,
         normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        add_bias_linear=False, use_cpu_initialization=True, params_dtype=DTYPE, bf16=BF16, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=DTYPE,
     )
-    return GPTModel(
+    model = GPTModel(
         cfg, get_gpt_layer_local_spec(), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
         share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     )
+    if BF16:  # what Megatron-LM's get_model does for --bf16
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    return model
 
 
 def batch(step: int) -> torch.Tensor:
@@ -138,7 +151,7 @@ def forward(model, tokens: torch.Tensor, labels: torch.Tensor | None = None):
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
     received = None
     if not ps.is_pipeline_first_stage():
-        received = torch.empty(s, b, 48)
+        received = torch.empty(s, b, 48, dtype=DTYPE)
         dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
         received.requires_grad_(True)
         model.set_input_tensor(received)
@@ -177,7 +190,8 @@ def megatron_optimizer(model):
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
+                             bf16=BF16)
     groups = _get_param_groups([model], config, None)
     for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
         g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
@@ -190,6 +204,11 @@ def megatron_optimizer(model):
                     opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
+    if BF16:
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+        distributed_optimizer_patches()  # the same CUDA tensor-type checks
+        return Float16OptimizerWithFloat16Params(adam, config, None, init_state_fn)
     return FP32Optimizer(adam, config, init_state_fn)
 
 

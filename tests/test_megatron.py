@@ -289,3 +289,33 @@ def test_distributed_layout_is_megatron_cores():
 
     index, total = distributed_layout([("a", (3, 5)), ("b", (7,)), ("c", (100,))])
     assert index == {"c": (0, 100), "b": (128, 135), "a": (192, 207)} and total == 207
+
+
+def test_bf16_torch_dist_keeps_the_fp32_masters_bit_exact(tmp_path):
+    """A trained fp32 run -> torch_dist in bf16: the model's weights are the masters rounded to bf16, and the
+    optimizer's fp32 main params (optimizer.state.fp32_param.*) the masters themselves; read back, the masters are
+    the weights (not their rounding), so bf16 -> universal -> bf16 keeps every master and moment bit for bit."""
+    from converters.dcp import DCPReader
+    from converters.megatron_dist import read_megatron_dist
+    from converters.registry import read
+    from trainers.base import BaseTrainer, TrainerConfig
+
+    BaseTrainer(TrainerConfig(steps=1, save_every=1, output_dir=str(tmp_path / "run"))).train()
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    steps = [(tmp_path / "run", tmp_path / "d1"), (tmp_path / "d1", tmp_path / "u"), (tmp_path / "u", tmp_path / "d2")]
+    for src, dst in steps:
+        to = ["--to", "universal"] if dst.name == "u" else ["--to", "megatron-dist", "--dtype", "bfloat16"]
+        done = subprocess.run(cli + [str(src), str(dst), *to], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+    source = dict(read(str(tmp_path / "run"))[1].tensors())
+    back = read_megatron_dist(str(tmp_path / "d1"))
+    assert back.source["dtype"] == "bfloat16" and back.source["master_dtype"] == "float32"
+    for name, t in back.tensors():
+        assert t.spec.dtype == torch.float32 and torch.equal(t.load(), source[name].load()), name
+    first, second = DCPReader(str(tmp_path / "d1" / "iter_0000001")), DCPReader(str(tmp_path / "d2" / "iter_0000001"))
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    master = first.read(f"optimizer.state.fp32_param.{key}")
+    assert master.dtype == torch.float32 and torch.equal(first.read(key), master.to(torch.bfloat16))
+    assert sorted(first.tensor_keys()) == sorted(second.tensor_keys())
+    for k in first.tensor_keys():
+        assert torch.equal(first.read(k), second.read(k)), k
