@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="Megatron: tensor-parallel size")
     g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="Megatron: pipeline-parallel size")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron (--to megatron): the optimizer state as Megatron-LM's --use-distributed-optimizer saves it (distrib_optim.pt)")
+                   help="Megatron: the optimizer state as Megatron-LM's --use-distributed-optimizer saves it (megatron: distrib_optim.pt; "
+                        "megatron-dist: the fully_reshardable layout, loadable at any DP x TP x PP)")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
 

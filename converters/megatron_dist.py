@@ -53,6 +53,8 @@ COMMON = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
 MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
+DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimizer.state.param.<model key> (fp32)
+FULLY_RESHARDABLE = "fully_reshardable"
 LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -143,7 +145,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         return hf_tensors(rule, [full], arch, f"{directory}[{key}]", cache, tag, spec.dtype, hf_shapes(rule, arch, shape))
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
-    masters = {r.megatron: f"{OPTIM_PREFIX}{MASTER}.{names[r.megatron]}" for r in all_rules}
+    sharding_type = (common.get("optimizer") or {}).get("param_state_sharding_type") if isinstance(common.get("optimizer"), dict) else None
+    if sharding_type not in (None, FULLY_RESHARDABLE):
+        raise ConversionError(f"{common_path}: the distributed optimizer's {sharding_type!r} layout is not supported; "
+                              f"save with --dist-ckpt-optim-fully-reshardable ({FULLY_RESHARDABLE}) or --ckpt-format torch")
+    master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
+    masters = {r.megatron: f"{OPTIM_PREFIX}{master_key}.{names[r.megatron]}" for r in all_rules}
     has_master = all(k in stored for k in masters.values())
     model: dict[str, LazyTensor] = {}
     for rule in all_rules:
@@ -168,10 +175,11 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
 
 def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) -> OptimizerState | None:
-    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - {MASTER})
+    saved = common.get("optimizer") or {}
+    masters = {MASTER, DIST_MASTER} if saved.get("param_state_sharding_type") == FULLY_RESHARDABLE else {MASTER}
+    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - masters)
     if not state_keys:
         return None
-    saved = common.get("optimizer") or {}
     if isinstance(saved.get("optimizer"), dict) and "param_groups" not in saved:
         saved = saved["optimizer"]  # Float16OptimizerWithFloat16Params: the torch optimizer's dict one level down
     groups = saved.get("param_groups")
@@ -188,9 +196,11 @@ def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) 
         shape = reader.spec(name).shape[1:] if layer_of(rule.megatron) is not None else reader.spec(name).shape
         members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
     decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
-    param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(decay_first, members)]
+    param_groups = [{**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": m} for g, m in zip(decay_first, members)]
     scalars = {}
     step = (saved.get("state") or {}).get("common_step")
+    if step is None and groups and all("step" in g for g in groups):  # the distributed optimizer keeps it per group
+        step = groups[0]["step"]
     if step is not None:
         entry = scalar_entry(step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
         scalars["step"] = {n: entry for n in (n for m in members for n in m)}
@@ -223,7 +233,8 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     return LazyTensor(TensorSpec(shape, meta.dtype), load, origin=stacked_name(first.megatron))
 
 
-def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False) -> None:
+def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
+                        distributed_optimizer: bool = False) -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time."""
@@ -240,14 +251,17 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         if state[key] is None:
             raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
     mixed = dtype != torch.float32
+    if distributed_optimizer and opt is not None and sorted(opt.tensors) != ["exp_avg", "exp_avg_sq"]:
+        raise ConversionError(f"the distributed optimizer keeps Adam's exp_avg and exp_avg_sq; the source has {sorted(opt.tensors)}")
     for skey, per in (opt.tensors.items() if opt else []):
         for key, rs in by_key.items():
             t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
             if t is not None:
                 state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
-    if mixed and opt is not None:  # the fp32 main params, from the source's fp32 weights (its masters)
+    if (mixed or distributed_optimizer) and opt is not None:  # the fp32 main params, from the source's fp32 weights
         for key, rs in by_key.items():
-            state[f"{OPTIM_PREFIX}{MASTER}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
+            name = DIST_MASTER if distributed_optimizer else MASTER
+            state[f"{OPTIM_PREFIX}{name}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
     for module in LAYER_LINEARS:  # megatron-core's linears keep an extra state per layer (None without FP8), stored
         for i in range(arch.num_layers):  # as torch_dist stores every sharded object: a list of its replicas' data
             state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{arch.num_layers}"] = [None]
@@ -255,7 +269,8 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     args = argparse.Namespace(**arch.to_args(
         tp, 1, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format="torch_dist", transformer_impl="transformer_engine", world_size=1, data_parallel_size=1,
-        use_distributed_optimizer=False, no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
+        use_distributed_optimizer=distributed_optimizer, dist_ckpt_optim_fully_reshardable=distributed_optimizer,
+        no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
         no_save_rng=True,  # no rng_state object is written: Megatron-LM then does not ask for one
     ))
     ckpt.notes.append(no_megatron_rng_note())
@@ -264,9 +279,16 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
         if len(steps) > 1:
             raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
-        inner = {"state": {"common_step": torch.tensor(steps.pop())} if steps else {}, "param_groups": megatron_hyper(opt)}
-        # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under "optimizer"
-        common["optimizer"] = {"optimizer": inner} if mixed else inner
+        step_value = steps.pop() if steps else None
+        inner = {"state": {"common_step": torch.tensor(step_value)} if step_value is not None else {}, "param_groups": megatron_hyper(opt)}
+        if distributed_optimizer:  # DistributedOptimizer.sharded_state_dict, 'fully_reshardable': the step in each group
+            groups = [{**g, "step": float(step_value or 0.0)} for g in inner["param_groups"]]
+            common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": FULLY_RESHARDABLE}
+            common["content_metadata"] = {"distrib_optim_sharding_type": FULLY_RESHARDABLE, "singleton_local_shards": False,
+                                          "chained_optim_avoid_prefix": True}  # what Megatron-LM's load asks the optimizer for
+        else:
+            # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under "optimizer"
+            common["optimizer"] = {"optimizer": inner} if mixed else inner
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         common[SCHEDULER] = scheduler

@@ -204,7 +204,8 @@ register(
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     if o.extra.get("dtype"):
         ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
-    megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite)
+    megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite,
+                                      distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file

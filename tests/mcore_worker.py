@@ -6,6 +6,9 @@
         (OUT/logits.pt) and the uninterrupted run's remaining steps (OUT/losses.json, every step's loss).
     save-dist CKPT OUT: the same with megatron-core's own dist_checkpointing.save (torch_dist): args, iteration,
         model and optimizer as Megatron-LM's save_checkpoint hands them to it with --ckpt-format torch_dist.
+    save-dist-distopt CKPT OUT / load-dist-distopt CKPT OUT: the same through torch_dist, the optimizer's
+        sharded_state_dict in the 'fully_reshardable' layout (Megatron-LM's --dist-ckpt-optim-fully-reshardable), with
+        the content metadata Megatron-LM saves and reads back.
     load-legacy-distopt CKPT OUT: the same model and optimizer at MCORE_TP (the rest data parallel) load a
         checkpoint we wrote with --use-distributed-optimizer as Megatron-LM does, then train on from step 1.
     save-legacy-distopt CKPT OUT (2 ranks, TP1 PP1: data parallel 2): the same through megatron-core's
@@ -287,6 +290,54 @@ def load_distributed(path: str, tp: int, pp: int) -> list[float]:
     return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
 
 
+def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
+    """Megatron-LM's torch_dist save / load with --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable:
+    the optimizer's sharded_state_dict takes the content metadata (saved in common.pt, read back on load)."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    distributed_optimizer_patches()
+    ddp, optimizer = distributed_optimizer(build(tp, pp))
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    if save:
+        losses = [data_parallel_step(ddp, optimizer, 0)]
+        directory = os.path.join(path, "iter_0000001")
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        dist.barrier()
+        group = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**metadata, **group})
+        args = megatron_args(tp, pp)
+        args.use_distributed_optimizer, args.ckpt_format = True, "torch_dist"
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model_sd}
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata={**metadata, **group})
+        dist_checkpointing.save(state, directory, content_metadata=metadata)
+        if dist.get_rank() == 0:
+            with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("1")
+        return losses + [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+    directory, _ = megatron_lm_load_dir(path)
+    loaded_metadata = dist_checkpointing.load_content_metadata(directory)
+    assert loaded_metadata == metadata, loaded_metadata  # what the checkpoint says its layout is
+    group = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    for inner in optimizer.chained_optimizers:  # what TE/Apex's Adam allocates up front; torch's AdamW (with its
+        for g in inner.optimizer.param_groups:  # per-parameter step) only at its first step
+            for p in g["params"]:
+                inner.optimizer.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(0.0)}
+    model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**loaded_metadata, **group})
+    state = {"model": model_sd}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata={**loaded_metadata, **group})
+    loaded = dist_checkpointing.load(state, directory)
+    unwrap_model(ddp).load_state_dict(loaded["model"], strict=True)
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    for inner in optimizer.chained_optimizers:
+        for s in inner.optimizer.state.values():
+            s["step"] = s["step"].clone()
+    return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+
+
 def megatron_lm_load_dir(load: str) -> tuple[str, int]:
     """What Megatron-LM's ``--load DIR`` reads (training/checkpointing.py's read_metadata and
     get_checkpoint_name; megatron.training is not on PyPI): the tracker file in DIR names the iteration."""
@@ -323,6 +374,13 @@ def main() -> None:
     tp, pp = int(os.environ["MCORE_TP"]), int(os.environ["MCORE_PP"])
     dist.init_process_group("gloo")
     cpu_patches()
+    if scenario in ("save-dist-distopt", "load-dist-distopt"):
+        losses = dist_distributed(scenario.startswith("save"), path, tp, pp)
+        if dist.get_rank() == dist.get_world_size() - 1:
+            write_json(os.path.join(out, "losses.json"), losses)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if scenario in ("save-legacy-distopt", "load-legacy-distopt"):
         losses = save_distributed(path) if scenario.startswith("save") else load_distributed(path, tp, pp)
         if dist.get_rank() == dist.get_world_size() - 1:

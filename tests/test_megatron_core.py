@@ -211,3 +211,22 @@ def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path):
     megatron_run("load-dist+optimizer", tmp_path / "ours", tmp_path / "resumed-pp2", 1, 2, bf16=True)
     with open(tmp_path / "resumed-pp2" / "losses.json") as f:
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=1e-4)
+
+
+def test_torch_dist_distributed_optimizer_fully_reshardable_continues_on_another_layout(tmp_path):
+    """megatron-core's DistributedOptimizer at DP2 saved to torch_dist in the fully_reshardable layout
+    (optimizer.state.{param,exp_avg,exp_avg_sq}.*, the step in the param groups) -> universal -> ours at TP2 with
+    --use-distributed-optimizer -> megatron-core reads its content metadata, loads, and continues the losses."""
+    megatron_run("save-dist-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 1)
+    with open(tmp_path / "out" / "losses.json") as f:
+        uninterrupted = json.load(f)
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    for src, dst, extra in ((tmp_path / "ckpt", tmp_path / "uni", ["--to", "universal"]),
+                            (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron-dist", "--tp", "2", "--use-distributed-optimizer"])):
+        done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+    uni = json.loads((tmp_path / "uni" / "manifest.json").read_text())
+    assert uni["step"] == 1 and {"optimizer/exp_avg/model.norm.weight", "optimizer/exp_avg_sq/model.norm.weight"} <= set(uni["tensors"])
+    megatron_run("load-dist-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1)
+    with open(tmp_path / "resumed" / "losses.json") as f:
+        assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
