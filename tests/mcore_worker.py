@@ -298,8 +298,8 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
 
     distributed_optimizer_patches()
     ddp, optimizer = distributed_optimizer(build(tp, pp))
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
+    layout = os.environ.get("MCORE_DISTOPT_LAYOUT", "fully_reshardable")  # or Megatron-LM's default, dp_reshardable
+    metadata = {"distrib_optim_sharding_type": layout, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if save:
         losses = [data_parallel_step(ddp, optimizer, 0)]
         directory = os.path.join(path, "iter_0000001")
