@@ -416,17 +416,23 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     return per_name, named_groups, master
 
 
-def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = True,
+                  config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     files = locate(path)
     manifest, owner = owning_checkpoint(files.iteration_dir, NATIVE_KEY, verify_digests)  # ours: checked first
     first = files.paths[(0, 0)]
     head = load_megatron_file(first, trust_pickle)
     args = head.get("args")
-    if args is None:
-        raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown")
-    args_d = vars(args) if not isinstance(args, dict) else args
-    files = locate(path, args_d)  # now also checks the grid the arguments describe
-    arch = MegatronArch.from_args(args_d, first)
+    if args is not None:
+        args_d = vars(args) if not isinstance(args, dict) else args
+        files = locate(path, args_d)  # now also checks the grid the arguments describe
+        arch = MegatronArch.from_args(args_d, first)
+    elif config is not None:  # saved without args (a conversion script's output): the shape from --config
+        arch = MegatronArch.from_hf(config)
+        args_d = {**arch.to_args(files.tp, files.pp), "hf_config": dict(config)}
+    else:
+        raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown; pass the model's config "
+                                     "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
     states = {key: (head if key == (0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.paths.items()}
     all_rules = rules(arch)

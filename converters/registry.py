@@ -244,7 +244,7 @@ register(
         "megatron",
         "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt)",
         megatron.is_megatron_legacy,
-        lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests),
+        lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests, o.config),
         _write_megatron,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch',
         takes_dtype=True,

@@ -319,3 +319,24 @@ def test_bf16_torch_dist_keeps_the_fp32_masters_bit_exact(tmp_path):
     assert sorted(first.tensor_keys()) == sorted(second.tensor_keys())
     for k in first.tensor_keys():
         assert torch.equal(first.read(k), second.read(k)), k
+
+
+def test_megatron_without_args_converts_with_config(tmp_path):
+    """Rank files without `args` (what some conversion scripts write): the model's shape comes from --config;
+    without it, one line asking for it."""
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 1)
+    as_megatron_wrote_it(tmp_path / "meg")
+    for t in range(2):
+        path = rank_file(tmp_path / "meg", t, 0, 1)
+        state = torch.load(path, weights_only=False)
+        del state["args"]
+        torch.save(state, path)
+    cli = [sys.executable, "-m", "converters.cli", "convert", str(tmp_path / "meg")]
+    done = subprocess.run(cli + [str(tmp_path / "out0"), "--to", "hf"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and "holds no 'args'" in done.stderr and "--config" in done.stderr
+    done = subprocess.run(cli + [str(tmp_path / "out"), "--to", "hf", "--config", str(tmp_path / "hf")],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = diff_checkpoints(read_hf(str(tmp_path / "hf")), read_hf(str(tmp_path / "out")))
+    assert not report.problems and report.count("exact") > 0
