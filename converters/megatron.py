@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import durable_write
+from interop.commit import durable_write, read_iteration_tracker
 from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
@@ -102,14 +102,10 @@ class LegacyFiles:
 
 
 def _read_tracker(root: str) -> str:
-    path = os.path.join(root, TRACKER)
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-    if text == "release":
-        return "release"
-    if not re.fullmatch(r"[0-9]+", text):
-        raise CorruptCheckpointError(path, f"holds {text[:40]!r}, not an iteration number or 'release'")
-    return f"iter_{int(text):07d}"
+    name = read_iteration_tracker(root)
+    if name is None:
+        raise MissingFileError(os.path.join(root, TRACKER), "missing: Megatron-LM's tracker names the iteration")
+    return name
 
 
 def _is_iteration_dir(path: str) -> bool:

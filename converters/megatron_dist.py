@@ -23,12 +23,11 @@ import io
 import json
 import logging
 import os
-import re
 from typing import Any
 
 import torch
 
-from interop.commit import durable_write
+from interop.commit import durable_write, read_iteration_tracker
 from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
@@ -80,12 +79,7 @@ def locate(path: str) -> str:
     """The torch_dist directory: ``path`` itself, or the iteration ``latest_checkpointed_iteration.txt`` names."""
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker) and not os.path.isfile(os.path.join(path, METADATA_JSON)):
-        with open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if re.fullmatch(r"[0-9]+", text) else None
-        if name is None:
-            raise CorruptCheckpointError(tracker, f"names iteration {text!r}, not a number or 'release'")
-        path = os.path.join(path, name)
+        path = os.path.join(path, read_iteration_tracker(path) or "")
         if not os.path.isdir(path):
             raise MissingFileError(path, f"missing: {tracker} names it as the latest checkpoint")
     return path

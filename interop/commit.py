@@ -143,21 +143,27 @@ def read_latest(root: str) -> str | None:
 ROOT_TAGS = (LATEST, "latest_universal", "latest_checkpointed_iteration.txt")
 
 
-def read_root_tag(root: str) -> tuple[str, str] | None:
-    """(tag file, the directory name it leads to) for the first tag file in ``root``; None without one."""
+def read_iteration_tracker(root: str) -> str | None:
+    """The folder Megatron-LM's tracker in ``root`` names (``iter_%07d`` or ``release``); None without one."""
     from .errors import CorruptCheckpointError
 
-    for tag_file in ROOT_TAGS:
-        path = os.path.join(root, tag_file)
-        name = read_tag(path, f"{tag_file!r} file")
-        if name is None:
-            continue
-        if tag_file == ROOT_TAGS[2] and name != "release":
-            if not re.fullmatch(r"[0-9]{1,12}", name):
-                raise CorruptCheckpointError(path, f"holds {name[:40]!r}, not an iteration number or 'release'")
-            name = f"iter_{int(name):07d}"
-        return tag_file, name
-    return None
+    path = os.path.join(root, ROOT_TAGS[2])
+    name = read_tag(path, f"{ROOT_TAGS[2]!r} file")
+    if name is None or name == "release":
+        return name
+    if not re.fullmatch(r"[0-9]{1,12}", name):
+        raise CorruptCheckpointError(path, f"holds {name[:40]!r}, not an iteration number or 'release'")
+    return f"iter_{int(name):07d}"
+
+
+def read_root_tag(root: str) -> tuple[str, str] | None:
+    """(tag file, the directory name it leads to) for the first tag file in ``root``; None without one."""
+    for tag_file in ROOT_TAGS[:2]:
+        name = read_tag(os.path.join(root, tag_file), f"{tag_file!r} file")
+        if name is not None:
+            return tag_file, name
+    name = read_iteration_tracker(root)
+    return (ROOT_TAGS[2], name) if name is not None else None
 
 
 def resolve_checkpoint_dir(path: str) -> str:

@@ -78,7 +78,7 @@ def position_after(steps: int, cfg: TrainerConfig, dataset: TokenDataset) -> Dat
 class TrainerCheckpoint:
     """The Trainer's own checkpoint files, written and resumed by transformers itself (a native component),
     beside the manifest: ``Trainer.train(resume_from_checkpoint=checkpoint)`` takes one of the run's checkpoints
-    as it is, and ``resume_from_checkpoint=True`` with the run's output directory finds the newest."""
+    as it is."""
 
     native_top = True
 
