@@ -119,8 +119,8 @@ def test_ddp_and_fsdp2_checkpoints_read_the_same(runs):
 
 
 # --- accelerator.load_state on what we write ----------------------------------------------------------------
-@pytest.mark.parametrize("source,fsdp,world", [("universal", False, 1), ("fsdp", False, 2), ("universal", True, 1),
-                                               ("ddp", True, 2)],
+@pytest.mark.parametrize("source,fsdp,world", [("universal", False, 1), pytest.param("fsdp", False, 2, marks=pytest.mark.slow),
+                                               pytest.param("universal", True, 1, marks=pytest.mark.slow), ("ddp", True, 2)],
                          ids=["universal-ddp1", "fsdp2-ddp2", "universal-fsdp2_1", "ddp2-fsdp2_2"])
 def test_accelerator_load_state_accepts_ours(runs, tmp_path, source, fsdp, world):
     """Step 2 of a 2-process run (DDP or FSDP2, directly or through universal) -> accelerate layout for `world`
@@ -431,7 +431,7 @@ def test_powersgd_state_is_laid_out_again_for_a_new_bucket_order():
     assert [n for n, _ in cut_second[1]] == ["e", "c", "a", "d"]  # the hook's P order: shape groups, first seen first
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_accelerate_launch_examples_with_activation_checkpointing(tmp_path, layout):
     """`accelerate launch --config_file examples/<layout>.yaml` with activation checkpointing: two
     processes whose losses are a torchrun run's without it, exactly (recomputing activations changes nothing);
