@@ -270,6 +270,7 @@ def test_write_dcp_streams_one_tensor_at_a_time(tmp_path):
 
 
 # --- ZeRO -> universal -> FSDP2 ----------------------------------------------------------------------------
+@pytest.mark.slow  # the default run has ZeRO-2 -> FSDP2 in examples/zero2_to_fsdp2.sh (test_examples)
 def test_zero_checkpoint_resumes_in_accelerate_fsdp2(runs, tmp_path):
     """A DeepSpeed ZeRO-3 checkpoint (2 ranks) -> universal -> Accelerate FSDP2 on 2 processes: accelerate's
     load_state holds exactly the ZeRO checkpoint's weights and optimizer state, and our trainer continues
