@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import read_tag
+from interop.commit import LATEST_UNIVERSAL, read_tag
 from interop.manifest import MANIFEST
 from interop.verify import open_checkpoint
 from interop.sharding import ShardingMetadata, Strategy
@@ -48,7 +48,7 @@ from .pickle_safety import save_torch
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest_universal"
+LATEST = LATEST_UNIVERSAL
 NATIVE_KEY = "ds_universal"  # the native component of our checkpoint around a universal tag directory
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"

@@ -37,8 +37,13 @@ def read_config(path: str) -> dict[str, Any]:
     cfg_path = inside(path, CONFIG)
     if not os.path.isfile(cfg_path):
         raise MissingFileError(cfg_path, "a Hugging Face model directory needs config.json")
+    return read_config_file(cfg_path)
+
+
+def read_config_file(cfg_path: str) -> dict[str, Any]:
+    """A model's config.json (strict JSON, a ``model_type``), wherever it lies."""
     config = read_json(cfg_path, "config.json")
-    if "model_type" not in config:
+    if not isinstance(config, dict) or "model_type" not in config:
         raise CorruptCheckpointError(cfg_path, "config.json has no model_type")
     return config
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from interop.commit import durable_write, read_iteration_tracker
+from interop.commit import MEGATRON_TRACKER, durable_write, read_iteration_tracker
 from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
@@ -45,7 +45,7 @@ from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = MEGATRON_TRACKER
 NATIVE_KEY = "megatron"  # the native component of our checkpoint around an iteration directory
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -707,10 +707,10 @@ def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], 
                        opt: OptimizerState) -> tuple[dict[str, Any], dict[Any, Any]]:
     """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
     model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps)."""
-    shapes = [(n, tuple(stage.model[t][n_local].shape)) for n, n_local in zip(stage.names, _local_names(stage, t))]
-    index, total = distributed_layout(shapes)
+    local = dict(zip(stage.names, _local_names(stage, t)))
+    index, total = distributed_layout([(n, tuple(stage.model[t][local[n]].shape)) for n in stage.names])
     flat = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
-    for i, (name, n_local) in enumerate(zip(stage.names, _local_names(stage, t))):
+    for i, (name, n_local) in enumerate(local.items()):
         a, b = index[name]
         master = stage.master[t][i] if stage.master[t] else stage.model[t][n_local]
         flat["param"][a:b] = master.float().flatten()

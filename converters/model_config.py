@@ -15,7 +15,7 @@ from interop.errors import CheckpointError, ConfigurationError
 from interop.logical import LogicalCheckpoint
 
 from .families import meta_model, tied_groups
-from .hf import CONFIG, read_config
+from .hf import CONFIG, read_config, read_config_file
 
 
 class ConfigMismatchError(CheckpointError):
@@ -31,16 +31,6 @@ def load_config_arg(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigurationError(f"--config {path}: no such file")
     return read_config_file(path)
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    from interop.errors import CorruptCheckpointError
-    from interop.jsonio import read_json
-
-    config = read_json(path, "model config")
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise CorruptCheckpointError(path, "is not a model config: no model_type")
-    return config
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

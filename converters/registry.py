@@ -11,7 +11,7 @@ from interop.dtypes import dtype_from_name
 from interop.errors import ConfigurationError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from interop.logical import LogicalCheckpoint
 from interop.commit import resolve_checkpoint_dir
-from interop.manifest import MANIFEST, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
+from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
@@ -89,8 +89,7 @@ def left_out(ckpt: LogicalCheckpoint, fmt: Format) -> str | None:
 
 
 FORMATS: dict[str, Format] = {}
-_CHECKPOINT_SUBDIRS = ("components", "ranks", "groups", "nodes", "model", "optimizer")
-_OUR_SUBDIRS = ("components", "ranks", "groups", "nodes")  # only our checkpoints hold these
+_CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 
 
 def register(fmt: Format) -> Format:
@@ -201,9 +200,14 @@ register(
         loads_with="accelerator.load_state('{dst}')",
     )
 )
+def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
+    """``ckpt`` recording --dtype as its training precision (for writers that take it from ``source``)."""
+    dtype = o.extra.get("dtype")
+    return dataclasses.replace(ckpt, source={**ckpt.source, "dtype": dtype}) if dtype else ckpt
+
+
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-    if o.extra.get("dtype"):
-        ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
+    ckpt = _at_precision(ckpt, o)
     megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite,
                                       distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
 
@@ -233,8 +237,7 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     tp = o.extra.get("tp") or ckpt.source.get("tp") or 1
     pp = o.extra.get("pp") or ckpt.source.get("pp") or 1
     te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
-    if o.extra.get("dtype"):
-        ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dtype": o.extra["dtype"]})
+    ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
                             distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
 
@@ -335,7 +338,7 @@ def check_ours(path: str, digests_checked: bool = True) -> bool:
     if os.path.isfile(os.path.join(directory, MANIFEST)):
         open_checkpoint(directory, digests_checked)
         return True
-    if any(os.path.isdir(os.path.join(directory, d)) for d in _OUR_SUBDIRS):
+    if any(os.path.isdir(os.path.join(directory, d)) for d in OUR_FOLDERS):  # only our checkpoints hold these
         raise UncommittedCheckpointError(
             directory, f"has no {MANIFEST}: the save never committed, or the manifest was removed; it will not be loaded"
         )

@@ -140,15 +140,17 @@ def read_latest(root: str) -> str | None:
 # DeepSpeed's ``latest``, DeepSpeed's ``latest_universal`` (load_universal), Megatron-LM's tracker (an
 # iteration number, for ``iter_%07d``, or ``release``). Our checkpoints written for an engine sit where its tag
 # file leads, so the engine and our tools pointed at the same directory find the same checkpoint.
-ROOT_TAGS = (LATEST, "latest_universal", "latest_checkpointed_iteration.txt")
+LATEST_UNIVERSAL = "latest_universal"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+ROOT_TAGS = (LATEST, LATEST_UNIVERSAL, MEGATRON_TRACKER)
 
 
 def read_iteration_tracker(root: str) -> str | None:
     """The folder Megatron-LM's tracker in ``root`` names (``iter_%07d`` or ``release``); None without one."""
     from .errors import CorruptCheckpointError
 
-    path = os.path.join(root, ROOT_TAGS[2])
-    name = read_tag(path, f"{ROOT_TAGS[2]!r} file")
+    path = os.path.join(root, MEGATRON_TRACKER)
+    name = read_tag(path, f"{MEGATRON_TRACKER!r} file")
     if name is None or name == "release":
         return name
     if not re.fullmatch(r"[0-9]{1,12}", name):
@@ -158,12 +160,12 @@ def read_iteration_tracker(root: str) -> str | None:
 
 def read_root_tag(root: str) -> tuple[str, str] | None:
     """(tag file, the directory name it leads to) for the first tag file in ``root``; None without one."""
-    for tag_file in ROOT_TAGS[:2]:
+    for tag_file in (LATEST, LATEST_UNIVERSAL):
         name = read_tag(os.path.join(root, tag_file), f"{tag_file!r} file")
         if name is not None:
             return tag_file, name
     name = read_iteration_tracker(root)
-    return (ROOT_TAGS[2], name) if name is not None else None
+    return (MEGATRON_TRACKER, name) if name is not None else None
 
 
 def resolve_checkpoint_dir(path: str) -> str:

@@ -16,7 +16,6 @@ from typing import Callable, Iterable
 from . import digests
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .logical import stored_name
-from .locking import RUN_LOCK
 from .manifest import MANIFEST, NATIVE_TOP, FileRecord, Manifest, read_manifest
 from .paths import describe_entry, inside, tree_entries
 from .pieces import component_files, is_native_top_file
@@ -45,7 +44,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     top = os.path.join(root, subdir)
     rels = sorted(os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names)
     if subdir == NATIVE_TOP:
-        rels = [r for r in rels if is_native_top_file(r) and r != MANIFEST and r != RUN_LOCK]
+        rels = [r for r in rels if is_native_top_file(r) and r != MANIFEST]
     rank, world = share
     mine = rels[rank::world]
     for rel in mine:
