@@ -190,9 +190,11 @@ def write_native(
     ds_config: dict[str, Any] | None = None,
     step: int | None = None,
     grouping: str | None = None,
+    order: EngineOrder | None = None,
 ) -> str:
     """Write ``ckpt`` as DeepSpeed would save it from a run of ``layout``, its optimizer's parameters grouped
-    as ``grouping`` says (see :func:`optimizer_grouping`); returns the tag directory."""
+    as ``grouping`` says (see :func:`optimizer_grouping`), or in ``order`` when the caller has it; returns the
+    tag directory."""
     deepspeed, LossScaler, ZeroStageEnum, fragment_address = _deepspeed()
     world, stage = layout.world_size, layout.zero_stage
     if stage not in (1, 2, 3):
@@ -202,7 +204,7 @@ def write_native(
     dtype = dtype_from_name(layout.precision)
     step = ckpt.step if step is None else step
     step = int(step or 0)
-    order = grouped_order(ckpt, ds_config, grouping)
+    order = order or grouped_order(ckpt, ds_config, grouping)
     ds_config = dict(ds_config or {})
     ds_config.setdefault("zero_optimization", {})
     ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": stage}
@@ -382,12 +384,14 @@ def write_deepspeed(
         strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
         master_precision="float32", zero_stage=layout.zero_stage,
     )
+    order = grouped_order(ckpt, ds_config, grouping)  # the files and the manifest's record of their groups
+
     def write_files(directory: str) -> Written:
-        return Written(at=os.path.basename(write_native(ckpt, directory, layout, ds_config, grouping=grouping)))
+        return Written(at=os.path.basename(write_native(ckpt, directory, layout, ds_config, order=order)))
 
     name, _ = optimizer_grouping(ds_config, grouping)
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer is not None else "AdamW", "grouping": name,
-                 "param_names": grouped_order(ckpt, ds_config, grouping).groups}
+                 "param_names": order.groups}
     return write_engine_checkpoint(
         ckpt, dst, NATIVE_KEY, write_files, sharding, {"deepspeed": _deepspeed()[0].__version__}, optimizer, overwrite,
     )

@@ -219,7 +219,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         megatron_dist.is_megatron_dist,
         lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle, o.verify_digests),
         _write_megatron_dist,
-        loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist',
+        loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
     )
 )
@@ -249,7 +249,7 @@ register(
         megatron.is_megatron_legacy,
         lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests, o.config),
         _write_megatron,
-        loads_with='Megatron-LM: --load {dst} --ckpt-format torch',
+        loads_with='Megatron-LM: --load {dst} --ckpt-format torch (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
     )
 )
