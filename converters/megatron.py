@@ -377,8 +377,9 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
         raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values() if isinstance(v, dict)]} "
                               "dtypes; one buffer of one dtype (one model chunk, one precision) is supported")
     (dtypes, flat), = buffers[0].items()
-    if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) for k in ("param", "exp_avg", "exp_avg_sq")):
-        raise CorruptCheckpointError(path, f"buffer {dtypes} lacks param / exp_avg / exp_avg_sq tensors")
+    if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) and flat[k].dim() == 1
+                                             for k in ("param", "exp_avg", "exp_avg_sq")):
+        raise CorruptCheckpointError(path, f"buffer {dtypes} lacks flat param / exp_avg / exp_avg_sq tensors")
     params = [(n, tuple(rank.tensors[n].shape)) for n in rank.names]
     index, total = distributed_layout(params)
     if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
@@ -393,6 +394,8 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     no_decay = [n for n in rank.names if is_no_decay(n, tuple(rank.tensors[n].shape))]
     named_groups, per_name, master, seen = [], {}, {}, set()
     for g in groups:  # Megatron's groups: decay, and no decay (biases, norms); their order does not matter
+        if not isinstance(g, dict) or not isinstance(g.get("step", 0), (int, float)) or isinstance(g.get("step"), bool):
+            raise CorruptCheckpointError(model_path, f"optimizer param group {str(g)[:80]} is not Megatron's (a dict with a numeric step)")
         zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
         if zero_wd in seen:
             raise ConversionError(f"{model_path}: two optimizer groups {'without' if zero_wd else 'with'} weight decay; "

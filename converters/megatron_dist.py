@@ -139,7 +139,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         return hf_tensors(rule, [full], arch, f"{directory}[{key}]", cache, tag, spec.dtype, hf_shapes(rule, arch, shape))
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
-    sharding_type = (common.get("optimizer") or {}).get("param_state_sharding_type") if isinstance(common.get("optimizer"), dict) else None
+    if common.get("optimizer") is not None and not isinstance(common["optimizer"], dict):
+        raise CorruptCheckpointError(common_path, f"optimizer entry is a {type(common['optimizer']).__name__}, not Megatron's state dict")
+    sharding_type = (common.get("optimizer") or {}).get("param_state_sharding_type")
     if sharding_type not in (None, FULLY_RESHARDABLE):
         raise ConversionError(f"{common_path}: the distributed optimizer's {sharding_type!r} layout is not supported; "
                               f"save with --dist-ckpt-optim-fully-reshardable ({FULLY_RESHARDABLE}) or --ckpt-format torch")
