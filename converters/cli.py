@@ -61,7 +61,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -305,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron: the optimizer state as Megatron-LM's --use-distributed-optimizer saves it (megatron: distrib_optim.pt; "
                         "megatron-dist: the fully_reshardable layout, loadable at any DP x TP x PP)")
+    g.add_argument("--dist-optim-layout", choices=("fully_reshardable", "dp_reshardable"),
+                   help="megatron-dist: the distributed optimizer's layout (implies --use-distributed-optimizer): "
+                        "fully_reshardable (default; loads at any DP x TP x PP) or dp_reshardable (Megatron-LM's default "
+                        "without --dist-ckpt-optim-fully-reshardable: flat buckets, loads at this --tp x --pp and any DP; "
+                        "needs --transformer-impl local)")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
 

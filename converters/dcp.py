@@ -256,10 +256,12 @@ class DCPReader:
             tensor_md = self.metadata.state_dict_metadata.get(index.fqn)
             if tensor_md is None or not hasattr(tensor_md, "chunks"):
                 continue
-            if index.index is not None:
-                chunk_md = tensor_md.chunks[index.index]
-            else:  # megatron-core records the chunk by its offset only
-                chunk_md = next((c for c in tensor_md.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+            # the index is a hint (DCP's own find_tensor_shard checks it against the offset): megatron-core's
+            # saves number it per rank, or leave it out, so the offset decides when they disagree
+            hint = index.index if index.index is not None and 0 <= index.index < len(tensor_md.chunks) else None
+            chunk_md = tensor_md.chunks[hint] if hint is not None else None
+            if index.offset is not None and (chunk_md is None or tuple(chunk_md.offsets) != tuple(index.offset)):
+                chunk_md = next((c for c in tensor_md.chunks if tuple(c.offsets) == tuple(index.offset)), None)
             offsets = tuple(index.offset) if index.offset is not None else tuple(chunk_md.offsets)
             sizes = tuple(chunk_md.sizes) if chunk_md is not None else tuple(tensor_md.size)
             self._chunks.setdefault(index.fqn, []).append(_Chunk(offsets, sizes, info.relative_path, info.offset, info.length))
@@ -432,7 +434,8 @@ def write_dcp(
     progress: Callable[[Iterable], Iterator] | None = None,
 ) -> None:
     """Save the nested ``state`` (LazyTensor leaves are loaded one at a time, as the writer reaches them) as a
-    DCP checkpoint in ``directory``, which must be empty. Readable by ``dcp.load`` on any number of ranks."""
+    DCP checkpoint in ``directory``, which must be empty. Readable by ``dcp.load`` on any number of ranks.
+    An ``io.BytesIO`` leaf is stored as its bytes; any other object as torch.save's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -453,6 +456,11 @@ def write_dcp(
     count = [0]
 
     class _LazyPlanner(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            if isinstance(object, io.BytesIO):  # bytes already serialized (megatron-core's ShardedObjects): stored as they are
+                return object
+            return super().transform_object(write_item, object)
+
         def resolve_data(self, write_item):
             obj = super().resolve_data(write_item)
             if isinstance(obj, torch.Tensor) and obj.is_meta:

@@ -23,7 +23,7 @@ import io
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +36,7 @@ from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
+from . import megatron_buckets as buckets
 from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .megatron import (
@@ -43,7 +44,7 @@ from .megatron import (
     is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, no_megatron_rng_note, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
-from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, rules
+from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules
 
 log = logging.getLogger(__name__)
 
@@ -122,36 +123,66 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     cache = MergedCache()
     padding: dict[str, torch.Tensor] = {}
 
+    def full_shape(rule: Rule) -> tuple[int, ...]:
+        key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in stored)
+        shape = reader.spec(key).shape
+        return tuple(shape[1:] if layer_of(rule.megatron) is not None else shape)
+
+    def stored_full(rule: Rule, key: str) -> torch.Tensor:
+        spec, layer = reader.spec(key), layer_of(rule.megatron)
+        if layer is None:
+            return reader.read(key)
+        if spec.shape[0] != arch.num_layers:
+            raise CorruptCheckpointError(directory, f"{key} stacks {spec.shape[0]} layers; args say {arch.num_layers}")
+        return reader.read(key, (layer,) + (0,) * (len(spec.shape) - 1), (1, *spec.shape[1:]))[0]
+
     def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
         spec = reader.spec(key)
-        layer = layer_of(rule.megatron)
-        shape = spec.shape[1:] if layer is not None else spec.shape
-        if layer is not None and spec.shape[0] != arch.num_layers:
-            raise CorruptCheckpointError(directory, f"{key} stacks {spec.shape[0]} layers; args say {arch.num_layers}")
-
-        def full() -> torch.Tensor:
-            if layer is None:
-                return reader.read(key)
-            return reader.read(key, (layer,) + (0,) * len(shape), (1, *shape))[0]
-
+        shape = tuple(spec.shape[1:]) if layer_of(rule.megatron) is not None else tuple(spec.shape)
         if rule.split == VOCAB and shape[0] > arch.vocab:
             padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
-        return hf_tensors(rule, [full], arch, f"{directory}[{key}]", cache, tag, spec.dtype, hf_shapes(rule, arch, shape))
+        return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype,
+                          hf_shapes(rule, arch, shape))
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
     if common.get("optimizer") is not None and not isinstance(common["optimizer"], dict):
         raise CorruptCheckpointError(common_path, f"optimizer entry is a {type(common['optimizer']).__name__}, not Megatron's state dict")
     sharding_type = (common.get("optimizer") or {}).get("param_state_sharding_type")
-    if sharding_type not in (None, FULLY_RESHARDABLE):
+    if sharding_type not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
         raise ConversionError(f"{common_path}: the distributed optimizer's {sharding_type!r} layout is not supported; "
                               f"save with --dist-ckpt-optim-fully-reshardable ({FULLY_RESHARDABLE}) or --ckpt-format torch")
-    master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
-    masters = {r.megatron: f"{OPTIM_PREFIX}{master_key}.{names[r.megatron]}" for r in all_rules}
-    has_master = all(k in stored for k in masters.values())
     model: dict[str, LazyTensor] = {}
-    for rule in all_rules:
-        model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
-    optimizer = _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path)
+    if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
+        tp, pp = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+        regions = buckets.read_layout(reader, arch, tp, pp, full_shape, lambda r: stored_full(r, names[r.megatron]), directory)
+
+        def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
+            pieces = [lambda r=r: buckets.region_tensor(reader, r, skey) for r in regions[rule.megatron]]
+            shape = full_shape(rule)
+            if rule.split == VOCAB and shape[0] > arch.vocab:
+                padding[f"{tag}/{rule.megatron}"] = merge(rule, [p() for p in pieces])[arch.vocab:].clone()
+            return hf_tensors(rule, pieces, arch, f"{directory}[{regions[rule.megatron][0].bucket}.{skey}]", cache, tag,
+                              torch.float32, hf_shapes(rule, arch, shape))
+
+        has_master = True
+        for rule in all_rules:
+            model.update(lazy_flat(rule, "param", "master"))
+        optimizer = _optimizer(reader, {"param_groups": buckets.param_groups(reader, directory)}, all_rules, names,
+                               ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"), common_path)
+    else:
+        master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
+        masters = {r.megatron: f"{OPTIM_PREFIX}{master_key}.{names[r.megatron]}" for r in all_rules}
+        has_master = all(k in stored for k in masters.values())
+        for rule in all_rules:
+            model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
+        master_keys = {MASTER, DIST_MASTER} if sharding_type == FULLY_RESHARDABLE else {MASTER}
+        state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - master_keys)
+
+        def state_lazy(rule: Rule, skey: str) -> dict[str, LazyTensor]:
+            key = f"{OPTIM_PREFIX}{skey}.{names[rule.megatron]}"
+            return lazy_for(rule, key, f"optim:{skey}") if key in stored else {}
+
+        optimizer = _optimizer(reader, common.get("optimizer") or {}, all_rules, names, state_keys, state_lazy, common_path)
     step = int(common.get("iteration") or 0)
     extra: dict[str, Any] = {}
     if any(bool(t.any()) for t in padding.values()):
@@ -170,10 +201,10 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     )
 
 
-def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) -> OptimizerState | None:
-    saved = common.get("optimizer") or {}
-    masters = {MASTER, DIST_MASTER} if saved.get("param_state_sharding_type") == FULLY_RESHARDABLE else {MASTER}
-    state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - masters)
+def _optimizer(reader, saved: dict[str, Any], all_rules, names, state_keys: list[str],
+               state_lazy: Callable[[Rule, str], dict[str, LazyTensor]], common_path: str) -> OptimizerState | None:
+    """Adam's state by Hugging Face name: ``state_lazy(rule, key)`` gives a rule's tensors of one state key,
+    ``saved`` holds the param groups (and the step) as megatron-core's optimizer saved them."""
     if not state_keys:
         return None
     if isinstance(saved.get("optimizer"), dict) and "param_groups" not in saved:
@@ -186,9 +217,7 @@ def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) 
     for rule in all_rules:
         name = names[rule.megatron]
         for skey in state_keys:
-            key = f"{OPTIM_PREFIX}{skey}.{name}"
-            if key in stored:
-                tensors.setdefault(skey, {}).update(lazy_for(rule, key, f"optim:{skey}"))
+            tensors.setdefault(skey, {}).update(state_lazy(rule, skey))
         shape = reader.spec(name).shape[1:] if layer_of(rule.megatron) is not None else reader.spec(name).shape
         members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
     decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
@@ -204,6 +233,14 @@ def _optimizer(reader, common, all_rules, names, stored, lazy_for, common_path) 
 
 
 # --- writing ------------------------------------------------------------------------------------------------
+def _full(rule: Rule, source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One rule's full Megatron tensor (fused, vocabulary padded) of ``source``'s tensors, cast to ``dtype`` if given."""
+    values = hf_values(rule, lambda n: (source[n].load().to(dtype) if dtype else source[n].load()) if n in source else None)
+    if values is None:
+        raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+    return megatron_pieces(rule, values, 1, padded, fill_for(rule))[0]
+
+
 def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None = None) -> LazyTensor | None:
     """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
     (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
@@ -216,24 +253,26 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     full_shape = (padded, *meta.shape[1:]) if first.split == VOCAB else tuple(meta.shape)
     per_layer = layer_of(first.megatron) is not None
 
-    def full(rule: Rule) -> torch.Tensor:
-        values = hf_values(rule, lambda n: (source[n].load().to(dtype) if dtype else source[n].load()) if n in source else None)
-        if values is None:
-            raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-        return megatron_pieces(rule, values, 1, padded, fill_for(rule))[0]
-
     def load() -> torch.Tensor:
-        return torch.stack([full(r) for r in rules_]) if per_layer else full(first)
+        return torch.stack([_full(r, source, padded, fill_for, dtype) for r in rules_]) if per_layer else _full(first, source, padded, fill_for, dtype)
 
     shape = (len(rules_), *full_shape) if per_layer else full_shape
     return LazyTensor(TensorSpec(shape, meta.dtype), load, origin=stacked_name(first.megatron))
 
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
-                        distributed_optimizer: bool = False) -> None:
+                        distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine") -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
-    vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time."""
+    vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time.
+    ``distributed_optimizer``: the DistributedOptimizer's layout, ``fully_reshardable`` (per tensor, loads at
+    any DP x TP x PP) or ``dp_reshardable`` (flat buckets of the local spec at exactly ``tp`` x ``pp``)."""
+    if distributed_optimizer not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
+        raise ConversionError(f"unknown distributed-optimizer layout {distributed_optimizer!r}")
+    flat = distributed_optimizer == buckets.DP_RESHARDABLE
+    if flat and transformer_impl != "local":  # the buckets follow the module order, checked against the local spec
+        raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
+                              "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
@@ -249,12 +288,12 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     mixed = dtype != torch.float32
     if distributed_optimizer and opt is not None and sorted(opt.tensors) != ["exp_avg", "exp_avg_sq"]:
         raise ConversionError(f"the distributed optimizer keeps Adam's exp_avg and exp_avg_sq; the source has {sorted(opt.tensors)}")
-    for skey, per in (opt.tensors.items() if opt else []):
+    for skey, per in (opt.tensors.items() if opt and not flat else []):
         for key, rs in by_key.items():
             t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
             if t is not None:
                 state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
-    if (mixed or distributed_optimizer) and opt is not None:  # the fp32 main params, from the source's fp32 weights
+    if (mixed or distributed_optimizer) and opt is not None and not flat:  # the fp32 main params, from the fp32 weights
         for key, rs in by_key.items():
             name = DIST_MASTER if distributed_optimizer else MASTER
             state[f"{OPTIM_PREFIX}{name}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
@@ -263,9 +302,10 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{arch.num_layers}"] = [None]
     step = int(ckpt.step or 0)
     args = argparse.Namespace(**arch.to_args(
-        tp, 1, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        ckpt_format="torch_dist", transformer_impl="transformer_engine", world_size=1, data_parallel_size=1,
-        use_distributed_optimizer=distributed_optimizer, dist_ckpt_optim_fully_reshardable=distributed_optimizer,
+        tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        ckpt_format="torch_dist", transformer_impl=transformer_impl, world_size=tp * pp,
+        data_parallel_size=1, use_distributed_optimizer=bool(distributed_optimizer),
+        dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
         no_save_rng=True,  # no rng_state object is written: Megatron-LM then does not ask for one
     ))
@@ -277,11 +317,15 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
         step_value = steps.pop() if steps else None
         inner = {"state": {"common_step": torch.tensor(step_value)} if step_value is not None else {}, "param_groups": megatron_hyper(opt)}
-        if distributed_optimizer:  # DistributedOptimizer.sharded_state_dict, 'fully_reshardable': the step in each group
+        if distributed_optimizer:  # DistributedOptimizer.sharded_state_dict: the step in each group
             groups = [{**g, "step": float(step_value or 0.0)} for g in inner["param_groups"]]
-            common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": FULLY_RESHARDABLE}
-            common["content_metadata"] = {"distrib_optim_sharding_type": FULLY_RESHARDABLE, "singleton_local_shards": False,
+            common["content_metadata"] = {"distrib_optim_sharding_type": distributed_optimizer, "singleton_local_shards": False,
                                           "chained_optim_avoid_prefix": True}  # what Megatron-LM's load asks the optimizer for
+            if flat:  # the groups are an object of each TP x PP rank's, beside its buckets
+                common["optimizer"] = {"param_state_sharding_type": distributed_optimizer}
+                state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding))
+            else:
+                common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": distributed_optimizer}
         else:
             # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under "optimizer"
             common["optimizer"] = {"optimizer": inner} if mixed else inner
@@ -298,8 +342,23 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         durable_write(os.path.join(out, TRACKER), str(step).encode())
         return Written(at=os.path.basename(directory))
 
-    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp, tp=tp, precision=dtype_name(dtype))
+    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp, tp=tp, pp=pp, precision=dtype_name(dtype))
     write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "torch_dist"},
                             {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
+
+
+def _bucket_entries(arch, tp: int, pp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
+                    padding: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
+    def full_shape(rule: Rule) -> tuple[int, ...]:
+        shape = state[stacked_name(rule.megatron)].spec.shape
+        return tuple(shape[1:] if layer_of(rule.megatron) is not None else shape)
+
+    def full_tensor(rule: Rule, key: str) -> torch.Tensor:
+        if key == "param":
+            return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
+        return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
+
+    return buckets.write_entries(arch, tp, pp, dtype, groups, full_shape, full_tensor)

@@ -208,8 +208,10 @@ def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
 
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
+    layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
     megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite,
-                                      distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
+                                      distributed_optimizer=layout, pp=int(o.extra.get("pp") or ckpt.source.get("pp") or 1),
+                                      transformer_impl=o.extra.get("transformer_impl") or "transformer_engine")
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
@@ -237,6 +239,9 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     tp = o.extra.get("tp") or ckpt.source.get("tp") or 1
     pp = o.extra.get("pp") or ckpt.source.get("pp") or 1
     te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
+    if o.extra.get("dist_optim_layout"):
+        raise ConfigurationError("--dist-optim-layout is a torch_dist layout (--to megatron-dist); the legacy format's "
+                              "distributed optimizer is distrib_optim.pt: --use-distributed-optimizer")
     ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
                             distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))

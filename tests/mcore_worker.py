@@ -332,9 +332,10 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
     unwrap_model(ddp).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
-    for inner in optimizer.chained_optimizers:
-        for s in inner.optimizer.state.values():
-            s["step"] = s["step"].clone()
+    for inner in optimizer.chained_optimizers:  # TE / Apex's Adam keeps the step in its groups (where the checkpoint
+        for g in inner.optimizer.param_groups:  # has it); torch's AdamW per parameter, which dp_reshardable's load
+            for p in g["params"]:  # leaves at its value before the load: set it from the group, as TE's Adam reads it
+                inner.optimizer.state[p]["step"] = torch.tensor(float(g["step"]))
     return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
 
 

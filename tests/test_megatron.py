@@ -283,6 +283,41 @@ def test_distributed_optimizer_layout_is_refused_where_it_is_not_known(tmp_path)
     assert not (tmp_path / "meg").exists()
 
 
+def test_dp_reshardable_buckets_round_trip_and_a_wrong_module_order_is_refused(tmp_path, trained, monkeypatch):
+    """torch_dist's dp_reshardable buckets at TP2 x PP2 (four flat buckets) round-trip exactly in the local spec's
+    module order and in Transformer Engine's (the reader finds which one from the fp32 masters of the norms); a
+    bucket laid out in neither is refused with one line, not read as shifted garbage."""
+    from converters import megatron_buckets as buckets
+    from converters import registry
+    from converters.megatron_dist import read_megatron_dist, write_megatron_dist
+
+    _, src = registry.read(trained)
+    real = buckets.module_orders
+    te_first = lambda arch: list(reversed(real(arch)))  # noqa: E731
+
+    def broken(arch):  # the last stage's head and final norm swapped
+        name, order = real(arch)[0]
+        i, j = len(order) - 2, len(order) - 1
+        order = order[:i] + [order[j], order[i]]
+        return [("broken", order)]
+
+    for name, orders in (("local", real), ("transformer_engine", te_first), ("broken", broken)):
+        monkeypatch.setattr(buckets, "module_orders", orders)
+        write_megatron_dist(src, str(tmp_path / name), 2, distributed_optimizer="dp_reshardable", pp=2, transformer_impl="local")
+        monkeypatch.setattr(buckets, "module_orders", real)
+        if name == "broken":
+            with pytest.raises(CorruptCheckpointError, match="fit no known module order"):
+                read_megatron_dist(str(tmp_path / name))
+            continue
+        back = read_megatron_dist(str(tmp_path / name))
+        report = diff_checkpoints(src, back)
+        assert not report.problems, [(e.key, e.status, e.detail) for e in report.problems][:5]
+        assert report.count("exact") == len(report.entries) > 0
+        assert back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
+    assert "decoder.final_layernorm.weight's fp32 master is not its weight" in str(
+        pytest.raises(CorruptCheckpointError, read_megatron_dist, str(tmp_path / "broken")).value)
+
+
 def test_distributed_layout_is_megatron_cores():
     """The flat buffer: reverse module order, each start rounded up to 64 (megatron-core's _ParamAndGradBuffer)."""
     from converters.megatron import distributed_layout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -213,32 +214,28 @@ def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path):
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=1e-4)
 
 
-def test_torch_dist_distributed_optimizer_fully_reshardable_continues_on_another_layout(tmp_path):
-    """megatron-core's DistributedOptimizer at DP2 saved to torch_dist in the fully_reshardable layout
-    (optimizer.state.{param,exp_avg,exp_avg_sq}.*, the step in the param groups) -> universal -> ours at TP2 with
-    --use-distributed-optimizer -> megatron-core reads its content metadata, loads, and continues the losses."""
-    megatron_run("save-dist-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 1)
+@pytest.mark.parametrize("layout", ["dp_reshardable", pytest.param("fully_reshardable", marks=pytest.mark.slow)])
+def test_torch_dist_distributed_optimizer_continues_on_another_layout(tmp_path, layout):
+    """megatron-core's DistributedOptimizer at DP2 saved to torch_dist in Megatron-LM's default dp_reshardable layout
+    (flat fp32 buckets per TP x PP rank) or in fully_reshardable (optimizer.state.{param,exp_avg,exp_avg_sq}.*) ->
+    universal -> ours at TP2 in the same layout -> megatron-core reads its content metadata, loads, and continues
+    the losses. Through our dp_reshardable and back, universal is bit-exact."""
+    megatron_run("save-dist-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 1, MCORE_DISTOPT_LAYOUT=layout)
     with open(tmp_path / "out" / "losses.json") as f:
         uninterrupted = json.load(f)
-    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    cli = [sys.executable, "-m", "converters.cli"]
+    target = ["--dist-optim-layout", layout, "--transformer-impl", "local"] if layout == "dp_reshardable" else ["--use-distributed-optimizer"]
     for src, dst, extra in ((tmp_path / "ckpt", tmp_path / "uni", ["--to", "universal"]),
-                            (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron-dist", "--tp", "2", "--use-distributed-optimizer"])):
-        done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+                            (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron-dist", "--tp", "2", *target]),
+                            (tmp_path / "ours", tmp_path / "back", ["--to", "universal"])):
+        done = subprocess.run(cli + ["convert", str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
         assert done.returncode == 0, done.stderr
     uni = json.loads((tmp_path / "uni" / "manifest.json").read_text())
     assert uni["step"] == 1 and {"optimizer/exp_avg/model.norm.weight", "optimizer/exp_avg_sq/model.norm.weight"} <= set(uni["tensors"])
-    megatron_run("load-dist-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1)
+    done = subprocess.run(cli + ["diff", str(tmp_path / "uni"), str(tmp_path / "back")], capture_output=True, text=True,
+                          env=worker_env(), cwd=ROOT)
+    compared = re.search(r"(\d+) compared, (\d+) exact, 0 within atol, 0 different; 0 only in A, 0 only in B", done.stdout)
+    assert done.returncode == 0 and compared and compared[1] == compared[2] and int(compared[1]) >= len(uni["tensors"]), done.stdout
+    megatron_run("load-dist-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1, MCORE_DISTOPT_LAYOUT=layout)
     with open(tmp_path / "resumed" / "losses.json") as f:
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
-
-
-@pytest.mark.slow
-def test_torch_dist_dp_reshardable_is_refused_naming_the_flag(tmp_path):
-    """Megatron-LM's default distributed-optimizer layout in torch_dist (dp_reshardable: flat gradient-buffer
-    buckets per TP x PP rank) is not read yet: one line naming it and the flag that saves a readable layout."""
-    megatron_run("save-dist-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 1, MCORE_DISTOPT_LAYOUT="dp_reshardable")
-    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(tmp_path / "ckpt"), str(tmp_path / "uni"),
-                           "--to", "universal"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "'dp_reshardable' layout is not supported" in done.stderr and "--dist-ckpt-optim-fully-reshardable" in done.stderr
-    assert not (tmp_path / "uni").exists()

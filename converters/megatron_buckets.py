@@ -1,0 +1,216 @@
+"""megatron-core's DistributedOptimizer state in torch_dist's ``dp_reshardable`` layout (Megatron-LM's default
+with ``--use-distributed-optimizer --ckpt-format torch_dist``).
+
+Each TP x PP rank (``dp_group_idx_<G>``, G its rank in the model-parallel group: TP fastest) stores its gradient
+buffer's bucket as three flat fp32 tensors, ``optimizer.distributed.dp_group_idx_<G>.gbuf_idx_0.dtype_(<param
+dtype>, <grad dtype>).bucket_idx_0.{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of
+``megatron.distributed_layout`` (reverse module order, 64-aligned starts, gaps unspecified), and beside them the
+objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` and ``optimizer`` (the param groups, with the step).
+
+The layout follows the model's module order, which the files do not record; the local spec's and Transformer
+Engine's differ in where a layer's input norm sits. Reading tries both and keeps the one under which every 1-D
+parameter's fp32 master (norms, biases: small, in every layer) rounds to the model's stored value; writing uses
+the local spec's order, the one megatron-core runs here.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from interop.errors import ConversionError, CorruptCheckpointError
+from interop.tensors import LazyTensor, TensorSpec
+
+from .megatron import distributed_layout
+from .megatron_arch import MegatronArch
+from .megatron_map import Rule, rules, split, stage_rules, tied_output_rule
+
+DP_RESHARDABLE = "dp_reshardable"
+FLAT_KEYS = ("param", "exp_avg", "exp_avg_sq")  # fp32 main params and Adam's moments
+GROUP_PREFIX = "optimizer.distributed.dp_group_idx_{}."
+BUCKET = re.compile(r"^gbuf_idx_(\d+)\.(dtype_\(.*\))\.bucket_idx_(\d+)\.(\w+)$")
+OBJECT = "{}/shard_0_1"  # a ShardedObject of shape (1,) in torch_dist: the key of its one shard
+NUMEL_PAD = 128  # per_bucket_numel pads each bucket for the run's DP size; only the unpadded count is checked on load
+
+
+@dataclass(frozen=True)
+class Region:
+    """One TP rank's piece of a Megatron tensor inside a TP x PP rank's flat bucket."""
+
+    bucket: str  # the DCP key without the trailing ``.param`` / ``.exp_avg`` / ``.exp_avg_sq``
+    start: int
+    end: int
+    shape: tuple[int, ...]
+
+
+def module_orders(arch: MegatronArch) -> list[tuple[str, list[Rule]]]:
+    """The candidate module orders, each as rules under Transformer Engine's names (torch_dist's): the local
+    spec's (input norm first in a layer) and Transformer Engine's (norms inside linear_qkv and linear_fc1)."""
+    te = rules(arch, te_names=True)
+    by_name = {r.megatron: r for r in te}
+    local = [by_name[r.megatron] if r.megatron in by_name else by_name[r.aliases[0]] for r in rules(arch, te_names=False)]
+    return [("local", local), ("transformer_engine", te)]
+
+
+def rank_params(arch: MegatronArch, order: list[Rule], tp: int, pp: int, full_shape: Callable[[Rule], tuple[int, ...]]):
+    """For each TP x PP rank G = t + tp * p: its parameters in module order as (rule, TP piece shape), the last
+    stage's tied copy of the embedding included (it has its own place in the buffer)."""
+    stages = stage_rules(order, arch, pp)
+    if arch.tied and pp > 1:
+        stages[-1].append(tied_output_rule(arch))
+    out: dict[int, list[tuple[Rule, tuple[int, ...]]]] = {}
+    for p, stage in enumerate(stages):
+        for t in range(tp):
+            out[t + tp * p] = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in stage]
+    return out
+
+
+def layout(params: list[tuple[Rule, tuple[int, ...]]], bucket: str) -> tuple[dict[str, Region], int]:
+    index, total = distributed_layout([(f"{i}", shape) for i, (_, shape) in enumerate(params)])
+    regions = {}
+    for i, (rule, shape) in enumerate(params):
+        a, b = index[f"{i}"]
+        regions.setdefault(rule.megatron, Region(bucket, a, b, shape))  # the tied copy keeps the embedding's own
+    return regions, total
+
+
+def bucket_keys(tensor_keys: list[str], groups: int, where: str) -> dict[int, str]:
+    """G -> the one bucket's key stem of each TP x PP rank; one line naming what else the files hold."""
+    found: dict[int, set[str]] = {g: set() for g in range(groups)}
+    for key in tensor_keys:
+        for g in range(groups):
+            prefix = GROUP_PREFIX.format(g)
+            if key.startswith(prefix):
+                m = BUCKET.match(key[len(prefix):])
+                if m is None:
+                    raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor")
+                found[g].add(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.bucket_idx_{m.group(3)}")
+    out = {}
+    for g, stems in found.items():
+        if not stems:
+            raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket for model-parallel rank {g} "
+                                         f"(args say {groups} TP x PP ranks)")
+        if len(stems) > 1:
+            raise ConversionError(f"{where}: model-parallel rank {g} has {len(stems)} gradient buckets or buffers "
+                                  f"({sorted(stems)[:2]}...); one bucket of one dtype is read (no --overlap-grad-reduce "
+                                  "bucketing, one model chunk); save with --dist-ckpt-optim-fully-reshardable")
+        out[g] = stems.pop()
+    return out
+
+
+def read_layout(reader, arch: MegatronArch, tp: int, pp: int, full_shape: Callable[[Rule], tuple[int, ...]],
+                model_full: Callable[[Rule], torch.Tensor], where: str) -> dict[str, list[Region]]:
+    """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model."""
+    stems = bucket_keys(reader.tensor_keys(), tp * pp, where)
+    for key in (f"{s}.{k}" for s in stems.values() for k in FLAT_KEYS):
+        if key not in reader.tensor_keys():
+            raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
+    tried = []
+    for name, order in module_orders(arch):
+        per_rank = rank_params(arch, order, tp, pp, full_shape)
+        regions: dict[str, list[Region | None]] = {}
+        fits = True
+        for g, params in per_rank.items():
+            placed, total = layout(params, stems[g])
+            size = reader.spec(f"{stems[g]}.param").shape
+            if tuple(size) != (total,):
+                fits = False
+                tried.append(f"{name}: rank {g} lays out to {total}, the bucket holds {tuple(size)}")
+                break
+            for meg, region in placed.items():
+                regions.setdefault(meg, [None] * tp)[g % tp] = region
+        if fits and _masters_match(reader, order, regions, tp, model_full, tried, name):
+            return regions  # type: ignore[return-value]
+    raise CorruptCheckpointError(where, "the distributed optimizer's buckets fit no known module order "
+                                 f"({'; '.join(tried)}); save with --dist-ckpt-optim-fully-reshardable")
+
+
+def _masters_match(reader, order: list[Rule], regions, tp: int, model_full, tried: list[str], name: str) -> bool:
+    for rule in order:
+        if len(rule.hf) != 1 or regions.get(rule.megatron) is None:
+            continue
+        full = model_full(rule)
+        if full.dim() != 1:
+            continue
+        for t, piece in enumerate(split(rule, full, tp)):
+            master = region_tensor(reader, regions[rule.megatron][t], "param")
+            if not torch.equal(master.to(piece.dtype), piece):
+                tried.append(f"{name}: {rule.megatron}'s fp32 master is not its weight")
+                return False
+    return True
+
+
+def region_tensor(reader, region: Region, key: str) -> torch.Tensor:
+    return reader.read(f"{region.bucket}.{key}", (region.start,), (region.end - region.start,)).view(region.shape)
+
+
+def param_groups(reader, where: str) -> list[dict[str, Any]]:
+    """The optimizer's param groups (each with the step), from the first TP x PP rank's object."""
+    key = OBJECT.format(GROUP_PREFIX.format(0) + "optimizer")
+    if key not in reader.object_keys():
+        raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer's param groups")
+    saved = reader.read_object(key)
+    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        raise CorruptCheckpointError(where, f"{key!r} is not the optimizer's state dict (no param_groups)")
+    return groups
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+def sharded_object(value: Any) -> io.BytesIO:
+    """A ShardedObject's bytes as megatron-core's torch_dist stores them (a one-element list of its data),
+    handed to DCP as bytes so that it does not flatten the dicts inside."""
+    buffer = io.BytesIO()
+    torch.save([value], buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def bucket_stem(group: int, dtype: torch.dtype) -> str:
+    grad = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
+    return f"{GROUP_PREFIX.format(group)}gbuf_idx_0.dtype_{(dtype, grad)}.bucket_idx_0"
+
+
+def write_entries(arch: MegatronArch, tp: int, pp: int, dtype: torch.dtype, groups: list[dict[str, Any]],
+                  full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor]) -> dict[str, Any]:
+    """The DCP entries of every TP x PP rank's bucket in the local spec's module order: lazy flat tensors
+    built from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary
+    padded) and the objects megatron-core asks for beside them."""
+    if arch.tied and pp > 1:
+        raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
+                              "use --dist-optim-layout fully_reshardable")
+    _, order = module_orders(arch)[0]
+    per_rank = rank_params(arch, order, tp, pp, full_shape)
+    placed = {g: layout(params, bucket_stem(g, dtype)) for g, params in per_rank.items()}
+    built: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def flats(p: int, key: str) -> list[torch.Tensor]:
+        """Stage ``p``'s TP ranks' flat tensors of ``key``, built together (each full tensor loaded once)."""
+        if (p, key) not in built:
+            built.clear()
+            ranks = [t + tp * p for t in range(tp)]
+            bufs = [torch.zeros(placed[g][1], dtype=torch.float32) for g in ranks]
+            for rule, _ in per_rank[ranks[0]]:
+                for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), tp)):
+                    r = placed[ranks[t]][0][rule.megatron]
+                    bufs[t][r.start:r.end] = piece.reshape(-1)
+            built[(p, key)] = bufs
+        return built[(p, key)]
+
+    out: dict[str, Any] = {}
+    dtypes = (dtype, torch.float32)
+    for g, (_, total) in placed.items():
+        stem, prefix = bucket_stem(g, dtype), GROUP_PREFIX.format(g)
+        for key in FLAT_KEYS:
+            out[f"{stem}.{key}"] = LazyTensor(TensorSpec((total,), torch.float32),
+                                              lambda g=g, key=key: flats(g // tp, key)[g % tp], origin=f"{stem}.{key}")
+        out[OBJECT.format(prefix + "optimizer")] = sharded_object({"param_groups": groups})
+        out[OBJECT.format(prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(total / NUMEL_PAD) * NUMEL_PAD]}])
+        out[OBJECT.format(prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: [total]}])
+    return out
