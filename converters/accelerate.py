@@ -32,17 +32,14 @@ from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import Manifest
-from interop.pieces import read_piece
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
-from interop.planner import pieces_for
-from interop.state import ComponentSpec, SharingPattern
 from interop.topology import Topology
 from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
+from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, RNG, rank_rng_states, write_engine_checkpoint
 from .families import meta_model, tied_groups
 from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
@@ -55,7 +52,7 @@ MODEL_DCP, OPTIM_DCP = "pytorch_model_fsdp_0", "optimizer_0"
 SAFE_MODEL, BIN_MODEL, OPTIM_BIN, SCHEDULER_BIN = "model.safetensors", "pytorch_model.bin", "optimizer.bin", "scheduler.bin"
 RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")
 CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
-SCHEDULER, RNG = "scheduler", "rng"
+SCHEDULER = "scheduler"
 
 
 def load_accelerate_file(path: str, trust_pickle: bool = False) -> Any:
@@ -321,18 +318,6 @@ def _step_of(directory: str, optimizer: OptimizerState | None, trust_pickle: boo
 
 
 # --- writing ------------------------------------------------------------------------------------------------
-def rank_rng_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
-    """Each target rank's RNG state when the source has one per rank at this world size; None otherwise."""
-    if RNG in ckpt.rank_state:
-        states = ckpt.rank_state[RNG]
-        return states if len(states) == world else None
-    comp = ckpt.components.get(RNG)
-    if comp is None or comp.record.pattern != SharingPattern.PER_RANK.value or len(comp.record.pieces) != world:
-        return None
-    spec = ComponentSpec(RNG, SharingPattern.PER_RANK)
-    return [read_piece(comp.directory, comp.record.pieces[p.owner]) for p in pieces_for(spec, Topology.uniform(world))]
-
-
 def torch_optimizer_state(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any]:
     """``optimizer.state_dict()`` of a torch optimizer given ``order``'s groups: parameters by integer id."""
     opt = ckpt.optimizer

@@ -328,7 +328,7 @@ class DCPReader:
         except _NotPlainTensor:
             return self._load(relative, offset, length, what)
 
-    def _load(self, relative: str, offset: int, length: int, what: str) -> Any:
+    def _load(self, relative: str, offset: int, length: int, what: str, allow: list[Any] | None = None) -> Any:
         path = os.path.join(self.directory, relative)
         _regular_file(path)
         try:
@@ -340,7 +340,8 @@ class DCPReader:
         if len(data) != length:
             raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(list(allow or [])):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafePickleError(path, f"{what} is not plain data ({str(exc).splitlines()[0]}); it was not loaded") from None
         except Exception as exc:  # noqa: BLE001
@@ -378,14 +379,15 @@ class DCPReader:
             )
         return out
 
-    def read_object(self, key: str) -> Any:
-        """A non-tensor entry (a hyper-parameter, a list of names), loaded as plain data only."""
+    def read_object(self, key: str, allow: list[Any] | None = None) -> Any:
+        """A non-tensor entry (a hyper-parameter, a list of names), loaded as plain data only (and the ``allow``ed
+        globals: numpy's for an RNG state)."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         info = self._storage.get(MetadataIndex(key))
         if info is None:
             raise CorruptCheckpointError(os.path.join(self.directory, METADATA), f"entry {key!r} has no storage record")
-        return self._load(info.relative_path, info.offset, info.length, f"entry {key!r}")
+        return self._load(info.relative_path, info.offset, info.length, f"entry {key!r}", allow)
 
     def nested(self, prefix: tuple = ()) -> dict:
         """Every entry under ``prefix`` as a nested dict: tensors lazy, other values loaded."""

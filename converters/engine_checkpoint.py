@@ -18,12 +18,15 @@ from interop.logical import ComponentSource, LogicalCheckpoint
 from interop.pieces import read_piece
 from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from interop.sharding import ShardingMetadata
-from interop.state import SharingPattern, WorldSizePolicy
+from interop.planner import pieces_for
+from interop.state import ComponentSpec, SharingPattern, WorldSizePolicy
 from interop.topology import Topology
 from interop.universal import copy_components
 from interop.verify import open_checkpoint, tree_records
 
 log = logging.getLogger(__name__)
+
+RNG = "rng"  # the per-rank generators' component, in every format that keeps them
 
 
 def committed_manifest(path: str) -> Manifest | None:
@@ -84,6 +87,18 @@ def component_state(ckpt: LogicalCheckpoint, key: str) -> Any:
     if comp.record.pattern not in ("GLOBAL", "REPLICATED") or comp.record.native:
         raise ConversionError(f"component {key!r} is {comp.record.pattern}; the target keeps one copy")
     return read_piece(comp.directory, comp.record.pieces["global"])
+
+
+def rank_rng_states(ckpt: LogicalCheckpoint, world: int) -> list[dict[str, Any]] | None:
+    """Each target rank's RNG state when the source has one per rank at this world size; None otherwise."""
+    if RNG in ckpt.rank_state:  # read from an engine's files
+        states = ckpt.rank_state[RNG]
+        return states if len(states) == world else None
+    comp = ckpt.components.get(RNG)
+    if comp is None or comp.record.pattern != SharingPattern.PER_RANK.value or len(comp.record.pieces) != world:
+        return None
+    spec = ComponentSpec(RNG, SharingPattern.PER_RANK)
+    return [read_piece(comp.directory, comp.record.pieces[p.owner]) for p in pieces_for(spec, Topology.uniform(world))]
 
 
 def per_rank_notes(components: dict[str, ComponentRecord], topology: dict | None, world_size: int) -> list[str]:

@@ -37,14 +37,13 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
-from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
+from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
 from .families import tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
 NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
 OPTIM_PT, SCHEDULER_PT, TRAINER_STATE, RNG_PT = "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"
-RNG = "rng"
 
 
 def locate(path: str) -> str:

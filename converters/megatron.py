@@ -30,7 +30,6 @@ from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
-from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
 
@@ -40,7 +39,8 @@ from .megatron_map import (
     split, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
-from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
+from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
+from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 
 log = logging.getLogger(__name__)
@@ -580,14 +580,10 @@ def _rng_states(files: LegacyFiles, states: dict[tuple[int, int], dict]) -> list
     for p in range(files.pp):
         for t in range(files.tp):
             rng = states[(t, p)].get("rng_state")
-            if not isinstance(rng, list) or len(rng) != 1 or not isinstance(rng[0], dict):
+            entry = our_rng(rng[0]) if isinstance(rng, list) and len(rng) == 1 else None
+            if entry is None:
                 return None
-            s = rng[0]
-            try:
-                out.append({"python": python_state_dict(s["random_rng_state"]), "numpy": numpy_state_dict(s["np_rng_state"]),
-                            "torch": s["torch_rng_state"]})
-            except (KeyError, TypeError, ValueError):
-                return None
+            out.append(entry)
     return out
 
 
@@ -655,7 +651,7 @@ def write_megatron(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp,
         data_parallel_size=1, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
-        hf_config=dict(ckpt.config),
+        hf_config=dict(ckpt.config), seed=DEFAULT_SEED, no_save_rng=False,
     ))
     if distributed_optimizer and (te_names or (arch.tied and pp > 1)):
         # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused
@@ -671,12 +667,8 @@ def write_megatron(
         log.warning("%s", ckpt.notes[-1])
     padding = component_state(ckpt, PADDING) or {}
     scheduler = component_state(ckpt, SCHEDULER)
-    rng_source = ckpt.rank_state.get("rng")
-    if rng_source is not None and len(rng_source) != tp * pp:
-        ckpt.notes.append(f"RNG streams: the source's {len(rng_source)} do not map onto {tp * pp} ranks; each rank starts a fresh one")
-        rng_source = None
-    args.no_save_rng = True  # see no_megatron_rng_note
-    ckpt.notes.append(no_megatron_rng_note())
+    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
+    ckpt.notes.extend(rng_notes)
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
         for p, stage in enumerate(stages):
@@ -684,7 +676,7 @@ def write_megatron(
             stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
             for t in range(tp):
                 with_optim = opt is not None and not distributed_optimizer
-                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng_source, t + tp * p)
+                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng[(t, p)])
                 d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
                 os.makedirs(d)
                 if distributed_optimizer and opt is not None:
@@ -790,7 +782,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
 
 
 def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
-               rng: list[dict[str, Any]] | None, rank: int) -> dict[str, Any]:
+               rng: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": stage.model[t]}
     if with_optim:
         decay = [i for i, nd in enumerate(stage.no_decay) if not nd]
@@ -809,27 +801,5 @@ def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: b
             state["optimizer"] = inner
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler
-    state["rng_state"] = [_megatron_rng(rng[rank] if rng is not None else None)]
+    state["rng_state"] = [rng]  # one data-parallel replica's (Megatron-LM without --data-parallel-random-init)
     return state
-
-
-def no_megatron_rng_note() -> str:
-    """Megatron-LM restores its RNG only from a full state: CUDA's generator and the model-parallel tracker's
-    streams, which a CPU source has none of; on a partial one it exits ("Unable to load rng state"). The args we
-    write say ``no_save_rng`` (as Megatron-LM's own --no-save-rng does), so --load needs no --no-load-rng; the
-    python / numpy / torch states stay in the files for readers."""
-    return ("Megatron RNG: the args record no_save_rng (no CUDA or model-parallel tracker states to restore), so "
-            "Megatron-LM loads without --no-load-rng and seeds its streams afresh")
-
-
-def _megatron_rng(s: dict[str, Any] | None) -> dict[str, Any]:
-    """Megatron's generator state for one rank: the source's, or this process's when there is none."""
-    import random
-
-    import numpy as np
-
-    if s is not None:
-        return {"random_rng_state": python_state_tuple(s["python"]), "np_rng_state": numpy_state_tuple(s["numpy"]),
-                "torch_rng_state": s["torch"], "cuda_rng_state": torch.empty(0, dtype=torch.uint8), "rng_tracker_states": {}}
-    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.empty(0, dtype=torch.uint8), "rng_tracker_states": {}}

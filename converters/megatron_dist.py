@@ -9,7 +9,9 @@ One directory (``iter_XXXXXXX/`` under a ``latest_checkpointed_iteration.txt``, 
   ``[layers, (heads + 2 groups) x head_dim, hidden]``), fused tensors in their TP=1 layout (QKV by query
   group, SwiGLU's fc1 ``[gate; up]``), norms under Transformer Engine's names, the vocabulary padded, Adam's
   moments under ``optimizer.state.<key>.<name>``, each linear layer's ``_extra_state`` as one object per layer
-  (``<name>/shard_<layer>_<layers>``).
+  (``<name>/shard_<layer>_<layers>``), each TP x PP rank's RNG as ``rng_state/shard_<p>.<t>_<PP>.<TP>``, and with
+  the distributed optimizer either its ``fully_reshardable`` tensors (``optimizer.state.param.<name>`` and the
+  moments) or its ``dp_reshardable`` flat buckets (``megatron_buckets``).
 
 The same rules as the legacy format map each tensor to Hugging Face names (``megatron_map``), with one
 tensor-parallel piece: the stored tensor. Reading is lazy (one layer's slice at a time); writing goes through
@@ -38,12 +40,14 @@ from interop.universal import scalar_entry
 
 from . import megatron_buckets as buckets
 from .dcp import DCPReader, write_dcp
-from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
+from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
-    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, no_megatron_rng_note, padding_rows, target_shape,
+    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
+from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
+from .pickle_safety import numpy_allowlist
 from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ OPTIM_PREFIX = "optimizer.state."
 MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
 DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimizer.state.param.<model key> (fp32)
 FULLY_RESHARDABLE = "fully_reshardable"
+RNG_STATE = "rng_state"  # Megatron-LM's per TP x PP rank object: rng_state/shard_<p>.<t>_<PP>.<TP>
 LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -190,15 +195,34 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if common.get(SCHEDULER) is not None:
         extra[SCHEDULER] = common[SCHEDULER]
     layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"))}
+    rng = _rng_states(reader, layout["tp"], layout["pp"])
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step,
                 **({"master_dtype": "float32"} if has_master else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
+        rank_state={RNG: rng} if rng is not None else {},
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
     )
+
+
+def _rng_states(reader: DCPReader, tp: int, pp: int) -> list[dict[str, Any]] | None:
+    """Each TP x PP rank's generators (rank t + tp x p) in our RNG layout, when the checkpoint has them all."""
+    out = []
+    objects = set(reader.object_keys())
+    for p in range(pp):
+        for t in range(tp):
+            key = f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"
+            if key not in objects:
+                return None
+            saved = reader.read_object(key, numpy_allowlist())  # [the rank's rng_state list], the list holding one replica's state
+            entry = our_rng(saved[0][0]) if isinstance(saved, list) and saved and isinstance(saved[0], list) and len(saved[0]) == 1 else None
+            if entry is None:
+                return None
+            out.append(entry)
+    return out
 
 
 def _optimizer(reader, saved: dict[str, Any], all_rules, names, state_keys: list[str],
@@ -306,10 +330,12 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         ckpt_format="torch_dist", transformer_impl=transformer_impl, world_size=tp * pp,
         data_parallel_size=1, use_distributed_optimizer=bool(distributed_optimizer),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
-        no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded,
-        no_save_rng=True,  # no rng_state object is written: Megatron-LM then does not ask for one
+        no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
     ))
-    ckpt.notes.append(no_megatron_rng_note())
+    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
+    ckpt.notes.extend(rng_notes)
+    for (t, p), entry in rng.items():  # Megatron-LM's get_rng_state: ShardedObject('rng_state', [state], (PP, TP), (p, t))
+        state[f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"] = buckets.sharded_object([entry])
     common: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
     if opt is not None:
         steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
@@ -344,7 +370,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
 
     sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp, tp=tp, pp=pp, precision=dtype_name(dtype))
     write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "torch_dist"},
-                            {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING}))
+                            {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING, RNG}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
 

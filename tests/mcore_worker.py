@@ -19,6 +19,9 @@
         train on the same batches: from step 1 with its optimizer state (+optimizer), else from step 0 with a
         fresh optimizer. The losses go to OUT/losses.json.
 
+Every load restores the RNG as Megatron-LM's load_checkpoint does (legacy: always; torch_dist: at the
+checkpoint's own TP x PP), checking the CUDA and tracker states against megatron-core's own seeding.
+
 MCORE_BF16=1 runs every scenario in bf16: Float16Module and megatron-core's Float16OptimizerWithFloat16Params, whose fp32
 main params are the weights' truth.
 
@@ -110,6 +113,7 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
 
 
 BF16 = os.environ.get("MCORE_BF16") == "1"
+RNG_RESTORED = [False]  # whether a load restored the checkpoint's RNG (OUT/rng.json)
 DTYPE = torch.bfloat16 if BF16 else torch.float32
 
 
@@ -279,6 +283,7 @@ def load_distributed(path: str, tp: int, pp: int) -> list[float]:
     _, iteration = megatron_lm_load_dir(path)
     file = legacy_path(path, tp, pp, iteration)
     state = load_megatron_file(file)
+    megatron_lm_restore_rng(state["rng_state"], state["args"].seed)
     result = ddp.module.load_state_dict(state["model"], strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result
     optimizer.load_state_dict(state["optimizer"])
@@ -328,7 +333,12 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
     model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**loaded_metadata, **group})
     state = {"model": model_sd}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata={**loaded_metadata, **group})
+    rng, ckpt_args = rng_request(directory, tp, pp)
+    if rng is not None:
+        state["rng_state"] = rng
     loaded = dist_checkpointing.load(state, directory)
+    if rng is not None:
+        megatron_lm_restore_rng(loaded["rng_state"], ckpt_args.seed)
     unwrap_model(ddp).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
@@ -337,6 +347,59 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
             for p in g["params"]:  # leaves at its value before the load: set it from the group, as TE's Adam reads it
                 inner.optimizer.state[p]["step"] = torch.tensor(float(g["step"]))
     return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+
+
+def megatron_lm_restore_rng(rng_state, seed: int) -> None:
+    """Megatron-LM's load_checkpoint RNG restore (no --no-load-rng, no --data-parallel-random-init): python's,
+    numpy's and torch's generators from rng_state[0], the tracker's streams into megatron-core's tracker, exiting on
+    an empty tracker. torch.cuda.set_rng_state cannot run on CPU: each CUDA state is checked for the layout of
+    torch's CUDA generator (16 bytes: the seed, the Philox offset) and, our sources being CPU runs, for the seeds
+    megatron-core's own model_parallel_cuda_manual_seed gives this rank (Megatron-LM's seed + 100 x pipeline rank)."""
+    import random
+    import struct
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    (state,) = rng_state
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    assert state["rng_tracker_states"], "Megatron-LM: Unable to load rng state from checkpoint ... exiting"
+    for cuda in (state["cuda_rng_state"], *state["rng_tracker_states"].values()):
+        assert cuda.dtype == torch.uint8 and tuple(cuda.shape) == (16,), cuda
+    rank_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    current = [None]
+    encode = lambda s: torch.tensor(list(struct.pack("<Qq", s, 0)), dtype=torch.uint8)  # noqa: E731
+    saved = torch.cuda.manual_seed, torch.cuda.get_rng_state, mrandom._set_cuda_rng_state
+    torch.cuda.manual_seed = lambda s: current.__setitem__(0, s)
+    torch.cuda.get_rng_state = lambda *a, **k: encode(current[0] or 0)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    try:
+        mrandom.model_parallel_cuda_manual_seed(rank_seed, force_reset_rng=True)
+        expected = mrandom.get_cuda_rng_tracker().get_states()
+    finally:
+        torch.cuda.manual_seed, torch.cuda.get_rng_state, mrandom._set_cuda_rng_state = saved
+    assert torch.equal(state["cuda_rng_state"], encode(rank_seed))
+    assert expected.keys() == state["rng_tracker_states"].keys(), (expected.keys(), state["rng_tracker_states"].keys())
+    for name, value in expected.items():
+        assert torch.equal(value, state["rng_tracker_states"][name]), name
+    mrandom.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    RNG_RESTORED[0] = True
+
+
+def rng_request(directory: str, tp: int, pp: int):
+    """The rng_state object Megatron-LM's torch_dist load asks for: only at the checkpoint's own TP x PP, and only
+    when its args do not say no_save_rng. Returns (the ShardedObject or None, the checkpoint's args)."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    args = dist_checkpointing.load_common_state_dict(directory)["args"]
+    if (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != (tp, pp) or getattr(args, "no_save_rng", False):
+        return None, args
+    t, p = ps_ranks()
+    return ShardedObject("rng_state", [{}], (pp, tp), (p, t), replica_id=ps.get_data_parallel_rank(with_context_parallel=True)), args
 
 
 def megatron_lm_load_dir(load: str) -> tuple[str, int]:
@@ -353,6 +416,13 @@ def legacy_path(root: str, tp: int, pp: int, iteration: int) -> str:
     t, p = ps_ranks()
     name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
     return os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
+
+
+def write_results(out: str, losses: list[float]) -> None:
+    """The last rank's losses (OUT/losses.json) and whether the load restored the RNG (OUT/rng.json)."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        write_json(os.path.join(out, "losses.json"), losses)
+        write_json(os.path.join(out, "rng.json"), {"restored": RNG_RESTORED[0]})
 
 
 def write_json(path: str, data) -> None:
@@ -376,22 +446,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     cpu_patches()
     if scenario in ("save-dist-distopt", "load-dist-distopt"):
-        losses = dist_distributed(scenario.startswith("save"), path, tp, pp)
-        if dist.get_rank() == dist.get_world_size() - 1:
-            write_json(os.path.join(out, "losses.json"), losses)
+        write_results(out, dist_distributed(scenario.startswith("save"), path, tp, pp))
         dist.barrier()
         dist.destroy_process_group()
         return
     if scenario in ("save-legacy-distopt", "load-legacy-distopt"):
-        losses = save_distributed(path) if scenario.startswith("save") else load_distributed(path, tp, pp)
-        if dist.get_rank() == dist.get_world_size() - 1:
-            write_json(os.path.join(out, "losses.json"), losses)
+        write_results(out, save_distributed(path) if scenario.startswith("save") else load_distributed(path, tp, pp))
         dist.barrier()
         dist.destroy_process_group()
         return
     model = build(tp, pp)
     optimizer = megatron_optimizer(model)
-    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    rank = dist.get_rank()
     losses = []
     if scenario.startswith("save"):
         model.train()
@@ -426,6 +492,7 @@ def main() -> None:
 
             _, iteration = megatron_lm_load_dir(path)
             state = load_megatron_file(legacy_path(path, tp, pp, iteration))
+            megatron_lm_restore_rng(state["rng_state"], state["args"].seed)  # legacy: always, without --no-load-rng
             result = model.load_state_dict(state["model"], strict=True)
             assert not result.missing_keys and not result.unexpected_keys, result
             if with_optimizer:
@@ -437,15 +504,19 @@ def main() -> None:
             state = {"model": sharded}
             if with_optimizer:
                 state["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+            rng, ckpt_args = rng_request(megatron_lm_load_dir(path)[0], tp, pp)
+            if rng is not None:
+                state["rng_state"] = rng
             loaded = dist_checkpointing.load(state, megatron_lm_load_dir(path)[0])
+            if rng is not None:
+                megatron_lm_restore_rng(loaded["rng_state"], ckpt_args.seed)
             model.load_state_dict(loaded["model"], strict=True)
             if with_optimizer:
                 optimizer.load_state_dict(loaded["optimizer"])
         model.train()
     first = 1 if scenario.startswith("save") or scenario.endswith("+optimizer") else 0
     losses += [train_step(model, optimizer, step) for step in range(first, STEPS)]
-    if rank == last:
-        write_json(os.path.join(out, "losses.json"), losses)
+    write_results(out, losses)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ import transformers
 from converters.diff import diff_checkpoints
 from converters.hf import read_hf, write_hf
 from converters.megatron import load_megatron_file, read_megatron, write_megatron
+from converters.pickle_safety import numpy_allowlist
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError
 from tests.conftest import ROOT, worker_env
 
@@ -150,15 +151,72 @@ def test_cli_converts_and_refuses_bad_layouts(tmp_path):
     done = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg"), "--to", "megatron", "--tp", "2", "--pp", "2"],
                           capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    # Megatron-LM exits on a partial RNG state; the args say there is none, so --load needs no --no-load-rng
-    assert "note: Megatron RNG: the args record no_save_rng" in done.stdout
-    assert load_megatron_file(rank_file(tmp_path / "meg", 1, 1, 2))["args"].no_save_rng is True
+    # Megatron-LM's --load restores every generator and fails on a partial state: the HF source has none, so each
+    # rank holds the state Megatron-LM itself starts from with --seed 1234 (seed + 100 x pipeline rank)
+    assert "note: Megatron RNG: Megatron-LM's initial streams for --seed 1234" in done.stdout
+    state = load_megatron_file(rank_file(tmp_path / "meg", 1, 1, 2))
+    assert state["args"].no_save_rng is False and state["args"].seed == 1234
+    assert_megatron_initial_rng(state["rng_state"], 1234 + 100, tp_rank=1)
     assert sorted(n for n in os.listdir(tmp_path / "meg" / "iter_0000000") if n != "manifest.json") == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     bad = subprocess.run(cli + ["convert", str(tmp_path / "hf"), str(tmp_path / "meg3"), "--to", "megatron", "--tp", "3"],
                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert bad.returncode != 0
     assert "tensor-parallel size 3 does not divide the model's attention heads 4, query groups 2" in bad.stderr
     assert not (tmp_path / "meg3").exists()
+
+
+def assert_megatron_initial_rng(rng_state, seed: int, tp_rank: int) -> None:
+    """One replica's state, as Megatron-LM's _set_random_seed(seed) and megatron-core's model_parallel_cuda_manual_seed
+    leave it: python, numpy and torch seeded with ``seed``; CUDA's and the tracker's generators (torch's CUDA state:
+    the seed as uint64, the Philox offset as int64) with seed, seed + 2718 + TP rank, seed + 1024 + TP rank."""
+    import random
+    import struct
+
+    import numpy as np
+
+    (rng,) = rng_state
+    assert rng["random_rng_state"] == random.Random(seed).getstate()
+    theirs, ours = np.random.RandomState(seed).get_state(), rng["np_rng_state"]
+    assert theirs[0] == ours[0] and np.array_equal(theirs[1], ours[1]) and tuple(theirs[2:]) == tuple(ours[2:])
+    assert torch.equal(rng["torch_rng_state"], torch.Generator().manual_seed(seed).get_state())
+    cuda = lambda s: torch.tensor(list(struct.pack("<Qq", s, 0)), dtype=torch.uint8)  # noqa: E731
+    assert torch.equal(rng["cuda_rng_state"], cuda(seed))
+    assert set(rng["rng_tracker_states"]) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
+    for name, s in (("data-parallel-rng", seed), ("model-parallel-rng", seed + 2718 + tp_rank), ("expert-parallel-rng", seed + 1024 + tp_rank)):
+        assert torch.equal(rng["rng_tracker_states"][name], cuda(s)), name
+
+
+def test_megatron_rng_round_trips_through_universal(tmp_path):
+    """Every rank's whole RNG state (python, numpy, torch, CUDA, the tracker's streams) is read into universal and
+    written back byte for byte, legacy and torch_dist alike, with no note: nothing is seeded afresh."""
+    from converters.dcp import DCPReader
+
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    for src, dst, extra in (("hf", "meg", ["--to", "megatron", "--tp", "2"]), ("meg", "uni", ["--to", "universal"]),
+                            ("uni", "back", ["--to", "megatron", "--tp", "2"]), ("uni", "dist", ["--to", "megatron-dist", "--tp", "2"]),
+                            ("dist", "uni2", ["--to", "universal"]), ("uni2", "back2", ["--to", "megatron", "--tp", "2"])):
+        done = subprocess.run(cli + [str(tmp_path / src), str(tmp_path / dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        assert ("Megatron RNG" in done.stdout) == (src == "hf"), done.stdout
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if hasattr(a, "shape"):  # numpy's key array
+            return a.tolist() == b.tolist()
+        return a == b
+
+    dist = DCPReader(str(tmp_path / "dist" / "iter_0000000"))
+    for t in range(2):
+        first = load_megatron_file(rank_file(tmp_path / "meg", t, 0, 1))["rng_state"]
+        for copy in ("back", "back2"):
+            assert same(first, load_megatron_file(rank_file(tmp_path / copy, t, 0, 1))["rng_state"]), (copy, t)
+        assert same(first, dist.read_object(f"rng_state/shard_0.{t}_1.2", numpy_allowlist())[0]), t
 
 
 def as_megatron_wrote_it(root) -> None:
@@ -235,7 +293,9 @@ def test_hf_to_megatron_dist_to_hf_is_bit_exact(tmp_path, kind):
     assert (directory / "metadata.json").read_text() == (
         '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}')
     common = load_megatron_file(str(directory / "common.pt"))
-    assert common["args"].no_save_rng is True  # no rng_state object written, and none asked for
+    assert common["args"].no_save_rng is False  # Megatron-LM restores the rng_state objects at this TP x PP
+    for t in range(2):
+        assert_megatron_initial_rng(DCPReader(str(directory)).read_object(f"rng_state/shard_0.{t}_1.2", numpy_allowlist())[0], 1234, tp_rank=t)
     assert common["iteration"] == 0 and common["args"].padded_vocab_size == 256 and common["args"].ckpt_format == "torch_dist"
     reader = DCPReader(str(directory))
     if kind == "llama":

@@ -82,6 +82,8 @@ def test_megatron_core_resumes_our_checkpoint_exactly(tmp_path, megatron_saved, 
         resumed = json.load(f)
     assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
     assert resumed[-1] != pytest.approx(uninterrupted[0], abs=1e-3)  # it trained on, from where it stopped
+    # and Megatron-LM's RNG restore took every rank's state, no --no-load-rng (the worker checks megatron-core's seeds)
+    assert json.loads((tmp_path / "out" / "rng.json").read_text()) == {"restored": True}
 
 
 def test_megatron_core_checkpoint_through_universal_keeps_every_byte(tmp_path, megatron_saved):
@@ -151,6 +153,13 @@ def test_megatron_core_loads_our_torch_dist_on_another_layout(tmp_path, megatron
 
 
 # --- the distributed optimizer ------------------------------------------------------------------------------
+def assert_universal_equal(a, b) -> None:
+    """``interop diff``: every tensor of the two universal checkpoints (weights, moments, step) bit-exact."""
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "diff", str(a), str(b)], capture_output=True, text=True,
+                          env=worker_env(), cwd=ROOT)
+    compared = re.search(r"(\d+) compared, (\d+) exact, 0 within atol, 0 different; 0 only in A, 0 only in B", done.stdout)
+    tensors = json.loads((a / "manifest.json").read_text())["tensors"]
+    assert done.returncode == 0 and compared and compared[1] == compared[2] and int(compared[1]) >= len(tensors), done.stdout
 def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
     """megatron-core's DistributedOptimizer at data parallel 2 (distrib_optim.pt: fp32 main params and Adam
     moments of the whole rank, flat in the gradient buffer's layout) -> universal -> Megatron at TP2 -> megatron-core
@@ -180,7 +189,11 @@ def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
     megatron_run("load-legacy-distopt", tmp_path / "ours-dist", tmp_path / "resumed-dist", 2, 1)
     with open(tmp_path / "resumed-dist" / "losses.json") as f:
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
-    assert read_megatron(str(tmp_path / "ours-dist")).optimizer is not None  # and it reads back
+    # and it reads back: through our distrib_optim.pt and back to universal, every tensor bit-exact
+    done = subprocess.run(cli + [str(tmp_path / "ours-dist"), str(tmp_path / "back"), "--to", "universal"],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert_universal_equal(tmp_path / "uni", tmp_path / "back")
 
 
 def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path):
@@ -232,10 +245,9 @@ def test_torch_dist_distributed_optimizer_continues_on_another_layout(tmp_path, 
         assert done.returncode == 0, done.stderr
     uni = json.loads((tmp_path / "uni" / "manifest.json").read_text())
     assert uni["step"] == 1 and {"optimizer/exp_avg/model.norm.weight", "optimizer/exp_avg_sq/model.norm.weight"} <= set(uni["tensors"])
-    done = subprocess.run(cli + ["diff", str(tmp_path / "uni"), str(tmp_path / "back")], capture_output=True, text=True,
-                          env=worker_env(), cwd=ROOT)
-    compared = re.search(r"(\d+) compared, (\d+) exact, 0 within atol, 0 different; 0 only in A, 0 only in B", done.stdout)
-    assert done.returncode == 0 and compared and compared[1] == compared[2] and int(compared[1]) >= len(uni["tensors"]), done.stdout
+    assert_universal_equal(tmp_path / "uni", tmp_path / "back")
     megatron_run("load-dist-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1, MCORE_DISTOPT_LAYOUT=layout)
     with open(tmp_path / "resumed" / "losses.json") as f:
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+    # at the TP x PP it was written for, Megatron-LM's load asks for each rank's rng_state object and restores it
+    assert json.loads((tmp_path / "resumed" / "rng.json").read_text()) == {"restored": True}
