@@ -20,7 +20,7 @@ from interop.tensors import LazyTensor
 from interop.safetensors_io import read_hf_safetensors
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
-from .families import family_of, tied_groups
+from .model_facts import stored_names, tied_groups
 from .pickle_safety import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -82,17 +82,9 @@ def _read_bin(path: str, trust_pickle: bool) -> dict[str, LazyTensor]:
 
 
 def _normalise(config: dict[str, Any], tensors: dict[str, LazyTensor]) -> dict[str, LazyTensor]:
-    family = family_of(config)
-    if family is None or family.name != "gpt2":
-        return tensors
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # causal-mask buffers, rebuilt by the model
-        if name != "lm_head.weight" and not name.startswith(family.prefix):
-            name = family.prefix + name
-        out[name] = t
-    return out
+    """The keys save_pretrained writes for a file's tensors (see model_facts.stored_names)."""
+    names = stored_names(config, list(tensors))
+    return {new: tensors[old] for old, new in names.items()}
 
 
 def read_hf(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:

@@ -14,7 +14,7 @@ from typing import Any
 from interop.errors import CheckpointError, ConfigurationError
 from interop.logical import LogicalCheckpoint
 
-from .families import meta_model, tied_groups
+from .model_facts import meta_model, model_names_of, tied_groups
 from .hf import CONFIG, read_config, read_config_file
 
 
@@ -34,11 +34,14 @@ def load_config_arg(path: str) -> dict[str, Any]:
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor (parameters and persistent buffers) of the model ``config`` describes, by name."""
+    """Every tensor (parameters and persistent buffers) of the model ``config`` describes, by the name
+    save_pretrained stores it under (universal's naming)."""
     model = meta_model(config)
     if model is None:
         return {}
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    stored = model_names_of(config, list(shapes))
+    return {stored[name]: shape for name, shape in shapes.items()}
 
 
 def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) -> None:

@@ -17,7 +17,7 @@ from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from .model_config import apply_config
-from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
+from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist, model_facts
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Format:
     loads_with: str = ""
     promises_config: bool = False  # the output has a place for the model's config.json that consumers read
     takes_dtype: bool = False  # --dtype sets the precision the output's weights are stored (or trained) in
+    # its files name tensors as the model's modules do (an engine's state dict), not as save_pretrained stores them
+    # (universal's naming): reading and writing go through transformers' own renaming for the model
+    module_names: bool = False
 
 
 def check_dtype_flag(fmt: Format, dtype: str | None) -> None:
@@ -93,8 +96,29 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 
 
 def register(fmt: Format) -> Format:
+    if fmt.module_names:
+        fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
     FORMATS[fmt.name] = fmt
     return fmt
+
+
+def _stored_naming(read):
+    if read is None:
+        return None
+
+    def wrapped(path: str, o: Options) -> LogicalCheckpoint:
+        ckpt = read(path, o)
+        return ckpt.renamed(model_facts.model_names_of(o.config or ckpt.config, sorted(ckpt.names())))
+    return wrapped
+
+
+def _module_naming(write):
+    if write is None:
+        return None
+
+    def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+        write(ckpt.renamed(model_facts.module_names(ckpt.config, sorted(ckpt.names()))), dst, o)
+    return wrapped
 
 
 def _is_universal(path: str) -> bool:
@@ -133,6 +157,7 @@ register(
         lambda p, o: interop_dcp.read_interop_dcp(p, o.verify_digests),
         lambda c, d, o: interop_dcp.write_interop_dcp(c, d, o.overwrite),
         loads_with='python -m trainers.megatron --resume {dst}',
+        module_names=True,
     )
 )
 
@@ -168,6 +193,7 @@ register(
         _write_deepspeed,
         loads_with="engine.load_checkpoint('{dst}')",
         takes_dtype=True,
+        module_names=True,
     )
 )
 def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -182,6 +208,7 @@ register(
         lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle, o.verify_digests),
         _write_ds_universal,
         loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
+        module_names=True,
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -198,6 +225,7 @@ register(
         lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests, o.config),
         _write_accelerate,
         loads_with="accelerator.load_state('{dst}')",
+        module_names=True,
     )
 )
 def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
@@ -233,6 +261,7 @@ register(
         lambda p, o: dcp.read_dcp_checkpoint(p, o.verify_digests),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
         loads_with="torch.distributed.checkpoint.load(state_dict, checkpoint_id='{dst}')",
+        module_names=True,
     )
 )
 def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:

@@ -7,7 +7,7 @@ tensor at a time. Names are canonical (Hugging Face names of the model family).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from .manifest import ComponentRecord, FileRecord, Manifest
@@ -75,6 +75,31 @@ class LogicalCheckpoint:
     extra_state: dict[str, Any] = field(default_factory=dict)
     # The same for per-rank state (accelerate's RNG states): one entry per rank, written as PER_RANK components.
     rank_state: dict[str, list[Any]] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        """Every parameter name the checkpoint mentions: model, tied, frozen and optimizer names."""
+        out = set(self.model) | {n for group in self.tied for n in group} | set(self.frozen)
+        if self.optimizer is not None:
+            out |= {n for g in self.optimizer.param_groups for n in g.get("params", [])}
+            for per in (*self.optimizer.tensors.values(), *self.optimizer.scalars.values()):
+                out |= set(per)
+        return out
+
+    def renamed(self, mapping: dict[str, str]) -> "LogicalCheckpoint":
+        """This checkpoint with every parameter name ``n`` read as ``mapping.get(n, n)`` (the model's,
+        the optimizer's state and groups, tied and frozen names); itself when nothing changes."""
+        if all(mapping.get(n, n) == n for n in mapping):
+            return self
+        name = lambda n: mapping.get(n, n)  # noqa: E731
+        opt = self.optimizer
+        if opt is not None:
+            opt = OptimizerState(
+                opt.cls, [{**g, "params": [name(n) for n in g.get("params", [])]} for g in opt.param_groups],
+                {k: {name(n): t for n, t in per.items()} for k, per in opt.tensors.items()},
+                {k: {name(n): v for n, v in per.items()} for k, per in opt.scalars.items()},
+            )
+        return replace(self, model={name(n): t for n, t in self.model.items()}, optimizer=opt,
+                       tied=[[name(n) for n in group] for group in self.tied], frozen=[name(n) for n in self.frozen])
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
         """Every logical tensor with its logical key: model names, then optimizer/<key>/<name>."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from converters.families import conv1d_to_linear, is_conv1d
+from converters.model_facts import is_conv1d, model_facts, tied_groups
 from converters.hf import read_hf, write_hf
 from interop.universal import read_universal, write_universal
 from trainers.base import tiny_config
@@ -85,16 +85,15 @@ def test_pytorch_model_bin_and_pre_prefix_gpt2_names_are_read(tmp_path):
     assert torch.equal(logits(load(tmp_path / "out")), logits(model))
 
 
-def test_gpt2_conv1d_layout_maps_to_linear():
-    model = make("gpt2", False)
-    config = model.config.to_dict()
-    name = "transformer.h.0.attn.c_attn.weight"
-    assert is_conv1d(config, name) and not is_conv1d(config, "transformer.h.0.ln_1.weight")
-    conv = model.transformer.h[0].attn.c_attn
-    x = torch.randn(3, 48)
-    linear_w = conv1d_to_linear(conv.weight)
-    assert linear_w.shape == (144, 48)  # (out, in): fused q, k, v rows
-    assert torch.allclose(torch.nn.functional.linear(x, linear_w, conv.bias), conv(x), atol=1e-6)
+def test_model_facts_come_from_transformers():
+    """Ties, Conv1D weights and the base-model prefix as the model transformers builds for the config declares
+    them: GPT-2's Conv1D layers store (in, out) and its head is tied to wte unless the config says otherwise."""
+    config = make("gpt2", True).config.to_dict()
+    assert is_conv1d(config, "transformer.h.0.attn.c_attn.weight") and not is_conv1d(config, "transformer.h.0.ln_1.weight")
+    assert tied_groups(config) == [["lm_head.weight", "transformer.wte.weight"]]
+    assert tied_groups(make("gpt2", False).config.to_dict()) == []
+    facts = model_facts(config)
+    assert facts.prefix == "transformer" and facts.cls == "GPT2LMHeadModel" and "attn.bias" in facts.ignore_unexpected
 
 
 def test_bf16_model_keeps_its_dtype(tmp_path):

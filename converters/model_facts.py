@@ -1,0 +1,191 @@
+"""What transformers knows about a model, asked once per config: the class ``config.json`` names, built on the
+meta device (no memory), and from it the tied parameters, the base-model prefix, the weights transformers'
+``Conv1D`` stores (in, out), the parameter names in module order and the stored keys ``from_pretrained`` ignores.
+
+No table of model types: a new architecture is known as soon as the installed transformers knows it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+import torch
+
+from interop.errors import ConversionError
+
+log = logging.getLogger(__name__)
+
+# the heads a config.json without ``architectures`` is tried with, in order (a bare model last)
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageTextToText",
+                 "AutoModelForSequenceClassification", "AutoModel")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_type: str
+    cls: str  # the transformers class built
+    tied: tuple[tuple[str, str], ...]  # (target, source): the target is the source's tensor and not stored apart
+    prefix: str  # the base model's attribute ("model", "transformer"): bare-model files lack "<prefix>."
+    names: tuple[str, ...]  # the state dict's keys, in module order
+    conv1d: frozenset[str]  # weights of transformers' Conv1D layers, stored (in, out)
+    ignore_unexpected: tuple[str, ...]  # patterns of stored keys from_pretrained drops (old causal-mask buffers)
+
+
+def _key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def _build(config: dict[str, Any]) -> torch.nn.Module:
+    import transformers
+
+    model_type = config.get("model_type")
+    try:
+        cfg = transformers.AutoConfig.for_model(**config)
+    except Exception as exc:  # noqa: BLE001 - any failure is the same for the user: transformers cannot build it
+        raise ConversionError(f"transformers {transformers.__version__} has no model type {model_type!r} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    named = [getattr(transformers, a, None) for a in (config.get("architectures") or [])]
+    candidates = [c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)]
+    candidates += [getattr(transformers, a) for a in _AUTO_CLASSES]
+    errors = []
+    for cls in candidates:
+        try:
+            with torch.device("meta"):
+                return cls.from_config(cfg) if cls.__name__.startswith("Auto") else cls._from_config(cfg)
+        except Exception as exc:  # noqa: BLE001 - the next head may fit
+            errors.append(f"{cls.__name__}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    raise ConversionError(f"transformers {transformers.__version__} cannot build a {model_type!r} model from this config "
+                          f"({errors[0]})")
+
+
+@lru_cache(maxsize=16)
+def _facts(key: str) -> tuple[ModelFacts, torch.nn.Module]:
+    import transformers
+
+    config = json.loads(key)
+    model = _build(config)
+    tied = tuple((t, s) for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items())
+    conv1d = frozenset(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, transformers.pytorch_utils.Conv1D))
+    facts = ModelFacts(
+        model_type=config.get("model_type", ""), cls=type(model).__name__, tied=tied,
+        prefix=getattr(model, "base_model_prefix", "") or "", names=tuple(model.state_dict(keep_vars=True)),
+        conv1d=conv1d, ignore_unexpected=tuple(sorted(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())),
+    )
+    return facts, model
+
+
+def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
+    """None when there is no config to ask about; one line (ConversionError) when transformers cannot build it."""
+    if not config or "model_type" not in config:
+        return None
+    return _facts(_key(config))[0]
+
+
+def meta_model(config: dict[str, Any] | None) -> torch.nn.Module | None:
+    """The model a config.json describes, on the meta device: its parameter names and order. Shared: read only."""
+    if not config or "model_type" not in config:
+        return None
+    return _facts(_key(config))[1]
+
+
+def _known(config: dict[str, Any] | None) -> ModelFacts | None:
+    """The facts, or None for a model transformers cannot build: readers then keep the files' tensors as they
+    are (a universal or Hugging Face output needs no more), and the writers that need the model refuse."""
+    try:
+        return model_facts(config)
+    except ConversionError as exc:
+        log.warning("%s; its tensors are kept as stored, with no tied weights known", exc)
+        return None
+
+
+def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:
+    """[[target, source], ...] as transformers ties them for this config (its tie flags honoured)."""
+    facts = _known(config)
+    return [list(pair) for pair in facts.tied] if facts else []
+
+
+def is_conv1d(config: dict[str, Any] | None, name: str) -> bool:
+    facts = _known(config)
+    return facts is not None and name in facts.conv1d
+
+
+@lru_cache(maxsize=16)
+def _renamers(key: str) -> tuple[Callable[[str], tuple[str, bool]], Callable[[str], str]]:
+    """transformers' own key renaming for this model: stored -> module name (what from_pretrained applies,
+    with the base-model prefix added or stripped; True when a WeightConverter fuses the key, as MoE experts
+    are), and module -> stored name (what save_pretrained applies)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, rename_source_key
+
+    facts, model = _facts(key)
+    loading = get_model_conversion_mapping(model)
+    renamings = [t for t in loading if isinstance(t, WeightRenaming)]
+    converters = [t for t in loading if isinstance(t, WeightConverter)]
+    meta = dict.fromkeys(facts.names, True)
+
+    def to_module(name: str) -> tuple[str, bool]:
+        new, pattern = rename_source_key(name, renamings, converters, facts.prefix or None, meta)
+        return new, pattern is not None
+
+    saving = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
+              if not isinstance(t, PrefixChange)]  # as revert_weight_conversion for a model not from from_pretrained
+    back_renamings = [t for t in saving if isinstance(t, WeightRenaming)]
+
+    def to_stored(name: str) -> str:
+        return rename_source_key(name, back_renamings, [], reverse=True)[0]
+
+    return to_module, to_stored
+
+
+def stored_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
+    """A file's key -> the key save_pretrained writes for it today (universal's naming): an old file's keys
+    without the base-model prefix get it, renamed keys their new name, as from_pretrained then save_pretrained
+    would do; keys transformers fuses (MoE experts) stay as stored. Keys from_pretrained drops as unexpected
+    (old causal-mask buffers) are left out."""
+    facts = _known(config)
+    if facts is None:
+        return {n: n for n in names}
+    to_module, to_stored = _renamers(_key(config))
+    known, out = set(facts.names), {}
+    for name in names:
+        module, fused = to_module(name)
+        if fused:
+            out[name] = name
+        elif module in known:
+            out[name] = to_stored(module)
+        elif not any(re.search(p, name) for p in facts.ignore_unexpected):
+            out[name] = name
+    return out
+
+
+def module_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
+    """Universal's (save_pretrained's) key -> the model's module name, which engine formats store (a DeepSpeed
+    or accelerate state dict is the module's). One line when transformers fuses keys into one module tensor
+    (MoE experts): engine layouts of fused modules are not written yet."""
+    facts = _known(config)
+    if facts is None:
+        return {n: n for n in names}
+    to_module, _ = _renamers(_key(config))
+    out = {}
+    for name in names:
+        module, fused = to_module(name)
+        if fused:
+            raise ConversionError(f"{name}: transformers fuses it into {module} in the {facts.cls} module (its per-expert "
+                                  "file layout); engine checkpoints of fused expert modules are not written yet, convert to "
+                                  "universal or hf")
+        out[name] = module
+    return out
+
+
+def model_names_of(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
+    """The inverse of :func:`module_names`: an engine's module name -> universal's key."""
+    facts = _known(config)
+    if facts is None:
+        return {n: n for n in names}
+    _, to_stored = _renamers(_key(config))
+    return {n: to_stored(n) for n in names}

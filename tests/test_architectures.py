@@ -1,0 +1,106 @@
+"""Any Hugging Face architecture, with what the converters need to know about it asked of transformers (tests/
+architectures.py builds the tiny models): Hugging Face -> universal -> Hugging Face keeps every weight and the
+logits; DeepSpeed's own engine.load_checkpoint, pointed at `--to deepspeed` output on 2 processes, loads each
+model (tied heads recorded as DeepSpeed records them, renamed keys in the module's names) with every weight and
+the logits equal to from_pretrained's; MoE models, whose per-expert files transformers fuses into one module
+tensor, are refused by the engine targets with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from converters import registry
+from tests.architectures import ARCHITECTURES, MOE, build
+from tests.conftest import ROOT, run_workers, worker_env
+
+ENGINE = [a for a in ARCHITECTURES if a not in MOE]
+# the default run: a tied head of another family (Gemma), a masked-LM encoder whose head's bias is tied too, an
+# encoder-decoder with three ties, a key transformers renames (GPT-NeoX's embed_out); every model under -m slow
+DEFAULT_ENGINE = ["gemma", "bert", "t5", "gpt_neox"]
+
+
+def logits(model, config) -> torch.Tensor:
+    ids = (torch.arange(14).reshape(2, 7) * 5) % config.vocab_size
+    extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+    with torch.no_grad():
+        return model(input_ids=ids, **extra).logits
+
+
+def saved(tmp_path, name: str):
+    model = build(name)
+    model.save_pretrained(tmp_path / name / "hf")
+    return model, tmp_path / name / "hf"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_hf_through_universal_and_back_is_exact(tmp_path, name):
+    model, hf = saved(tmp_path, name)
+    options = registry.Options()
+    _, ckpt = registry.read(str(hf), options)
+    registry.writer("universal").write(ckpt, str(tmp_path / "uni"), options)
+    _, uni = registry.read(str(tmp_path / "uni"), options)
+    registry.writer("hf").write(uni, str(tmp_path / "back"), options)
+    back = getattr(transformers, ARCHITECTURES[name][1]).from_pretrained(tmp_path / "back").eval()
+    theirs = model.state_dict()
+    assert back.state_dict().keys() == theirs.keys()
+    for key, t in back.state_dict().items():
+        assert torch.equal(t, theirs[key]), key
+    assert torch.equal(logits(back, back.config), logits(model, model.config))
+
+
+def deepspeed_load(tmp_path, names: list[str], stage: int) -> list[dict]:
+    """Each model converted `--to deepspeed --world-size 2`, then loaded by DeepSpeed on 2 processes (one launch)."""
+    pairs = []
+    for name in names:
+        _, hf = saved(tmp_path, name)
+        dst = tmp_path / name / f"ds-z{stage}"
+        options = registry.Options(extra={"world_size": 2, "zero_stage": stage, "param_groups": "single"})
+        registry.writer("deepspeed").write(registry.read(str(hf))[1], str(dst), options)
+        pairs.append(f"{hf}={dst}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "arch_worker.py"), str(stage), *pairs]
+    done = run_workers(cmd, worker_env(), timeout=900)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def check_loaded(results: list[dict], names: list[str]) -> None:
+    assert len(results) == len(names), results
+    for name, r in zip(names, results):
+        assert r["loaded"] is not None, name  # DeepSpeed found the checkpoint (it returns None and trains on otherwise)
+        assert not r["missing"] and not r["unexpected"] and not r["different"], (name, r)
+        assert r["logits_equal"], name
+
+
+def test_deepspeed_loads_each_architecture(tmp_path):
+    """Real DeepSpeed (ZeRO-2, 2 processes) loads our output of each model exactly; a tied head is in `module` and
+    in `shared_params`, as DeepSpeed's own save_checkpoint records it (without it: "Missing key(s): lm_head.weight")."""
+    check_loaded(deepspeed_load(tmp_path, DEFAULT_ENGINE, 2), DEFAULT_ENGINE)
+    states = torch.load(tmp_path / "gemma" / "ds-z2" / "global_step0" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert states["shared_params"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" in states["module"]
+    t5 = torch.load(tmp_path / "t5" / "ds-z2" / "global_step0" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert t5["shared_params"] == {k: "shared.weight" for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_loads_every_architecture(tmp_path, stage):
+    check_loaded(deepspeed_load(tmp_path, ENGINE, stage), ENGINE)
+
+
+@pytest.mark.parametrize("target", ["deepspeed", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_moe_per_expert_files_are_refused_by_engine_targets(tmp_path, target):
+    """transformers fuses a MoE model's per-expert files into one module tensor per layer; an engine checkpoint of
+    that module is not written yet: one line naming the key and the fused tensor, exit 2, nothing written."""
+    _, hf = saved(tmp_path, "mixtral")
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(hf), str(tmp_path / "out"), "--to", target,
+                           "--world-size", "2"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "transformers fuses it into model.layers.0.mlp.experts.gate_up_proj" in done.stderr
+    assert not (tmp_path / "out").exists()
