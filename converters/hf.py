@@ -20,7 +20,7 @@ from interop.tensors import LazyTensor
 from interop.safetensors_io import read_hf_safetensors
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
-from .model_facts import stored_names, tied_groups
+from .model_facts import stored_names, tied_groups, unknown_model
 from .pickle_safety import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,14 @@ def read_hf(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         if not tensors:
             raise MissingFileError(path, "no model.safetensors or pytorch_model.bin")
     tensors = _normalise(config, tensors)
+    unknown = unknown_model(config)
     return LogicalCheckpoint(
         model=tensors,
         config=config,
         source={"format": "hf", "dtype": config.get("torch_dtype") or config.get("dtype")},
         tied=tied_groups(config),
+        notes=[f"{unknown}: its tensors are kept as stored, no tied weights known; engine targets need a model "
+               "transformers can build"] if unknown else [],
     )
 
 

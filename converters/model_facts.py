@@ -36,6 +36,13 @@ class ModelFacts:
     ignore_unexpected: tuple[str, ...]  # patterns of stored keys from_pretrained drops (old causal-mask buffers)
 
 
+def _first(exc: Exception) -> str:
+    """An exception's first sentence, short (transformers' messages can list every model type it knows)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = text.split(". ")[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def _key(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, default=str)
 
@@ -47,8 +54,7 @@ def _build(config: dict[str, Any]) -> torch.nn.Module:
     try:
         cfg = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # noqa: BLE001 - any failure is the same for the user: transformers cannot build it
-        raise ConversionError(f"transformers {transformers.__version__} has no model type {model_type!r} "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ConversionError(f"transformers {transformers.__version__} has no model type {model_type!r} ({_first(exc)})") from None
     named = [getattr(transformers, a, None) for a in (config.get("architectures") or [])]
     candidates = [c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)]
     candidates += [getattr(transformers, a) for a in _AUTO_CLASSES]
@@ -58,7 +64,7 @@ def _build(config: dict[str, Any]) -> torch.nn.Module:
             with torch.device("meta"):
                 return cls.from_config(cfg) if cls.__name__.startswith("Auto") else cls._from_config(cfg)
         except Exception as exc:  # noqa: BLE001 - the next head may fit
-            errors.append(f"{cls.__name__}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            errors.append(f"{cls.__name__}: {_first(exc)}")
     raise ConversionError(f"transformers {transformers.__version__} cannot build a {model_type!r} model from this config "
                           f"({errors[0]})")
 
@@ -99,8 +105,17 @@ def _known(config: dict[str, Any] | None) -> ModelFacts | None:
     try:
         return model_facts(config)
     except ConversionError as exc:
-        log.warning("%s; its tensors are kept as stored, with no tied weights known", exc)
+        log.debug("%s; its tensors are kept as stored, with no tied weights known", exc)
         return None
+
+
+def unknown_model(config: dict[str, Any] | None) -> str | None:
+    """Why transformers cannot build the model ``config`` describes (a reader's note), or None."""
+    try:
+        model_facts(config)
+    except ConversionError as exc:
+        return str(exc)
+    return None
 
 
 def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:

@@ -104,3 +104,20 @@ def test_moe_per_expert_files_are_refused_by_engine_targets(tmp_path, target):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "transformers fuses it into model.layers.0.mlp.experts.gate_up_proj" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_transformers_cannot_build_is_refused_by_engine_targets(tmp_path):
+    """A config.json of a model type the installed transformers does not know: the engine targets, which need the
+    model's parameters, refuse with one line naming it; universal keeps the tensors as stored, with a note."""
+    _, hf = saved(tmp_path, "llama")
+    config = json.loads((hf / "config.json").read_text())
+    config.update(model_type="not-a-model", architectures=["NotAModelForCausalLM"])
+    (hf / "config.json").write_text(json.dumps(config))
+    cli = [sys.executable, "-m", "converters.cli", "convert", str(hf)]
+    done = subprocess.run(cli + [str(tmp_path / "ds"), "--to", "deepspeed", "--world-size", "1"], capture_output=True, text=True,
+                          env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "has no model type 'not-a-model'" in done.stderr and not (tmp_path / "ds").exists()
+    done = subprocess.run(cli + [str(tmp_path / "uni"), "--to", "universal"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "note: transformers" in done.stdout and "no tied weights known" in done.stdout
