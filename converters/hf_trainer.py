@@ -38,7 +38,7 @@ from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
-from .model_facts import tied_groups
+from .model_facts import module_names, model_names_of, tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
@@ -99,6 +99,8 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     model = read_hf_safetensors(directory)
     if not model:
         raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
+    # optimizer.pt numbers the module's parameters: read it under the module's names, then all in universal's
+    model = {name: model[stored] for stored, name in module_names(config, list(model)).items()}
     optim_path = os.path.join(directory, OPTIM_PT)
     optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
     extra: dict[str, Any] = {}
@@ -111,13 +113,19 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     world = max(1, len(rng_files))
     source = dict((manifest.source or {}) if manifest else {})
     source.update({"format": "hf-trainer", "world_size": world, "step": step})
-    return LogicalCheckpoint(
+    ckpt = LogicalCheckpoint(
         model=model, config=config, optimizer=optimizer, components=components, source=source,
         topology=manifest.topology if manifest else Topology.uniform(world).to_json(),
-        tied=((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config),
         frozen=((manifest.model or {}).get("frozen") if manifest else None) or [],
         step=step, extra_state=extra, rank_state=rank_state,
     )
+    ckpt = ckpt.renamed(model_names_of(config, sorted(ckpt.names())))
+    ckpt.tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
+    return ckpt
+
+
+def as_module(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
+    return ckpt.renamed(module_names(ckpt.config, sorted(ckpt.names())))
 
 
 def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
@@ -129,11 +137,12 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
         raise ConversionError("the source records no model config, so no Trainer checkpoint can be written; "
                               "pass the model's config with --config CONFIG.json (or the model's directory)")
     os.makedirs(directory, exist_ok=True)
-    order = engine_order(ckpt)
+    module = as_module(ckpt)  # optimizer.pt numbers the module's parameters; model.safetensors keeps save_pretrained's names
+    order = engine_order(module)
     write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config, f, indent=2)
-    save_torch(torch_optimizer_state(ckpt, order), os.path.join(directory, OPTIM_PT))
+    save_torch(torch_optimizer_state(module, order), os.path.join(directory, OPTIM_PT))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
         save_torch(scheduler, os.path.join(directory, SCHEDULER_PT))
@@ -161,7 +170,7 @@ def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False)
     resumes from ``dst`` with the data position and trainer progress beside it."""
     import transformers
 
-    order = engine_order(ckpt)
+    order = engine_order(as_module(ckpt))
     sharding = ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=ckpt.source.get("dtype") or "float32")
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
     return write_engine_checkpoint(

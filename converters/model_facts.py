@@ -119,9 +119,13 @@ def unknown_model(config: dict[str, Any] | None) -> str | None:
 
 
 def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:
-    """[[target, source], ...] as transformers ties them for this config (its tie flags honoured)."""
+    """[[target, source], ...] as transformers ties them for this config (its tie flags honoured), under the
+    names save_pretrained stores (universal's)."""
     facts = _known(config)
-    return [list(pair) for pair in facts.tied] if facts else []
+    if facts is None or not facts.tied:
+        return []
+    _, to_stored = _renamers(_key(config))
+    return [[to_stored(t), to_stored(s)] for t, s in facts.tied]
 
 
 def is_conv1d(config: dict[str, Any] | None, name: str) -> bool:

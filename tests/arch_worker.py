@@ -1,10 +1,16 @@
-"""A DeepSpeed user's script under torchrun, loading several converted models in one launch (DeepSpeed's start-up
-is the slow part): for each ``HF_DIR=DST`` argument, the model built from HF_DIR's config.json with other random
-weights, ``deepspeed.initialize`` with ``model.parameters()`` and the config's optimizer, ``engine.load_checkpoint(DST)``
-exactly as a user points it at our output; then every weight and the logits on a fixed batch against the model
-transformers' own ``from_pretrained(HF_DIR)`` builds. Rank 0 prints one JSON line per model.
+"""A user's script under torchrun, loading several converted models in one launch (the engines' start-up is the
+slow part): for each ``HF_DIR=DST`` argument, the model built from HF_DIR's config.json with other random weights,
+then the engine's own loader pointed at our output as a user points it:
 
-    torchrun --nproc_per_node=2 tests/arch_worker.py STAGE HF_DIR=DST [HF_DIR=DST ...]
+- ``deepspeed``: ``deepspeed.initialize`` with ``model.parameters()`` and the config's optimizer at ZeRO ``STAGE``,
+  ``engine.load_checkpoint(DST)``;
+- ``accelerate``: ``Accelerator().prepare(model, AdamW(decay / no-decay groups))`` (DDP), ``load_state(DST)``;
+
+then every weight and the logits on a fixed batch against the model transformers' own ``from_pretrained(HF_DIR)``
+builds. Rank 0 prints one JSON line per model.
+
+    torchrun --nproc_per_node=2 tests/arch_worker.py deepspeed STAGE HF_DIR=DST [HF_DIR=DST ...]
+    torchrun --nproc_per_node=2 tests/arch_worker.py accelerate - HF_DIR=DST [HF_DIR=DST ...]
 """
 
 from __future__ import annotations
@@ -28,7 +34,29 @@ def logits(model, config) -> torch.Tensor:
         return model(input_ids=ids, **extra).logits.float()
 
 
-def check(stage: int, hf_dir: str, dst: str) -> dict:
+def deepspeed_load(stage: int, model, dst: str):
+    import deepspeed
+
+    ds_config = {"train_batch_size": 2, "zero_optimization": {"stage": stage},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    loaded, _ = engine.load_checkpoint(dst)
+    return engine.module, loaded, stage == 3
+
+
+def accelerate_load(model, dst: str):
+    from accelerate import Accelerator
+
+    from trainers.base import param_groups
+
+    acc = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-3)
+    prepared, _ = acc.prepare(model, optimizer)
+    acc.load_state(dst)
+    return acc.unwrap_model(prepared), dst, False
+
+
+def check(engine: str, stage: int, hf_dir: str, dst: str) -> dict:
     import deepspeed
     import transformers
 
@@ -36,14 +64,10 @@ def check(stage: int, hf_dir: str, dst: str) -> dict:
     cls = model_class(config)
     torch.manual_seed(1234)  # other weights than the checkpoint's: the load must replace every one
     model = cls._from_config(config).eval()
-    ds_config = {"train_batch_size": 2, "zero_optimization": {"stage": stage},
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    loaded, _ = engine.load_checkpoint(dst)
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
-        ours = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-        ours_logits = logits(engine.module, config)
+    module, loaded, gather = deepspeed_load(stage, model, dst) if engine == "deepspeed" else accelerate_load(model, dst)
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):
+        ours = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        ours_logits = logits(module.eval(), config)
     reference = cls.from_pretrained(hf_dir).eval()
     theirs = reference.state_dict()
     return {
@@ -59,9 +83,9 @@ def main() -> None:
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    stage, pairs = int(sys.argv[1]), [a.split("=", 1) for a in sys.argv[2:]]
+    engine, stage, pairs = sys.argv[1], sys.argv[2], [a.split("=", 1) for a in sys.argv[3:]]
     for hf_dir, dst in pairs:
-        result = check(stage, hf_dir, dst)
+        result = check(engine, int(stage) if stage != "-" else 0, hf_dir, dst)
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
     dist.barrier()

@@ -1,8 +1,22 @@
 """Tiny models of many Hugging Face architectures, built from configs with odd sizes (no hub): the cases of
 tests/test_architectures.py. Each is (name, model_type, architecture, config overrides); norms and biases are
-randomised so that a weight taken from the wrong place cannot pass for the right one."""
+randomised so that a weight taken from the wrong place cannot pass for the right one.
+
+Run as a module, it fills docs/architectures.md: every architecture through every target, each checked by the
+target's own loader:
+
+    python -m tests.architectures --out docs/architectures.md
+"""
 
 from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers
@@ -53,3 +67,138 @@ def build(name: str) -> transformers.PreTrainedModel:
             if p.dim() == 1:  # norms and biases start at 1 / 0: make each one its own
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
     return model.eval()
+
+
+# --- conversions and the engines' own loaders --------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def saved(root: Path, name: str) -> tuple[transformers.PreTrainedModel, Path]:
+    model = build(name)
+    model.save_pretrained(root / name / "hf")
+    return model, root / name / "hf"
+
+
+def logits(model, config) -> torch.Tensor:
+    ids = (torch.arange(14).reshape(2, 7) * 5) % config.vocab_size
+    extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+    with torch.no_grad():
+        return model(input_ids=ids, **extra).logits
+
+
+def engine_load(root: Path, names: list[str], engine: str, stage: int = 0) -> list[dict]:
+    """Each model (saved under ``root`` unless it is there) converted `--to deepspeed|accelerate --world-size 2`, then loaded by the
+    engine's own loader on 2 processes, one launch for all (tests/arch_worker.py): one result per model."""
+    from converters import registry
+    from tests.conftest import run_workers, worker_env
+
+    pairs = []
+    for name in names:
+        hf = root / name / "hf"
+        if not hf.exists():
+            saved(root, name)
+        dst = root / name / f"{engine}{stage}"
+        extra = {"world_size": 2, "zero_stage": stage, "param_groups": "single"} if engine == "deepspeed" else {"world_size": 2}
+        registry.writer(engine).write(registry.read(str(hf))[1], str(dst), registry.Options(extra=extra))
+        pairs.append(f"{hf}={dst}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "arch_worker.py"), engine, str(stage) if engine == "deepspeed" else "-", *pairs]
+    done = run_workers(cmd, worker_env(), timeout=1800)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def problem(result: dict) -> str | None:
+    """What is wrong with one model's load, or None."""
+    if result["loaded"] is None:
+        return "the engine found no checkpoint"
+    for key in ("missing", "unexpected", "different"):
+        if result[key]:
+            return f"{key}: {result[key][:3]}"
+    return None if result["logits_equal"] else "logits differ"
+
+
+def through(root: Path, name: str, target: str, *flags: str) -> str:
+    """HF -> ``target`` -> universal -> HF through the CLI: 'ok' when from_pretrained gives every weight and the
+    logits back, else the refusal's line or what differs."""
+    from tests.conftest import worker_env
+
+    hf, work = root / name / "hf", root / name / target
+    cli = [sys.executable, "-m", "converters.cli", "convert"]
+    for src, dst, extra in ((hf, work / "out", ["--to", target, *flags]), (work / "out", work / "back", ["--to", "hf"])):
+        done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+        if done.returncode != 0:
+            return "refused: " + done.stderr.strip().splitlines()[-1].removeprefix("interop convert: error: ")
+    cls = getattr(transformers, ARCHITECTURES[name][1])
+    model, back = cls.from_pretrained(hf).eval(), cls.from_pretrained(work / "back").eval()
+    theirs = model.state_dict()
+    wrong = [k for k, t in back.state_dict().items() if k not in theirs or not torch.equal(t, theirs[k])]
+    if wrong:
+        return f"FAIL: {wrong[:3]} differ"
+    return "ok" if torch.equal(logits(back, back.config), logits(model, model.config)) else "FAIL: logits differ"
+
+
+def grid(root: Path) -> dict[tuple[str, str], str]:
+    engine_names = [n for n in ARCHITECTURES if n not in MOE]
+    cells: dict[tuple[str, str], str] = {}
+    for name in ARCHITECTURES:
+        saved(root, name)
+        cells[(name, "universal / hf")] = through(root, name, "universal")
+        cells[(name, "hf-trainer")] = through(root, name, "hf-trainer")
+        cells[(name, "megatron")] = through(root, name, "megatron", "--tp", "2")
+        cells[(name, "megatron-dist")] = through(root, name, "megatron-dist", "--tp", "2")
+    for engine, stage, column in (("deepspeed", 1, "ZeRO-1"), ("deepspeed", 2, "ZeRO-2"), ("deepspeed", 3, "ZeRO-3"),
+                                  ("accelerate", 0, "accelerate DDP")):
+        for name, result in zip(engine_names, engine_load(root, engine_names, engine, stage)):
+            cells[(name, column)] = problem(result) or "ok"
+        for name in MOE:
+            cells[(name, column)] = through(root, name, engine, "--world-size", "2").replace("refused: ", "refused: ", 1)
+    return cells
+
+
+COLUMNS = ["universal / hf", "hf-trainer", "ZeRO-1", "ZeRO-2", "ZeRO-3", "accelerate DDP", "megatron", "megatron-dist"]
+
+
+def table(cells: dict[tuple[str, str], str]) -> str:
+    lines = [
+        "# Architectures",
+        "",
+        "Generated by `python -m tests.architectures --out docs/architectures.md` (rows of it run in "
+        "`tests/test_architectures.py`; every row under `-m slow`). Each architecture is a tiny random model built "
+        "from its config with odd sizes and randomised norms and biases (tests/architectures.py). A cell is `ok` when "
+        "the target's own loader, pointed at `interop convert`'s output, gives every weight and the logits of "
+        "`from_pretrained` on the source: `universal / hf` through universal and back; `hf-trainer` through a Trainer "
+        "checkpoint (`model.safetensors` under save_pretrained's names, `optimizer.pt` numbering the module's "
+        "parameters) and back; `ZeRO-n` DeepSpeed's "
+        "`engine.load_checkpoint` on 2 processes (`--to deepspeed --world-size 2 --zero-stage n`); `accelerate DDP` "
+        "`accelerator.load_state` on 2 processes; `megatron`, `megatron-dist` at TP2 and back to Hugging Face. "
+        "`refused` quotes the one line the converter exits 2 with.",
+        "",
+        "| architecture | " + " | ".join(COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 1) + "|",
+    ]
+    for name, (model_type, architecture, _) in ARCHITECTURES.items():
+        row = [cells.get((name, c), "") for c in COLUMNS]
+        short = ["ok" if r == "ok" else ("refused" if r.startswith("refused") else r) for r in row]
+        lines.append(f"| {name} (`{architecture}`) | " + " | ".join(short) + " |")
+    lines += ["", "Refusals:", ""]
+    seen = set()
+    for (name, column), cell in sorted(cells.items()):
+        if cell.startswith("refused") and (name, cell) not in seen:
+            seen.add((name, cell))
+            lines.append(f"- {name}, {column}: {cell.removeprefix('refused: ')}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="docs/architectures.md")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        text = table(grid(Path(tmp)))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
