@@ -180,12 +180,15 @@ def table(cells: dict[tuple[str, str], str]) -> str:
         row = [cells.get((name, c), "") for c in COLUMNS]
         short = ["ok" if r == "ok" else ("refused" if r.startswith("refused") else r) for r in row]
         lines.append(f"| {name} (`{architecture}`) | " + " | ".join(short) + " |")
-    lines += ["", "Refusals:", ""]
-    seen = set()
-    for (name, column), cell in sorted(cells.items()):
-        if cell.startswith("refused") and (name, cell) not in seen:
-            seen.add((name, cell))
-            lines.append(f"- {name}, {column}: {cell.removeprefix('refused: ')}")
+    lines += ["", "Refusals (one line each, exit 2, nothing written):", ""]
+    refused: dict[tuple[str, str], list[str]] = {}
+    for name in ARCHITECTURES:
+        for column in COLUMNS:
+            cell = cells.get((name, column), "")
+            if cell.startswith("refused"):
+                refused.setdefault((name, cell.removeprefix("refused: ")), []).append(column)
+    for (name, line), columns in refused.items():
+        lines.append(f"- {name} ({', '.join(columns)}): {line}")
     return "\n".join(lines) + "\n"
 
 
