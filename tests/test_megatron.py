@@ -343,6 +343,25 @@ def test_distributed_optimizer_layout_is_refused_where_it_is_not_known(tmp_path)
     assert not (tmp_path / "meg").exists()
 
 
+def test_fully_reshardable_round_trips_exactly(tmp_path, trained):
+    """The distributed optimizer's fully_reshardable layout (optimizer.state.param / exp_avg / exp_avg_sq per tensor,
+    the step in the groups, the layout in common.pt's content metadata) reads back exactly; megatron-core's own load
+    of it runs in test_megatron_core.py under -m slow."""
+    from converters import registry
+    from converters.dcp import DCPReader
+    from converters.megatron_dist import read_megatron_dist, write_megatron_dist
+
+    _, src = registry.read(trained)
+    write_megatron_dist(src, str(tmp_path / "dist"), 2, distributed_optimizer="fully_reshardable")
+    common = load_megatron_file(str(tmp_path / "dist" / "iter_0000002" / "common.pt"))
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert "optimizer.state.param.decoder.final_layernorm.weight" in DCPReader(str(tmp_path / "dist" / "iter_0000002")).tensor_keys()
+    back = read_megatron_dist(str(tmp_path / "dist"))
+    report = diff_checkpoints(src, back)
+    assert not report.problems, [(e.key, e.status, e.detail) for e in report.problems][:5]
+    assert report.count("exact") == len(report.entries) > 0 and back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
+
+
 def test_dp_reshardable_buckets_round_trip_and_a_wrong_module_order_is_refused(tmp_path, trained, monkeypatch):
     """torch_dist's dp_reshardable buckets at TP2 x PP2 (four flat buckets) round-trip exactly in the local spec's
     module order and in Transformer Engine's (the reader finds which one from the fp32 masters of the norms); a
