@@ -313,7 +313,7 @@ def load_universal(tmp_path, source, stage: int, world: int) -> tuple[dict, obje
     return run, read_deepspeed(str(loaded))
 
 
-@pytest.mark.parametrize("stage,world", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1), (3, 2)])
+@pytest.mark.parametrize("stage,world", [pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow), (3, 2)])
 def test_load_universal_accepts_ours_on_every_stage(layouts, tmp_path, stage, world):
     saved = layouts[(3, "float32")]
     out = tmp_path / "universal"
