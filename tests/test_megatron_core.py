@@ -160,7 +160,8 @@ def assert_universal_equal(a, b) -> None:
     compared = re.search(r"(\d+) compared, (\d+) exact, 0 within atol, 0 different; 0 only in A, 0 only in B", done.stdout)
     tensors = json.loads((a / "manifest.json").read_text())["tensors"]
     assert done.returncode == 0 and compared and compared[1] == compared[2] and int(compared[1]) >= len(tensors), done.stdout
-def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
+@pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["distopt", "distopt-and-plain"])
+def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path, plain):
     """megatron-core's DistributedOptimizer at data parallel 2 (distrib_optim.pt: fp32 main params and Adam
     moments of the whole rank, flat in the gradient buffer's layout) -> universal -> Megatron at TP2 -> megatron-core
     loads it and trains on with the uninterrupted data-parallel run's losses."""
@@ -175,10 +176,10 @@ def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
                             (tmp_path / "uni", tmp_path / "ours", ["--to", "megatron", "--tp", "2", "--transformer-impl", "local"])):
         done = subprocess.run(cli + [str(src), str(dst), *extra], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
         assert done.returncode == 0, done.stderr
-    megatron_run("load-legacy+optimizer", tmp_path / "ours", tmp_path / "resumed", 2, 1)
-    with open(tmp_path / "resumed" / "losses.json") as f:
-        resumed = json.load(f)
-    assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+    if plain:  # megatron-core's own plain optimizer takes what we read from distrib_optim.pt
+        megatron_run("load-legacy+optimizer", tmp_path / "ours", tmp_path / "resumed", 2, 1)
+        with open(tmp_path / "resumed" / "losses.json") as f:
+            assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
 
     # and written for the distributed optimizer at TP2 x DP1: megatron-core's own load_parameter_state takes it
     done = subprocess.run(cli + [str(tmp_path / "uni"), str(tmp_path / "ours-dist"), "--to", "megatron", "--tp", "2",
@@ -196,7 +197,8 @@ def test_distributed_optimizer_checkpoint_continues_on_another_layout(tmp_path):
     assert_universal_equal(tmp_path / "uni", tmp_path / "back")
 
 
-def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path):
+@pytest.mark.parametrize("pp2", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tp2", "tp2-and-pp2"])
+def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path, pp2):
     """megatron-core in bf16 (Float16Module, Float16OptimizerWithFloat16Params) saves torch_dist at TP2: its fp32
     main params are the masters. -> universal -> torch_dist at TP2: every stored tensor (bf16 weights, fp32 main
     params, Adam moments) bit-identical to megatron-core's, and megatron-core loads ours with dist_checkpointing.load
@@ -221,6 +223,8 @@ def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path):
     megatron_run("load-dist+optimizer", tmp_path / "ours", tmp_path / "resumed", 2, 1, bf16=True)
     with open(tmp_path / "resumed" / "losses.json") as f:
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+    if not pp2:
+        return
     # at PP2 the bf16 matmuls split differently: their own rounding (about 3e-5 relative here), not the checkpoint's
     megatron_run("load-dist+optimizer", tmp_path / "ours", tmp_path / "resumed-pp2", 1, 2, bf16=True)
     with open(tmp_path / "resumed-pp2" / "losses.json") as f:
