@@ -38,7 +38,7 @@ from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
-from .model_facts import module_names, model_names_of, tied_groups
+from .model_facts import in_module_names, in_stored_names, module_names, tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
@@ -119,13 +119,9 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
         frozen=((manifest.model or {}).get("frozen") if manifest else None) or [],
         step=step, extra_state=extra, rank_state=rank_state,
     )
-    ckpt = ckpt.renamed(model_names_of(config, sorted(ckpt.names())))
+    ckpt = in_stored_names(ckpt)
     ckpt.tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
     return ckpt
-
-
-def as_module(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
-    return ckpt.renamed(module_names(ckpt.config, sorted(ckpt.names())))
 
 
 def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
@@ -137,7 +133,7 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
         raise ConversionError("the source records no model config, so no Trainer checkpoint can be written; "
                               "pass the model's config with --config CONFIG.json (or the model's directory)")
     os.makedirs(directory, exist_ok=True)
-    module = as_module(ckpt)  # optimizer.pt numbers the module's parameters; model.safetensors keeps save_pretrained's names
+    module = in_module_names(ckpt)  # optimizer.pt numbers the module's parameters; model.safetensors keeps save_pretrained's names
     order = engine_order(module)
     write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
@@ -170,7 +166,7 @@ def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False)
     resumes from ``dst`` with the data position and trainer progress beside it."""
     import transformers
 
-    order = engine_order(as_module(ckpt))
+    order = engine_order(in_module_names(ckpt))
     sharding = ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=ckpt.source.get("dtype") or "float32")
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
     return write_engine_checkpoint(

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from interop.errors import ConversionError
+from interop.logical import LogicalCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +209,13 @@ def model_names_of(config: dict[str, Any] | None, names: list[str]) -> dict[str,
         return {n: n for n in names}
     _, to_stored = _renamers(_key(config))
     return {n: to_stored(n) for n in names}
+
+
+def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
+    """``ckpt`` (universal's names) under the module's names, as engine formats store them."""
+    return ckpt.renamed(module_names(config or ckpt.config, sorted(ckpt.names())))
+
+
+def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
+    """``ckpt`` read under the module's names, under universal's (save_pretrained's) names."""
+    return ckpt.renamed(model_names_of(config or ckpt.config, sorted(ckpt.names())))

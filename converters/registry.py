@@ -107,8 +107,7 @@ def _stored_naming(read):
         return None
 
     def wrapped(path: str, o: Options) -> LogicalCheckpoint:
-        ckpt = read(path, o)
-        return ckpt.renamed(model_facts.model_names_of(o.config or ckpt.config, sorted(ckpt.names())))
+        return model_facts.in_stored_names(read(path, o), o.config)
     return wrapped
 
 
@@ -117,7 +116,7 @@ def _module_naming(write):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        write(ckpt.renamed(model_facts.module_names(ckpt.config, sorted(ckpt.names()))), dst, o)
+        write(model_facts.in_module_names(ckpt), dst, o)
     return wrapped
 
 
