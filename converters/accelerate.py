@@ -40,7 +40,7 @@ from interop.universal import model_entries, scalar_value, split_optimizer_state
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, RNG, rank_rng_states, write_engine_checkpoint
-from .model_facts import meta_model, tied_groups
+from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch

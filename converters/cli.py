@@ -16,7 +16,7 @@ from typing import Callable
 import os
 
 from interop import __version__
-from .model_config import load_config_arg
+from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
 from interop.errors import InteropError, one_line
 from interop.locking import exclusive

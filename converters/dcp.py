@@ -561,7 +561,7 @@ def read_dcp_checkpoint(path: str, verify_digests: bool = True) -> LogicalCheckp
     """Any DCP checkpoint: ``model.*`` entries (or, with no ``model`` prefix, every top-level tensor) are the
     model; an ``optimizer`` subtree in torch's name-keyed layout is the optimizer. Other entries are left out."""
     from .engine_checkpoint import carried_components, owning_checkpoint
-    from .model_facts import tied_groups
+    from .models.facts import tied_groups
     from .hf import read_config
 
     manifest, owner = owning_checkpoint(path, NATIVE_KEY, verify_digests)  # ours: every file checked first

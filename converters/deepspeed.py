@@ -42,7 +42,7 @@ from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
 from .engine_checkpoint import carried_components, owning_checkpoint, holds_native, native_dir
-from .model_facts import tied_groups
+from .models.facts import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
 

@@ -20,7 +20,7 @@ from interop.tensors import LazyTensor
 from interop.safetensors_io import read_hf_safetensors
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
-from .model_facts import stored_names, tied_groups, unknown_model
+from .models.facts import stored_names, tied_groups, unknown_model
 from .pickle_safety import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _read_bin(path: str, trust_pickle: bool) -> dict[str, LazyTensor]:
 
 
 def _normalise(config: dict[str, Any], tensors: dict[str, LazyTensor]) -> dict[str, LazyTensor]:
-    """The keys save_pretrained writes for a file's tensors (see model_facts.stored_names)."""
+    """The keys save_pretrained writes for a file's tensors (see models.facts.stored_names)."""
     names = stored_names(config, list(tensors))
     return {new: tensors[old] for old, new in names.items()}
 

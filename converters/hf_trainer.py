@@ -38,7 +38,7 @@ from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
-from .model_facts import in_module_names, in_stored_names, module_names, tied_groups
+from .models.facts import in_module_names, in_stored_names, module_names, tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 

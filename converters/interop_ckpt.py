@@ -19,7 +19,7 @@ from interop.universal import split_optimizer_state
 from interop.verify import open_checkpoint
 
 from .engine_checkpoint import committed_manifest
-from .model_facts import tied_groups
+from .models.facts import tied_groups
 
 MODEL, OPTIMIZER = "model", "optimizer"
 STRATEGIES = ("single", "ddp")

@@ -21,7 +21,7 @@ from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
 from .engine_checkpoint import carried_components, native_dir, write_engine_checkpoint
-from .model_facts import tied_groups
+from .models.facts import tied_groups
 from .engine_checkpoint import committed_manifest
 from .param_order import EngineOrder, engine_order
 

@@ -626,6 +626,9 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
         raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
     arch = MegatronArch.from_hf(ckpt.config)
     arch.check_tp(tp)
+    beyond = arch.spec.beyond_megatron_lm
+    if beyond and not any(beyond in n for n in ckpt.notes):
+        ckpt.notes.append(f"{arch.model_type}: {beyond}")
     dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     return arch, padded_vocab(arch.vocab, tp), dtype
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from interop.errors import ConversionError
 
+from .models.facts import tied_groups
+from .models.megatron_family import Family, family_for
+
 DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
 
@@ -32,7 +35,7 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
 
 @dataclass(frozen=True)
 class MegatronArch:
-    family: str  # "llama" (also mistral, qwen2) or "gpt2"
+    family: str  # the Megatron name map's family (converters/models/): "llama", "qwen3", "gemma2", "gpt2", ...
     num_layers: int
     hidden: int
     heads: int
@@ -41,7 +44,7 @@ class MegatronArch:
     ffn: int
     vocab: int  # the tokenizer's vocabulary, before Megatron pads it
     tied: bool
-    gated: bool  # SwiGLU: fc1 holds [gate; up]
+    gated: bool  # a gated MLP: fc1 holds [gate; up]
     norm: str  # "RMSNorm" or "LayerNorm"
     eps: float
     max_positions: int
@@ -49,6 +52,12 @@ class MegatronArch:
     qkv_bias: bool
     rope_theta: float | None  # None: learned absolute positions (GPT-2)
     model_type: str = "llama"  # the Hugging Face model_type to export as
+    rotary_percent: float = 1.0  # the part of each head rotary embeddings turn (Phi-3's partial_rotary_factor)
+    options: tuple[tuple[str, Any], ...] = ()  # the family's config carried as Megatron args (soft-capping, windows)
+
+    @property
+    def spec(self) -> Family:
+        return family_for(self.model_type)
 
     def check_tp(self, tp: int, where: str | None = None) -> None:
         """Megatron splits whole attention heads and whole query groups over tensor-parallel ranks."""
@@ -61,55 +70,59 @@ class MegatronArch:
     # --- Hugging Face configs -------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "MegatronArch":
+        """Sizes through transformers' own config class (its attribute map reads GPT-2's ``n_embd`` as
+        ``hidden_size``), ties from the model transformers builds, the structure from the family's map."""
         kind = config.get("model_type")
-        if kind == "gpt2":
-            hidden = config["n_embd"]
-            return cls(
-                family="gpt2", num_layers=config["n_layer"], hidden=hidden, heads=config["n_head"], groups=config["n_head"],
-                head_dim=hidden // config["n_head"], ffn=config.get("n_inner") or 4 * hidden, vocab=config["vocab_size"],
-                tied=bool(config.get("tie_word_embeddings", True)), gated=False, norm="LayerNorm",
-                eps=config.get("layer_norm_epsilon", 1e-5), max_positions=config["n_positions"], linear_bias=True,
-                qkv_bias=True, rope_theta=None, model_type="gpt2",
-            )
-        if kind in ("llama", "mistral", "qwen2"):
-            heads = config["num_attention_heads"]
-            rope = config.get("rope_parameters") or {}
-            if rope.get("rope_type", "default") != "default":
-                raise ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
-            return cls(
-                family="llama", num_layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
-                groups=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
-                vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)), gated=True, norm="RMSNorm",
-                eps=config.get("rms_norm_eps", 1e-6), max_positions=config.get("max_position_embeddings", 4096),
-                linear_bias=bool(config.get("mlp_bias", False)),
-                qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
-                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), model_type=kind,
-            )
-        raise ConversionError(f"model_type {kind!r} has no Megatron name map (llama, mistral, qwen2 and gpt2 do)")
+        fam = family_for(kind)
+        cfg = hf_config_object(config)
+        act = next((getattr(cfg, a) for a in _ACTIVATION_KEYS if getattr(cfg, a, None)), None)
+        if act not in fam.activation:
+            raise ConversionError(f"{kind} with activation {act!r}: its Megatron map computes {fam.activation[0]} only")
+        theta, percent = None, 1.0
+        if fam.position_embedding is None:
+            theta, percent = _rope(cfg)
+        heads = cfg.num_attention_heads
+        return cls(
+            family=fam.name, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
+            groups=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            ffn=getattr(cfg, fam.ffn_attr, None) or 4 * cfg.hidden_size, vocab=cfg.vocab_size,
+            tied=bool(tied_groups(config)), gated=fam.gated, norm=fam.norm, eps=float(getattr(cfg, fam.eps_attr)),
+            max_positions=cfg.max_position_embeddings, linear_bias=_flag(cfg, fam.linear_bias),
+            qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent,
+            options=tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args),
+        )
 
     def to_hf(self) -> dict[str, Any]:
-        """A config.json (only what differs from transformers' defaults matters; no transformers import)."""
-        arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        config: dict[str, Any] = {"architectures": [arch[self.model_type]], "model_type": self.model_type, "vocab_size": self.vocab,
-                                  "tie_word_embeddings": self.tied}
-        if self.family == "gpt2":
-            token = 50256 if self.vocab > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
-            config.update(n_positions=self.max_positions, n_embd=self.hidden, n_layer=self.num_layers, n_head=self.heads,
-                          n_inner=self.ffn if self.ffn != 4 * self.hidden else None, layer_norm_epsilon=self.eps,
-                          activation_function="gelu_new", bos_token_id=token, eos_token_id=token)
-            return config
+        """A config.json built by transformers' config class from the sizes (what differs from its defaults)."""
+        import transformers
+
+        fam = self.spec
         if self.model_type == "qwen2" and self.linear_bias:
             raise ConversionError("qwen2 has no MLP biases; this checkpoint has them")
-        config.update(
-            hidden_size=self.hidden, intermediate_size=self.ffn, num_hidden_layers=self.num_layers, num_attention_heads=self.heads,
-            num_key_value_heads=self.groups, head_dim=self.head_dim, hidden_act="silu", rms_norm_eps=self.eps,
-            max_position_embeddings=self.max_positions, rope_theta=self.rope_theta,
-            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+        kw: dict[str, Any] = dict(
+            vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.num_layers, num_attention_heads=self.heads,
+            max_position_embeddings=self.max_positions, tie_word_embeddings=self.tied, **{fam.eps_attr: self.eps},
+            **{fam.ffn_attr: self.ffn if fam.ffn_attr != "n_inner" or self.ffn != 4 * self.hidden else None},
         )
-        if self.model_type != "qwen2":
-            config.update(attention_bias=self.qkv_bias, mlp_bias=self.linear_bias)
-        return config
+        if fam.position_embedding is None:
+            rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+            if self.rotary_percent != 1.0:
+                rope["partial_rotary_factor"] = self.rotary_percent
+            kw.update(num_key_value_heads=self.groups, head_dim=self.head_dim, rope_parameters=rope)
+        for name, value in ((fam.qkv_bias, self.qkv_bias), (fam.linear_bias, self.linear_bias)):
+            if isinstance(name, str):
+                kw[name] = value
+        kw.update({attr: dict(self.options)[arg] for attr, arg in fam.config_args if dict(self.options).get(arg) is not None})
+        defaults = transformers.AutoConfig.for_model(self.model_type)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
+            if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:
+                kw[key] = None
+        config = transformers.AutoConfig.for_model(self.model_type, **kw).to_diff_dict()
+        config.pop("transformers_version", None)
+        causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        return {"architectures": [causal[self.model_type]], "model_type": self.model_type, **config,
+                "vocab_size": self.vocab, "tie_word_embeddings": self.tied}
 
     # --- Megatron-LM arguments ------------------------------------------------------------------------------
     @classmethod
@@ -123,43 +136,80 @@ class MegatronArch:
             swiglu = bool(a.get("swiglu"))
             norm = a.get("normalization", "LayerNorm")
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
-            if rope and swiglu and norm == "RMSNorm":
-                model_type = a.get("hf_model_type") or ("qwen2" if a.get("add_qkv_bias") and not a.get("add_bias_linear", True) else "llama")
-                family = "llama"
-            elif not rope and not swiglu and norm == "LayerNorm":
-                model_type = family = "gpt2"
-            else:
-                raise ConversionError(
-                    f"{where}: a model with position embedding {a.get('position_embedding_type')!r}, normalization {norm!r} "
-                    f"and swiglu={swiglu} is neither Llama-like nor GPT-2-like; no Hugging Face name map fits it"
-                )
+            model_type = a.get("hf_model_type")
+            if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
+                if rope and swiglu and norm == "RMSNorm":
+                    model_type = "qwen3" if a.get("qk_layernorm") else (
+                        "qwen2" if a.get("add_qkv_bias") and not a.get("add_bias_linear", True) else "llama")
+                elif not rope and not swiglu and norm == "LayerNorm":
+                    model_type = "gpt2"
+                else:
+                    raise ConversionError(
+                        f"{where}: a model with position embedding {a.get('position_embedding_type')!r}, normalization {norm!r} "
+                        f"and swiglu={swiglu} is neither Llama-like nor GPT-2-like; no Hugging Face name map fits it"
+                    )
+            fam = family_for(model_type)
             padded = a.get("padded_vocab_size")
             return cls(
-                family=family, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,
+                family=fam.name, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,
                 head_dim=a.get("kv_channels") or a["hidden_size"] // heads,
                 ffn=a.get("ffn_hidden_size") or 4 * a["hidden_size"], vocab=a.get("vocab_size") or padded,
-                tied=not a.get("untie_embeddings_and_output_weights", False), gated=swiglu, norm=norm,
+                tied=not a.get("untie_embeddings_and_output_weights", False), gated=fam.gated, norm=norm,
                 eps=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)), max_positions=a.get("max_position_embeddings") or a.get("seq_length"),
                 linear_bias=bool(a.get("add_bias_linear", True)), qkv_bias=qkv_bias,
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
+                rotary_percent=float(a.get("rotary_percent", 1.0)),
+                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args),
             )
         except KeyError as exc:
             raise ConversionError(f"{where}: Megatron args lack {exc.args[0]!r}, so the model's shape is unknown") from None
 
     def to_args(self, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
-        """The Megatron-LM arguments that describe this model at TP x PP (``--`` flags with '-' as '_')."""
+        """The Megatron-LM arguments that describe this model at TP x PP (``--`` flags with '-' as '_'), with
+        the family's own (``--qk-layernorm``, ``--apply-layernorm-1p``, ``--openai-gelu``, soft-capping)."""
         rope = self.rope_theta is not None
+        fam = self.spec
         args = {
             "num_layers": self.num_layers, "hidden_size": self.hidden, "ffn_hidden_size": self.ffn,
             "num_attention_heads": self.heads, "group_query_attention": self.groups != self.heads,
             "num_query_groups": self.groups, "kv_channels": self.head_dim, "max_position_embeddings": self.max_positions,
             "seq_length": self.max_positions, "position_embedding_type": "rope" if rope else "learned_absolute",
             "use_rotary_position_embeddings": rope, "rotary_base": int(self.rope_theta) if rope else 10000,
-            "normalization": self.norm, "norm_epsilon": self.eps, "swiglu": self.gated,
+            "rotary_percent": self.rotary_percent, "normalization": self.norm, "norm_epsilon": self.eps,
+            "swiglu": self.gated and "silu" in fam.activation,
             "untie_embeddings_and_output_weights": not self.tied, "add_bias_linear": self.linear_bias,
             "add_qkv_bias": self.qkv_bias, "vocab_size": self.vocab, "padded_vocab_size": padded_vocab(self.vocab, tp),
             "make_vocab_size_divisible_by": DIVISIBLE_BY, "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": None, "hf_model_type": self.model_type,
+            **fam.megatron_args, **dict(self.options),
         }
         args.update(extra)
         return args
+
+
+_ACTIVATION_KEYS = ("hidden_activation", "hidden_act", "activation_function")
+
+
+def hf_config_object(config: dict[str, Any]) -> Any:
+    """transformers' config class for ``config`` (its defaults filled in, its attribute names mapped)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(**config)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same: transformers cannot read this config
+        raise ConversionError(f"transformers cannot read this {config.get('model_type')!r} config: {exc}") from None
+
+
+def _flag(cfg: Any, name: str | bool) -> bool:
+    return name if isinstance(name, bool) else bool(getattr(cfg, name, False))
+
+
+def _rope(cfg: Any) -> tuple[float, float]:
+    """(rotary base, rotary percent): the full-attention layers' where the config has one per layer type."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    if rope.get("rope_type", "default") != "default":
+        raise ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
+    percent = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    return float(rope.get("rope_theta", 10000.0)), float(percent if percent is not None else 1.0)

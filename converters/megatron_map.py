@@ -23,8 +23,10 @@ import torch
 from interop.errors import ConversionError
 
 from .megatron_arch import MegatronArch, stage_layers
+from .models.megatron_family import (  # noqa: F401 - the split kinds are also this module's
+    CAT, COLS, GATED, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROWS, VOCAB, T, Family, Param,
+)
 
-ROWS, COLS, GATED, VOCAB, REPLICATED = "rows", "cols", "gated", "vocab", "replicated"
 FIRST, LAST = -1, -2  # stage markers for tensors outside the layers
 LAYER_PREFIX = "decoder.layers."
 
@@ -76,17 +78,18 @@ def _qkv(arch: MegatronArch) -> tuple[Callable, Callable]:
     return fuse, unfuse
 
 
-def _gpt2_qkv(arch: MegatronArch, weight: bool) -> tuple[Callable, Callable]:
-    """GPT-2's c_attn is one Conv1D over ``[q; k; v]`` (all heads each); Megatron interleaves per head."""
+def _packed_qkv(arch: MegatronArch, transposed: bool) -> tuple[Callable, Callable]:
+    """One [q; k; v] tensor (all heads of each; GPT-2's c_attn stores it (in, out)) in Megatron's per-group order."""
     fuse3, unfuse3 = _qkv(arch)
+    sizes = [arch.heads * arch.head_dim, arch.groups * arch.head_dim, arch.groups * arch.head_dim]
 
     def fuse(ts: list[torch.Tensor]) -> torch.Tensor:
-        t = ts[0].t() if weight else ts[0]
-        return fuse3(list(t.chunk(3, dim=0)))
+        t = ts[0].t() if transposed else ts[0]
+        return fuse3(list(t.split(sizes, dim=0)))
 
     def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
         full = torch.cat(unfuse3(t), dim=0)
-        return [full.t().contiguous() if weight else full]
+        return [full.t().contiguous() if transposed else full]
 
     return fuse, unfuse
 
@@ -99,77 +102,74 @@ def _halves(t: torch.Tensor) -> list[torch.Tensor]:
     return [p.contiguous() for p in t.chunk(2, dim=0)]
 
 
+def _fusers(arch: MegatronArch) -> dict[str, tuple[Callable, Callable]]:
+    return {ONE: (_one, _as_list), T: (_t, _t_back), QKV: _qkv(arch), PACKED_QKV: _packed_qkv(arch, False),
+            PACKED_QKV_T: _packed_qkv(arch, True), CAT: (_cat, _halves)}
+
+
+def _exists(param: Param, arch: MegatronArch) -> bool:
+    flags = {"linear_bias": arch.linear_bias, "qkv_bias": arch.qkv_bias, "layernorm": arch.norm == "LayerNorm", None: True}
+    return flags[param.when]
+
+
+def _te_name(param: Param) -> str:
+    """A norm Transformer Engine fuses into a linear: ``<linear>.layer_norm_<weight|bias>``."""
+    return f"{param.norm_of}.layer_norm_{param.megatron.rpartition('.')[2]}"
+
+
+def _layer_order(layer: tuple[Param, ...], te_names: bool) -> list[Param]:
+    """The family's table is in the local spec's module order; Transformer Engine's moves each fused norm to
+    just before its linear's weight."""
+    if not te_names:
+        return list(layer)
+    fused = [p for p in layer if p.norm_of]
+    out: list[Param] = []
+    for p in layer:
+        if p.norm_of:
+            continue
+        if p.megatron.endswith(".weight"):
+            out.extend(n for n in fused if n.norm_of == _linear_of(p))
+        out.append(p)
+    return out
+
+
+def _linear_of(param: Param) -> str:
+    return param.megatron.rpartition(".")[0]
+
+
 def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
-    """Every tensor of the model in Megatron's order. ``te_names``: norms named as Transformer Engine's fused
-    layers hold them (``linear_qkv.layer_norm_weight``, Megatron-LM's default); otherwise as the local spec's
-    separate modules (``input_layernorm.weight``). Both are accepted when reading."""
+    """Every tensor of the model in Megatron's order, from its family's table. ``te_names``: norms named as
+    Transformer Engine's fused layers hold them (``linear_qkv.layer_norm_weight``, Megatron-LM's default);
+    otherwise as the local spec's separate modules (``input_layernorm.weight``). Both are accepted when reading."""
+    fam: Family = arch.spec
+    fusers = _fusers(arch)
     out: list[Rule] = []
-    gpt2 = arch.family == "gpt2"
-    hf_layer = "transformer.h.{i}." if gpt2 else "model.layers.{i}."
     norm_params = ("weight", "bias") if arch.norm == "LayerNorm" else ("weight",)
 
-    def add(meg: str, hf: tuple[str, ...], split: str, layer: int, fuse=_one, unfuse=_as_list, aliases=()) -> None:
-        out.append(Rule(meg, hf, split, layer, fuse, unfuse, tuple(aliases)))
-
-    add("embedding.word_embeddings.weight", ("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight",), VOCAB, FIRST)
-    if gpt2:
-        add("embedding.position_embeddings.weight", ("transformer.wpe.weight",), REPLICATED, FIRST)
-    qkv_fuse, qkv_unfuse = _qkv(arch)
+    out.append(Rule("embedding.word_embeddings.weight", (fam.embedding,), VOCAB, FIRST, _one, _as_list))
+    if fam.position_embedding:
+        out.append(Rule("embedding.position_embeddings.weight", (fam.position_embedding,), REPLICATED, FIRST, _one, _as_list))
     for i in range(arch.num_layers):
-        m, h = f"{LAYER_PREFIX}{i}.", hf_layer.format(i=i)
-
-        def norm(te: str, local: str, hf: str) -> None:
-            for p in norm_params:
-                names = (f"{m}{te}.layer_norm_{p}", f"{m}{local}.{p}")
-                add(names[0] if te_names else names[1], (f"{h}{hf}.{p}",), REPLICATED, i, aliases=names[1:] if te_names else names[:1])
-
-        # Megatron's module order (its optimizer numbers parameters in it): input norm, proj, qkv, pre-MLP
-        # norm, fc1, fc2; Transformer Engine's norms sit inside qkv and fc1, before their weights.
-        if not te_names:
-            norm("self_attention.linear_qkv", "input_layernorm", "ln_1" if gpt2 else "input_layernorm")
-        if gpt2:
-            add(f"{m}self_attention.linear_proj.weight", (f"{h}attn.c_proj.weight",), COLS, i, _t, _t_back)
-            add(f"{m}self_attention.linear_proj.bias", (f"{h}attn.c_proj.bias",), REPLICATED, i)
-        else:
-            add(f"{m}self_attention.linear_proj.weight", (f"{h}self_attn.o_proj.weight",), COLS, i)
-            if arch.linear_bias:
-                add(f"{m}self_attention.linear_proj.bias", (f"{h}self_attn.o_proj.bias",), REPLICATED, i)
-        if te_names:
-            norm("self_attention.linear_qkv", "input_layernorm", "ln_1" if gpt2 else "input_layernorm")
-        if gpt2:
-            add(f"{m}self_attention.linear_qkv.weight", (f"{h}attn.c_attn.weight",), ROWS, i, *_gpt2_qkv(arch, True))
-            add(f"{m}self_attention.linear_qkv.bias", (f"{h}attn.c_attn.bias",), ROWS, i, *_gpt2_qkv(arch, False))
-        else:
-            attn = f"{h}self_attn."
-            add(f"{m}self_attention.linear_qkv.weight", tuple(f"{attn}{x}_proj.weight" for x in "qkv"), ROWS, i, qkv_fuse, qkv_unfuse)
-            if arch.qkv_bias:
-                add(f"{m}self_attention.linear_qkv.bias", tuple(f"{attn}{x}_proj.bias" for x in "qkv"), ROWS, i, qkv_fuse, qkv_unfuse)
-        norm("mlp.linear_fc1", "pre_mlp_layernorm", "ln_2" if gpt2 else "post_attention_layernorm")
-        if gpt2:
-            add(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.c_fc.weight",), ROWS, i, _t, _t_back)
-            add(f"{m}mlp.linear_fc1.bias", (f"{h}mlp.c_fc.bias",), ROWS, i)
-            add(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.c_proj.weight",), COLS, i, _t, _t_back)
-            add(f"{m}mlp.linear_fc2.bias", (f"{h}mlp.c_proj.bias",), REPLICATED, i)
-        else:
-            mlp = f"{h}mlp."
-            add(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"), GATED, i, _cat, _halves)
-            if arch.linear_bias:
-                add(f"{m}mlp.linear_fc1.bias", (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias"), GATED, i, _cat, _halves)
-            add(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), COLS, i)
-            if arch.linear_bias:
-                add(f"{m}mlp.linear_fc2.bias", (f"{mlp}down_proj.bias",), REPLICATED, i)
+        m, h = f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i)
+        for p in _layer_order(fam.layer, te_names):
+            if not _exists(p, arch):
+                continue
+            names = [f"{m}{p.megatron}"] + ([f"{m}{_te_name(p)}"] if p.norm_of else [])
+            if p.norm_of and te_names:
+                names.reverse()
+            fuse, unfuse = fusers[p.fuse]
+            out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:])))
     for p in norm_params:
-        add(f"decoder.final_layernorm.{p}", (f"{'transformer.ln_f' if gpt2 else 'model.norm'}.{p}",), REPLICATED, LAST)
+        out.append(Rule(f"decoder.final_layernorm.{p}", (f"{fam.final_norm}.{p}",), REPLICATED, LAST, _one, _as_list))
     if not arch.tied:
-        add("output_layer.weight", ("lm_head.weight",), VOCAB, LAST)
+        out.append(Rule("output_layer.weight", (fam.output,), VOCAB, LAST, _one, _as_list))
     return out
 
 
 def tied_output_rule(arch: MegatronArch) -> Rule:
     """With tied embeddings and more than one stage, the last stage holds its own copy of the embedding as
     ``output_layer.weight`` (Megatron keeps the two in sync with an all-reduce)."""
-    embed = "transformer.wte.weight" if arch.family == "gpt2" else "model.embed_tokens.weight"
-    return Rule("output_layer.weight", (embed,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
+    return Rule("output_layer.weight", (arch.spec.embedding,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
 
 
 LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")

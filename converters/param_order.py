@@ -17,7 +17,7 @@ from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 
-from .model_facts import meta_model
+from .models.facts import meta_model
 
 ADAMW_DEFAULTS = {
     "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,

@@ -16,8 +16,9 @@ from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from .model_config import apply_config
-from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist, model_facts
+from .models.config_arg import apply_config
+from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
+from .models import facts as model_facts
 
 
 @dataclass

@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(LLAMA, head_dim=6)),  # q / k norms
     "gemma": ("gemma", "GemmaForCausalLM", dict(LLAMA, head_dim=6)),  # tied by default, scaled embedding
     "gemma2": ("gemma2", "Gemma2ForCausalLM", dict(LLAMA, head_dim=6, sliding_window=16)),  # soft-capping
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", dict(LLAMA, head_dim=6, sliding_window=16)),  # q / k norms, local + global
     "phi3": ("phi3", "Phi3ForCausalLM", dict(LLAMA, num_key_value_heads=6)),  # fused qkv and gate_up
     "opt": ("opt", "OPTForCausalLM", dict(hidden_size=36, ffn_dim=52, num_attention_heads=6, num_hidden_layers=2, vocab_size=V,
                                           word_embed_proj_dim=36, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)),

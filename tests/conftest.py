@@ -31,7 +31,7 @@ def torchrun_cmd(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, po
 
 
 def run_workers(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    """Run a torchrun command; fail with each rank's first errors (one SIGABRT in native code is retried)."""
+    """Run a torchrun command; fail with each rank's first errors (a SIGABRT in native code is retried, twice at most)."""
     from trainers.launch import LaunchError, run_processes
 
     try:

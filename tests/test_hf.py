@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from converters.model_facts import is_conv1d, model_facts, tied_groups
+from converters.models.facts import is_conv1d, model_facts, tied_groups
 from converters.hf import read_hf, write_hf
 from interop.universal import read_universal, write_universal
 from trainers.base import tiny_config

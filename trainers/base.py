@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from converters.model_facts import tied_groups
+from converters.models.facts import tied_groups
 from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
 from interop.errors import ConfigurationError, InteropError, one_line
 from interop.sharding import LocalModel, ShardingMetadata

@@ -14,8 +14,8 @@ from typing import Any
 from interop.errors import CheckpointError, ConfigurationError
 from interop.logical import LogicalCheckpoint
 
-from .model_facts import meta_model, model_names_of, tied_groups
-from .hf import CONFIG, read_config, read_config_file
+from .facts import meta_model, model_names_of, tied_groups
+from ..hf import CONFIG, read_config, read_config_file
 
 
 class ConfigMismatchError(CheckpointError):

@@ -1,0 +1,100 @@
+"""Megatron name maps: one small declarative table per model family, in the spirit of Megatron-Bridge's
+mapping registry. A family says which Hugging Face tensors make each Megatron tensor and how (fused,
+transposed, split over tensor-parallel ranks), and what its config means in Megatron's terms; the split
+and fuse arithmetic itself is ``converters/megatron_map.py``'s, shared by every family.
+
+Why hand-written: no installed library maps Hugging Face names onto megatron-core's (Megatron-Bridge does,
+but needs CUDA and Transformer Engine). Everything else about the model (its class, ties, sizes through the
+config class's own attribute names) is still asked of transformers.
+
+Adding a family is adding one module beside this one that calls :func:`register`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from interop.errors import ConversionError
+
+# how a Megatron tensor is split over tensor-parallel ranks
+ROWS, COLS, GATED, VOCAB, REPLICATED = "rows", "cols", "gated", "vocab", "replicated"
+# how Hugging Face tensors are fused into it
+ONE = "one"  # the tensor itself
+T = "t"  # transposed (transformers' Conv1D stores (in, out))
+QKV = "qkv"  # q, k, v: Megatron interleaves them per query group
+PACKED_QKV = "packed_qkv"  # one [q; k; v] tensor (Phi-3's qkv_proj, GPT-2's c_attn bias)
+PACKED_QKV_T = "packed_qkv_t"  # the same, stored (in, out) (GPT-2's c_attn weight)
+CAT = "cat"  # gate and up stacked: [gate; up]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron tensor of a layer (names relative to ``decoder.layers.<i>.`` and the family's HF layer prefix)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    split: str
+    fuse: str = ONE
+    when: str | None = None  # a MegatronArch flag the tensor exists under ("linear_bias", "qkv_bias", "layernorm")
+    norm_of: str | None = None  # Transformer Engine fuses this norm into that linear (``<linear>.layer_norm_<p>``)
+
+
+def norm(megatron_module: str, hf_module: str, norm_of: str | None = None) -> tuple[Param, ...]:
+    """A norm's weight (and bias, for LayerNorm)."""
+    return (Param(f"{megatron_module}.weight", (f"{hf_module}.weight",), REPLICATED, norm_of=norm_of),
+            Param(f"{megatron_module}.bias", (f"{hf_module}.bias",), REPLICATED, when="layernorm", norm_of=norm_of))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's Megatron map. ``layer`` is in megatron-core's module order for the local spec (its
+    optimizer numbers parameters in it); Transformer Engine's order moves each ``norm_of`` norm to just
+    before its linear's weight."""
+
+    name: str
+    model_types: tuple[str, ...]  # the Hugging Face model types it maps
+    embedding: str  # Hugging Face names
+    final_norm: str  # module
+    output: str
+    layer_prefix: str  # "model.layers.{i}."
+    layer: tuple[Param, ...]
+    position_embedding: str | None = None  # learned absolute positions; None: rotary
+    norm: str = "RMSNorm"
+    eps_attr: str = "rms_norm_eps"  # the config's attribute for the norm's epsilon
+    ffn_attr: str = "intermediate_size"  # and for the MLP's width
+    activation: tuple[str, ...] = ("silu",)  # the config activations this family's Megatron MLP computes
+    gated: bool = True
+    qk_norm: bool = False
+    qkv_bias: str | bool = "attention_bias"  # a config attribute, or fixed
+    linear_bias: str | bool = "mlp_bias"
+    megatron_args: dict[str, Any] = field(default_factory=dict)  # Megatron-LM arguments the family sets
+    config_args: tuple[tuple[str, str], ...] = ()  # (HF config attribute, Megatron arg) carried as they are
+    beyond_megatron_lm: str | None = None  # what Megatron-LM's arguments cannot express (a note on the output)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    for model_type in family.model_types:
+        _FAMILIES[model_type] = family
+    return family
+
+
+def _load_all() -> None:
+    from . import gemma, gpt2, llama, phi3, qwen3  # noqa: F401 - each registers its families
+
+
+def family_for(model_type: str | None) -> Family:
+    """The family mapping ``model_type``; one line naming it when none does."""
+    _load_all()
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]
+    raise ConversionError(f"model_type {model_type!r} has no Megatron name map (families with one: "
+                          f"{', '.join(sorted(_FAMILIES))}); convert it to universal, hf, deepspeed, accelerate or dcp")
+
+
+def families() -> dict[str, Family]:
+    _load_all()
+    return dict(_FAMILIES)

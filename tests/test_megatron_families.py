@@ -1,0 +1,125 @@
+"""Megatron name maps per model family (converters/models/): each family's tiny model through Megatron legacy
+and torch_dist at TP2 x PP2 and back is bit-exact, and megatron-core's own GPT model, built as Megatron-LM
+builds it from the arguments we write, loads our checkpoint and gives transformers' logits.
+
+megatron-core can build Llama, Mistral, Qwen2, Qwen3 (``--qk-layernorm``), Phi-3 and GPT-2 on a CPU with its
+local spec. Gemma's zero-centred norms need Apex or Transformer Engine (its torch norm refuses
+``layernorm_zero_centered_gamma``), and its embedding scaling and Gemma 2/3's post-norms and soft-capping
+are Megatron-Bridge's modules, not megatron-core's: those families are checked by the round trip, by the
+arguments they carry, and by the note their output says it with.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from converters import registry
+from converters.megatron import load_megatron_file
+from converters.models.megatron_family import families
+from interop.errors import ConversionError
+from tests.architectures import ARCHITECTURES, build, logits
+from tests.conftest import ROOT, run_workers, worker_env
+
+MAPPED = [n for n, (model_type, *_) in ARCHITECTURES.items() if model_type in families() and "classifier" not in n]
+MCORE = ["llama", "qwen2", "qwen3", "phi3", "gpt2"]  # what megatron-core's local spec builds on a CPU
+
+
+def convert(src, dst, target: str, **extra) -> list[str]:
+    ckpt = registry.read(str(src))[1]
+    registry.writer(target).write(ckpt, str(dst), registry.Options(extra=extra))
+    return ckpt.notes
+
+
+def exact_back(tmp_path, name: str, target: str) -> list[str]:
+    """HF -> target at TP2 x PP2 -> HF: every weight and the logits bit-exact. Returns the writer's notes."""
+    model = build(name)
+    model.save_pretrained(tmp_path / "hf")
+    notes = convert(tmp_path / "hf", tmp_path / "meg", target, tp=2, pp=2)
+    convert(tmp_path / "meg", tmp_path / "back", "hf")
+    back = getattr(transformers, ARCHITECTURES[name][1]).from_pretrained(tmp_path / "back").eval()
+    theirs = model.state_dict()
+    assert {k: bool(torch.equal(t, theirs[k])) for k, t in back.state_dict().items()} == {k: True for k in theirs}
+    assert torch.equal(logits(back, back.config), logits(model, model.config))
+    return notes
+
+
+@pytest.mark.parametrize("target", ["megatron", "megatron-dist"])
+@pytest.mark.parametrize("name", MAPPED)  # under a second each: every family by default
+def test_family_through_megatron_and_back_is_exact(tmp_path, name, target):
+    notes = exact_back(tmp_path, name, target)
+    beyond = families()[ARCHITECTURES[name][0]].beyond_megatron_lm
+    assert any(beyond in n for n in notes) if beyond else not any("Megatron-Bridge" in n for n in notes)
+
+
+def test_family_arguments_are_megatron_lms(tmp_path):
+    """The arguments a family sets: Qwen3's --qk-layernorm, Gemma's --apply-layernorm-1p and soft-capping under
+    Megatron-Bridge's names, GPT-2's --openai-gelu, Phi-3's rotary percent; and the q/k norms' names."""
+    expect = {
+        "qwen3": {"qk_layernorm": True, "swiglu": True},
+        "gemma2": {"apply_layernorm_1p": True, "swiglu": False, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256, "window_size": 16},
+        "gemma3": {"apply_layernorm_1p": True, "qk_layernorm": True},
+        "gpt2": {"openai_gelu": True, "swiglu": False, "normalization": "LayerNorm"},
+        "phi3": {"rotary_percent": 1.0, "swiglu": True, "add_qkv_bias": False},
+    }
+    for name, wanted in expect.items():
+        build(name).save_pretrained(tmp_path / name / "hf")
+        convert(tmp_path / name / "hf", tmp_path / name / "meg", "megatron", tp=1, pp=1)
+        state = load_megatron_file(str(tmp_path / name / "meg" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"))
+        args = vars(state["args"])
+        assert {k: args.get(k) for k in wanted} == wanted, name
+        if "qk_layernorm" in wanted:
+            assert "decoder.layers.0.self_attention.q_layernorm.weight" in state["model"]
+            assert "decoder.layers.0.self_attention.k_layernorm.weight" in state["model"]
+
+
+def test_megatron_core_builds_each_family_from_our_arguments_and_gives_transformers_logits(tmp_path):
+    """One launch of 2 gloo processes at TP2: megatron-core's GPTModel with the local spec, configured from the
+    arguments in our rank files, loads each model (every parameter, none left over) and its logits are
+    transformers' on the source within fp32 rounding."""
+    reference, dirs = {}, []
+    for name in MCORE:
+        model = build(name)
+        model.save_pretrained(tmp_path / name / "hf")
+        meg = tmp_path / name / "meg"
+        convert(tmp_path / name / "hf", meg, "megatron", tp=2, pp=1, transformer_impl="local")
+        ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+        torch.save(ids, meg / "ids.pt")
+        with torch.no_grad():
+            reference[str(meg)] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name / "hf").eval()(input_ids=ids).logits
+        dirs.append(str(meg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "mcore_family_worker.py"), *dirs]
+    done = run_workers(cmd, worker_env(), timeout=900)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["checkpoint"] for r in results] == dirs
+    for r in results:
+        assert r["missing"] == [] and r["unexpected"] == [], r
+        ours = torch.load(f"{r['checkpoint']}/mcore_logits.pt")
+        torch.testing.assert_close(ours, reference[r["checkpoint"]], rtol=0, atol=1e-5, msg=lambda m, c=r["checkpoint"]: f"{c}: {m}")
+
+
+def test_a_family_without_a_map_is_refused_in_one_line(tmp_path):
+    build("falcon").save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"model_type 'falcon' has no Megatron name map \(families with one: .*qwen3"):
+        convert(tmp_path / "hf", tmp_path / "meg", "megatron", tp=1, pp=1)
+    assert not (tmp_path / "meg").exists()
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "meg"),
+                           "--to", "megatron-dist"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and "has no Megatron name map" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert not (tmp_path / "meg").exists()
+
+
+def test_an_activation_the_map_does_not_compute_is_refused(tmp_path):
+    """A Llama config with GELU would come out of Megatron's SwiGLU as another model: refused."""
+    name = "llama"
+    config = transformers.AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **{**ARCHITECTURES[name][2], "hidden_act": "gelu"})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match="llama with activation 'gelu': its Megatron map computes silu only"):
+        convert(tmp_path / "hf", tmp_path / "meg", "megatron", tp=1, pp=1)
