@@ -74,6 +74,13 @@ class MegatronArch:
         ``hidden_size``), ties from the model transformers builds, the structure from the family's map."""
         kind = config.get("model_type")
         fam = family_for(kind)
+        import transformers
+
+        causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+        heads = [a for a in config.get("architectures") or [] if a != causal]
+        if heads:
+            raise ConversionError(f"Megatron's GPT model is a causal LM ({causal}); this {heads[0]} has another head, "
+                                  "which it has no place for")
         cfg = hf_config_object(config)
         act = next((getattr(cfg, a) for a in _ACTIVATION_KEYS if getattr(cfg, a, None)), None)
         if act not in fam.activation:

@@ -50,10 +50,15 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "t5": ("t5", "T5ForConditionalGeneration", dict(d_model=36, d_ff=52, num_heads=6, d_kv=6, num_layers=2, vocab_size=V,
                                                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),  # encoder-decoder
     "llama-classifier": ("llama", "LlamaForSequenceClassification", dict(LLAMA, num_labels=3)),  # a classification head
+    "llava": ("llava", "LlavaForConditionalGeneration", dict(  # multimodal: nested text_config (tied) and vision_config
+        text_config=dict(LLAMA, model_type="llama", tie_word_embeddings=True), image_token_index=V - 1, pad_token_id=0,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=24, intermediate_size=40, num_attention_heads=4,
+                           num_hidden_layers=2, image_size=28, patch_size=14, projection_dim=24))),
     "mixtral": ("mixtral", "MixtralForCausalLM", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2)),  # MoE
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM", dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
                                                            shared_expert_intermediate_size=24)),  # MoE with a shared expert
 }
+FSDP2_CANNOT_RUN = ("bert", "t5")  # ties across modules accelerate's FSDP2 shards apart: FSDP2 refuses the model itself
 MOE = ("mixtral", "qwen2_moe")  # per-expert files, fused expert modules: engine layouts are issue 19's
 
 
@@ -81,7 +86,7 @@ def saved(root: Path, name: str) -> tuple[transformers.PreTrainedModel, Path]:
 
 
 def logits(model, config) -> torch.Tensor:
-    ids = (torch.arange(14).reshape(2, 7) * 5) % config.vocab_size
+    ids = (torch.arange(14).reshape(2, 7) * 5) % config.get_text_config().vocab_size
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
     with torch.no_grad():
         return model(input_ids=ids, **extra).logits
@@ -100,7 +105,9 @@ def engine_load(root: Path, names: list[str], engine: str, stage: int = 0) -> li
             saved(root, name)
         dst = root / name / f"{engine}{stage}"
         extra = {"world_size": 2, "zero_stage": stage, "param_groups": "single"} if engine == "deepspeed" else {"world_size": 2}
-        registry.writer(engine).write(registry.read(str(hf))[1], str(dst), registry.Options(extra=extra))
+        if engine == "fsdp2":
+            extra["fsdp"] = True
+        registry.writer("accelerate" if engine == "fsdp2" else engine).write(registry.read(str(hf))[1], str(dst), registry.Options(extra=extra))
         pairs.append(f"{hf}={dst}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "arch_worker.py"), engine, str(stage) if engine == "deepspeed" else "-", *pairs]
@@ -108,8 +115,42 @@ def engine_load(root: Path, names: list[str], engine: str, stage: int = 0) -> li
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+ENGINE_LIMIT = "the engine cannot run this model"
+
+
+def dcp_load(root: Path, name: str) -> dict:
+    """``--to dcp``, then what a torch user does: the model built from the config with other weights,
+    ``dcp.load({"model": model.state_dict()}, checkpoint_id=DST)`` and ``load_state_dict``; the result as
+    :func:`engine_load`'s."""
+    import torch.distributed.checkpoint as dcp
+
+    from converters import registry
+
+    hf, dst = root / name / "hf", root / name / "dcp"
+    if not hf.exists():
+        saved(root, name)
+    registry.writer("dcp").write(registry.read(str(hf))[1], str(dst), registry.Options())
+    cls = getattr(transformers, ARCHITECTURES[name][1])
+    config = transformers.AutoConfig.from_pretrained(hf)
+    torch.manual_seed(1234)  # other weights than the checkpoint's: the load must replace every one
+    model = cls._from_config(config).eval()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(dst))
+    model.load_state_dict(state["model"])
+    reference = cls.from_pretrained(hf).eval()
+    ours, theirs = model.state_dict(), reference.state_dict()
+    return {
+        "hf": str(hf), "loaded": str(dst),
+        "missing": sorted(set(theirs) - set(ours)), "unexpected": sorted(set(ours) - set(theirs)),
+        "different": sorted(k for k in theirs if k in ours and not torch.equal(ours[k], theirs[k])),
+        "logits_equal": bool(torch.equal(logits(model, config), logits(reference, config))),
+    }
+
+
 def problem(result: dict) -> str | None:
     """What is wrong with one model's load, or None."""
+    if "engine_error" in result:
+        return f"{ENGINE_LIMIT}: {result['engine_error']}"
     if result["loaded"] is None:
         return "the engine found no checkpoint"
     for key in ("missing", "unexpected", "different"):
@@ -147,16 +188,19 @@ def grid(root: Path) -> dict[tuple[str, str], str]:
         cells[(name, "hf-trainer")] = through(root, name, "hf-trainer")
         cells[(name, "megatron")] = through(root, name, "megatron", "--tp", "2")
         cells[(name, "megatron-dist")] = through(root, name, "megatron-dist", "--tp", "2")
+        cells[(name, "dcp")] = (problem(dcp_load(root, name)) or "ok") if name not in MOE else through(root, name, "dcp")
     for engine, stage, column in (("deepspeed", 1, "ZeRO-1"), ("deepspeed", 2, "ZeRO-2"), ("deepspeed", 3, "ZeRO-3"),
-                                  ("accelerate", 0, "accelerate DDP")):
+                                  ("accelerate", 0, "accelerate DDP"), ("fsdp2", 0, "accelerate FSDP2")):
         for name, result in zip(engine_names, engine_load(root, engine_names, engine, stage)):
             cells[(name, column)] = problem(result) or "ok"
         for name in MOE:
-            cells[(name, column)] = through(root, name, engine, "--world-size", "2").replace("refused: ", "refused: ", 1)
+            flags = ("--fsdp",) if engine == "fsdp2" else ()
+            cells[(name, column)] = through(root, name, "accelerate" if engine == "fsdp2" else engine, "--world-size", "2", *flags)
     return cells
 
 
-COLUMNS = ["universal / hf", "hf-trainer", "ZeRO-1", "ZeRO-2", "ZeRO-3", "accelerate DDP", "megatron", "megatron-dist"]
+COLUMNS = ["universal / hf", "hf-trainer", "dcp", "ZeRO-1", "ZeRO-2", "ZeRO-3", "accelerate DDP", "accelerate FSDP2", "megatron",
+           "megatron-dist"]
 
 
 def table(cells: dict[tuple[str, str], str]) -> str:
@@ -171,7 +215,9 @@ def table(cells: dict[tuple[str, str], str]) -> str:
         "checkpoint (`model.safetensors` under save_pretrained's names, `optimizer.pt` numbering the module's "
         "parameters) and back; `ZeRO-n` DeepSpeed's "
         "`engine.load_checkpoint` on 2 processes (`--to deepspeed --world-size 2 --zero-stage n`); `accelerate DDP` "
-        "`accelerator.load_state` on 2 processes; `megatron`, `megatron-dist` at TP2 and back to Hugging Face. "
+        "`accelerator.load_state` on 2 processes, and with accelerate's FSDP2 plugin (`--fsdp`, SHARDED_STATE_DICT); "
+        "`dcp` torch's `dcp.load({\"model\": model.state_dict()})` into the model built from its config; "
+        "`megatron`, `megatron-dist` at TP2 and back to Hugging Face. "
         "`refused` quotes the one line the converter exits 2 with.",
         "",
         "| architecture | " + " | ".join(COLUMNS) + " |",
@@ -179,7 +225,8 @@ def table(cells: dict[tuple[str, str], str]) -> str:
     ]
     for name, (model_type, architecture, _) in ARCHITECTURES.items():
         row = [cells.get((name, c), "") for c in COLUMNS]
-        short = ["ok" if r == "ok" else ("refused" if r.startswith("refused") else r) for r in row]
+        short = ["ok" if r == "ok" else "refused" if r.startswith("refused") else "engine's limit" if r.startswith(ENGINE_LIMIT) else r
+                 for r in row]
         lines.append(f"| {name} (`{architecture}`) | " + " | ".join(short) + " |")
     lines += ["", "Refusals (one line each, exit 2, nothing written):", ""]
     refused: dict[tuple[str, str], list[str]] = {}
@@ -190,6 +237,11 @@ def table(cells: dict[tuple[str, str], str]) -> str:
                 refused.setdefault((name, cell.removeprefix("refused: ")), []).append(column)
     for (name, line), columns in refused.items():
         lines.append(f"- {name} ({', '.join(columns)}): {line}")
+    limits = [(name, column, cells[(name, column)]) for name in ARCHITECTURES for column in COLUMNS
+              if cells.get((name, column), "").startswith(ENGINE_LIMIT)]
+    if limits:
+        lines += ["", "The engine's limit (the engine refuses the model itself, before any checkpoint is read):", ""]
+        lines += [f"- {name} ({column}): {cell.removeprefix(ENGINE_LIMIT + ': ')}" for name, column, cell in limits]
     return "\n".join(lines) + "\n"
 
 

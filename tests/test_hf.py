@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from converters.models.facts import is_conv1d, model_facts, tied_groups
+from converters.models.facts import model_facts, tied_groups
 from converters.hf import read_hf, write_hf
 from interop.universal import read_universal, write_universal
 from trainers.base import tiny_config
@@ -86,10 +86,9 @@ def test_pytorch_model_bin_and_pre_prefix_gpt2_names_are_read(tmp_path):
 
 
 def test_model_facts_come_from_transformers():
-    """Ties, Conv1D weights and the base-model prefix as the model transformers builds for the config declares
-    them: GPT-2's Conv1D layers store (in, out) and its head is tied to wte unless the config says otherwise."""
+    """Ties and the base-model prefix as the model transformers builds for the config declares
+    them: GPT-2's head is tied to wte unless the config says otherwise."""
     config = make("gpt2", True).config.to_dict()
-    assert is_conv1d(config, "transformer.h.0.attn.c_attn.weight") and not is_conv1d(config, "transformer.h.0.ln_1.weight")
     assert tied_groups(config) == [["lm_head.weight", "transformer.wte.weight"]]
     assert tied_groups(make("gpt2", False).config.to_dict()) == []
     facts = model_facts(config)

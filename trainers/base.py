@@ -320,7 +320,10 @@ def parse_config(argv: list[str] | None = None, cls=TrainerConfig, description: 
 def run(make: Callable[[], Any]) -> None:
     """Shared __main__ body: build the trainer (``make``, so that its own start-up errors are caught too),
     resume if asked, train, save at the end, print one JSON summary line. Whatever ends the run early is one
-    line on stderr and exit code 2, as the CLI does; ``--debug`` (or INTEROP_DEBUG=1) shows the traceback."""
+    line on stderr and exit code 2, as the CLI does; ``--debug`` (or INTEROP_DEBUG=1) shows the traceback.
+    A finished run exits 0 without the interpreter's teardown: its checkpoint is committed and its process
+    group left, and a gloo CPU process now and then aborts in C++ static destructors there ("terminate called
+    without an active exception", exit -6), which torchrun reports as a failed run."""
     import sys
 
     try:
@@ -334,6 +337,10 @@ def run(make: Callable[[], Any]) -> None:
         hint = "" if isinstance(exc, InteropError) else " (rerun with --debug for the traceback)"
         print(f"error: {what}{one_line(exc)}{hint}", file=sys.stderr, flush=True)
         os._exit(2)  # a process group may be half torn down; nothing of this run is left to flush
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(trainer: Any) -> None:

@@ -1,6 +1,6 @@
 """What transformers knows about a model, asked once per config: the class ``config.json`` names, built on the
-meta device (no memory), and from it the tied parameters, the base-model prefix, the weights transformers'
-``Conv1D`` stores (in, out), the parameter names in module order and the stored keys ``from_pretrained`` ignores.
+meta device (no memory), and from it the tied parameters, the base-model prefix, the parameter names in module
+order and the stored keys ``from_pretrained`` ignores.
 
 No table of model types: a new architecture is known as soon as the installed transformers knows it.
 """
@@ -33,7 +33,6 @@ class ModelFacts:
     tied: tuple[tuple[str, str], ...]  # (target, source): the target is the source's tensor and not stored apart
     prefix: str  # the base model's attribute ("model", "transformer"): bare-model files lack "<prefix>."
     names: tuple[str, ...]  # the state dict's keys, in module order
-    conv1d: frozenset[str]  # weights of transformers' Conv1D layers, stored (in, out)
     ignore_unexpected: tuple[str, ...]  # patterns of stored keys from_pretrained drops (old causal-mask buffers)
 
 
@@ -70,18 +69,26 @@ def _build(config: dict[str, Any]) -> torch.nn.Module:
                           f"({errors[0]})")
 
 
-@lru_cache(maxsize=16)
 def _facts(key: str) -> tuple[ModelFacts, torch.nn.Module]:
-    import transformers
+    built = _built(key)
+    if isinstance(built, ConversionError):
+        raise built
+    return built
 
+
+@lru_cache(maxsize=16)
+def _built(key: str) -> tuple[ModelFacts, torch.nn.Module] | ConversionError:
+    """The facts, or why transformers cannot build the model (cached too: readers and writers ask several times)."""
     config = json.loads(key)
-    model = _build(config)
+    try:
+        model = _build(config)
+    except ConversionError as exc:
+        return exc
     tied = tuple((t, s) for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items())
-    conv1d = frozenset(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, transformers.pytorch_utils.Conv1D))
     facts = ModelFacts(
         model_type=config.get("model_type", ""), cls=type(model).__name__, tied=tied,
         prefix=getattr(model, "base_model_prefix", "") or "", names=tuple(model.state_dict(keep_vars=True)),
-        conv1d=conv1d, ignore_unexpected=tuple(sorted(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())),
+        ignore_unexpected=tuple(sorted(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())),
     )
     return facts, model
 
@@ -127,11 +134,6 @@ def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:
         return []
     _, to_stored = _renamers(_key(config))
     return [[to_stored(t), to_stored(s)] for t, s in facts.tied]
-
-
-def is_conv1d(config: dict[str, Any] | None, name: str) -> bool:
-    facts = _known(config)
-    return facts is not None and name in facts.conv1d
 
 
 @lru_cache(maxsize=16)
