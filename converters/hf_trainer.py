@@ -38,7 +38,7 @@ from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
-from .models.facts import in_module_names, in_stored_names, module_names, tied_groups
+from .models.facts import in_module_names, in_stored_names, tied_groups
 from .param_order import engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
@@ -100,7 +100,7 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     if not model:
         raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
     # optimizer.pt numbers the module's parameters: read it under the module's names, then all in universal's
-    model = {name: model[stored] for stored, name in module_names(config, list(model)).items()}
+    model = in_module_names(LogicalCheckpoint(model=model, config=config)).model
     optim_path = os.path.join(directory, OPTIM_PT)
     optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
     extra: dict[str, Any] = {}

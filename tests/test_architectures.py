@@ -1,9 +1,9 @@
 """Any Hugging Face architecture, with what the converters need to know about it asked of transformers (tests/
 architectures.py builds the tiny models): Hugging Face -> universal -> Hugging Face keeps every weight and the
 logits; DeepSpeed's own engine.load_checkpoint, pointed at `--to deepspeed` output on 2 processes, loads each
-model (tied heads recorded as DeepSpeed records them, renamed keys in the module's names) with every weight and
-the logits equal to from_pretrained's; MoE models, whose per-expert files transformers fuses into one module
-tensor, are refused by the engine targets with one line."""
+model (tied heads recorded as DeepSpeed records them, renamed keys in the module's names, MoE experts fused into the
+module's tensors by transformers' own conversion operations) with every weight and the logits equal to
+from_pretrained's; accelerate (DDP and FSDP2) and torch DCP likewise."""
 
 from __future__ import annotations
 
@@ -17,20 +17,21 @@ import transformers
 
 from converters import registry
 from tests import architectures
-from tests.architectures import ARCHITECTURES, FSDP2_CANNOT_RUN, MOE, dcp_load, engine_load, logits, problem
+from tests.architectures import ARCHITECTURES, FSDP2_CANNOT_RUN, dcp_load, engine_load, logits, problem
 from tests.conftest import ROOT, worker_env
 
-ENGINE = [a for a in ARCHITECTURES if a not in MOE]
+ENGINE = list(ARCHITECTURES)
 # the default run: a tied head of another family (Gemma), an encoder-decoder with three ties (T5), a key
-# transformers renames (GPT-NeoX's embed_out); every model (BERT's tied head bias too) under -m slow
-DEFAULT_ENGINE = ["gemma", "t5", "gpt_neox"]
+# transformers renames (GPT-NeoX's embed_out), per-expert files fused into one module tensor (Qwen2-MoE, with a
+# shared expert); every model (BERT's tied head bias too) under -m slow
+DEFAULT_ENGINE = ["gemma", "t5", "gpt_neox", "qwen2_moe"]
 
 
 def saved(tmp_path, name: str):
     return architectures.saved(tmp_path, name)
 
 
-@pytest.mark.parametrize(("name", "via"), [(n, "universal") for n in ARCHITECTURES] + [(n, "hf-trainer") for n in ENGINE])
+@pytest.mark.parametrize(("name", "via"), [(n, v) for v in ("universal", "hf-trainer") for n in ARCHITECTURES])
 def test_hf_through_universal_and_back_is_exact(tmp_path, name, via):
     """Through universal, and through a Trainer checkpoint (its optimizer.pt numbers the module's parameters, so
     every architecture's module names are asked of transformers), back to a model from_pretrained loads."""
@@ -88,8 +89,8 @@ def test_dcp_load_gives_each_architecture(tmp_path):
 
 def test_accelerate_fsdp2_loads_each_architecture(tmp_path):
     """accelerate's FSDP2 plugin (SHARDED_STATE_DICT, 2 processes) load_state()s our `--to accelerate --fsdp` output:
-    a tied head of another family (Gemma), a renamed key (GPT-NeoX), a multimodal model (LLaVA)."""
-    names = ["gemma", "gpt_neox", "llava"]
+    a tied head of another family (Gemma), a renamed key (GPT-NeoX), a multimodal model (LLaVA), fused experts (Mixtral)."""
+    names = ["gemma", "gpt_neox", "llava", "mixtral"]
     check_loaded(engine_load(tmp_path, names, "fsdp2"), names)
 
 
@@ -104,15 +105,55 @@ def test_accelerate_fsdp2_loads_every_architecture_it_can_run(tmp_path):
             assert "is shared with a parameter already managed by another FSDP group" in r["engine_error"], (name, r)
 
 
-@pytest.mark.parametrize("target", ["deepspeed", pytest.param("accelerate", marks=pytest.mark.slow)])
-def test_moe_per_expert_files_are_refused_by_engine_targets(tmp_path, target):
-    """transformers fuses a MoE model's per-expert files into one module tensor per layer; an engine checkpoint of
-    that module is not written yet: one line naming the key and the fused tensor, exit 2, nothing written."""
-    _, hf = saved(tmp_path, "mixtral")
-    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(hf), str(tmp_path / "out"), "--to", target,
+def test_moe_expert_optimizer_state_is_split_per_expert_and_fused_back_exactly(tmp_path):
+    """A real accelerate save_state of Mixtral after one AdamW step holds the module's fused expert tensors
+    (experts.gate_up_proj: every expert's w1 and w3 stacked) and their moments. Read, it is universal's per-expert
+    tensors in the file naming, each with its own slice of the moments; written back, accelerate's own load_state
+    restores the weights and the optimizer state exactly."""
+    from accelerate import Accelerator
+
+    from trainers.base import param_groups
+
+    def prepared(seed: int):
+        torch.manual_seed(seed)
+        model = architectures.build("mixtral").train()
+        acc = Accelerator(cpu=True)
+        return acc, *acc.prepare(model, torch.optim.AdamW(param_groups(model, 0.01), lr=1e-2))
+
+    acc, model, optimizer = prepared(0)
+    ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    acc.save_state(str(tmp_path / "acc"))
+    _, ckpt = registry.read(str(tmp_path / "acc"), registry.Options(config=model.config.to_dict()))
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    fused = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
+    ffn = model.config.intermediate_size
+    assert torch.equal(ckpt.model[name].load(), fused.detach()[2, ffn:])
+    assert torch.equal(ckpt.optimizer.tensors["exp_avg"][name].load(), optimizer.state[fused]["exp_avg"][2, ffn:])
+    assert not any("gate_up_proj" in n for n in ckpt.names())
+    registry.writer("accelerate").write(ckpt, str(tmp_path / "back"), registry.Options(extra={"world_size": 1}))
+    acc2, model2, optimizer2 = prepared(1)
+    acc2.load_state(str(tmp_path / "back"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], optimizer2.state[p2][key]), key
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    """A per-expert file that lacks one expert cannot make the module's fused tensor: one line naming the layer's
+    tensor and the expert, exit 2, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    _, hf = saved(tmp_path, "qwen2_moe")
+    state = load_file(hf / "model.safetensors")
+    del state["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(hf), str(tmp_path / "out"), "--to", "deepspeed",
                            "--world-size", "2"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "transformers fuses it into model.layers.0.mlp.experts.gate_up_proj" in done.stderr
+    assert "model.layers.1.mlp.experts.gate_up_proj: expert 3 has no 'mlp.experts.3.up_proj.weight' tensor" in done.stderr
     assert not (tmp_path / "out").exists()
 
 

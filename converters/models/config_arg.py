@@ -13,8 +13,9 @@ from typing import Any
 
 from interop.errors import CheckpointError, ConfigurationError
 from interop.logical import LogicalCheckpoint
+from interop.tensors import LazyTensor, TensorSpec
 
-from .facts import meta_model, model_names_of, tied_groups
+from .facts import in_stored_names, meta_model, tied_groups
 from ..hf import CONFIG, read_config, read_config_file
 
 
@@ -39,9 +40,9 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     model = meta_model(config)
     if model is None:
         return {}
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    stored = model_names_of(config, list(shapes))
-    return {stored[name]: shape for name, shape in shapes.items()}
+    module = LogicalCheckpoint(model={n: LazyTensor(TensorSpec(tuple(t.shape), t.dtype), lambda: None, "meta")
+                                      for n, t in model.state_dict().items()}, config=config)
+    return {name: tuple(t.spec.shape) for name, t in in_stored_names(module).model.items()}
 
 
 def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) -> None:

@@ -19,6 +19,8 @@ import torch
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 
+from . import fusion
+
 log = logging.getLogger(__name__)
 
 # the heads a config.json without ``architectures`` is tried with, in order (a bare model last)
@@ -137,10 +139,10 @@ def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:
 
 
 @lru_cache(maxsize=16)
-def _renamers(key: str) -> tuple[Callable[[str], tuple[str, bool]], Callable[[str], str]]:
+def _renamers(key: str) -> tuple[Callable[[str], tuple[str, str | None]], Callable[[str], str]]:
     """transformers' own key renaming for this model: stored -> module name (what from_pretrained applies,
-    with the base-model prefix added or stripped; True when a WeightConverter fuses the key, as MoE experts
-    are), and module -> stored name (what save_pretrained applies)."""
+    with the base-model prefix added or stripped; and the source pattern of the WeightConverter that fuses
+    the key, as MoE experts are, or None), and module -> stored name (what save_pretrained applies)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, rename_source_key
 
@@ -150,9 +152,8 @@ def _renamers(key: str) -> tuple[Callable[[str], tuple[str, bool]], Callable[[st
     converters = [t for t in loading if isinstance(t, WeightConverter)]
     meta = dict.fromkeys(facts.names, True)
 
-    def to_module(name: str) -> tuple[str, bool]:
-        new, pattern = rename_source_key(name, renamings, converters, facts.prefix or None, meta)
-        return new, pattern is not None
+    def to_module(name: str) -> tuple[str, str | None]:
+        return rename_source_key(name, renamings, converters, facts.prefix or None, meta)
 
     saving = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
               if not isinstance(t, PrefixChange)]  # as revert_weight_conversion for a model not from from_pretrained
@@ -176,7 +177,7 @@ def stored_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, s
     known, out = set(facts.names), {}
     for name in names:
         module, fused = to_module(name)
-        if fused:
+        if fused is not None:
             out[name] = name
         elif module in known:
             out[name] = to_stored(module)
@@ -187,37 +188,54 @@ def stored_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, s
 
 def module_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
     """Universal's (save_pretrained's) key -> the model's module name, which engine formats store (a DeepSpeed
-    or accelerate state dict is the module's). One line when transformers fuses keys into one module tensor
-    (MoE experts): engine layouts of fused modules are not written yet."""
+    or accelerate state dict is the module's). Keys transformers fuses into one module tensor (MoE experts) are
+    :func:`in_module_names`' to fuse, not renamed here."""
     facts = _known(config)
     if facts is None:
         return {n: n for n in names}
     to_module, _ = _renamers(_key(config))
-    out = {}
-    for name in names:
-        module, fused = to_module(name)
-        if fused:
-            raise ConversionError(f"{name}: transformers fuses it into {module} in the {facts.cls} module (its per-expert "
-                                  "file layout); engine checkpoints of fused expert modules are not written yet, convert to "
-                                  "universal or hf")
-        out[name] = module
-    return out
+    return {name: module for name in names for module, fused in [to_module(name)] if fused is None}
 
 
-def model_names_of(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
-    """The inverse of :func:`module_names`: an engine's module name -> universal's key."""
-    facts = _known(config)
-    if facts is None:
-        return {n: n for n in names}
-    _, to_stored = _renamers(_key(config))
-    return {n: to_stored(n) for n in names}
+@lru_cache(maxsize=16)
+def _converters(key: str) -> list[Any]:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return [t for t in get_model_conversion_mapping(_facts(key)[1]) if isinstance(t, WeightConverter)]
 
 
 def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
-    """``ckpt`` (universal's names) under the module's names, as engine formats store them."""
-    return ckpt.renamed(module_names(config or ckpt.config, sorted(ckpt.names())))
+    """``ckpt`` (universal's names) under the module's names, as engine formats store them: keys renamed, and
+    the keys transformers fuses (MoE experts) fused into their module tensors, with their optimizer state."""
+    config = config or ckpt.config
+    if _known(config) is None:
+        return ckpt
+    key = _key(config)
+    to_module, _ = _renamers(key)
+    names = sorted(ckpt.names())
+    plans = fusion.plan(names, to_module, _converters(key))
+    fused = {n for p in plans for n in p.names}
+    renamed = ckpt.renamed({n: m for n, m in module_names(config, names).items() if n not in fused})
+    return fusion.fuse(renamed, plans, _facts(key)[1].config)
 
 
 def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
-    """``ckpt`` read under the module's names, under universal's (save_pretrained's) names."""
-    return ckpt.renamed(model_names_of(config or ckpt.config, sorted(ckpt.names())))
+    """``ckpt`` read under the module's names, under universal's (save_pretrained's) names: fused module
+    tensors (MoE experts) split back into the stored per-expert tensors, the rest renamed."""
+    config = config or ckpt.config
+    facts = _known(config)
+    if facts is None:
+        return ckpt
+    key = _key(config)
+    _, to_stored = _renamers(key)
+    known = set(facts.names)
+    splits, converters = [], _converters(key)
+    for name in sorted(ckpt.names()):
+        converter = next((c for c in converters if name in known and len(c.target_patterns) == 1
+                          and fusion.pattern_regex(c.target_patterns[0]).search(name)), None)
+        if converter is not None and name in ckpt.model:
+            splits.append(fusion.plan_split(name, converter, ckpt.model[name].spec, to_stored, _facts(key)[1].config))
+    fused = {s.source for s in splits}
+    renamed = ckpt.renamed({n: to_stored(n) for n in ckpt.names() if n not in fused})
+    return fusion.split(renamed, splits, _facts(key)[1].config)
