@@ -18,10 +18,10 @@ import os
 from interop import __version__
 from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
-from interop.errors import InteropError, one_line
+from interop.errors import InteropError, UnknownFormatError, one_line
 from interop.locking import exclusive
 from interop.logical import LogicalCheckpoint
-from interop.manifest import MANIFEST, Manifest, read_manifest
+from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, Manifest, read_manifest
 from interop.topology import Topology
 from interop.universal import parse_size
 
@@ -133,6 +133,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from interop.verify import verify_checkpoint
 
     directory = resolve_checkpoint_dir(args.path)
+    ours = os.path.isfile(os.path.join(directory, MANIFEST)) or os.path.normpath(directory).endswith(STAGING_SUFFIX) or any(
+        os.path.isdir(os.path.join(directory, d)) for d in OUR_FOLDERS)
+    if not ours:  # nothing records what it should hold: unusable input for verify, like any other (exit 2)
+        fmt = registry.detect(args.path)  # one line for what is no checkpoint at all
+        raise UnknownFormatError(args.path, f"is a {fmt.name} checkpoint with no interop {MANIFEST}: nothing records what it "
+                                 "should hold, so there is nothing to verify it against (interop inspect reads it; interop "
+                                 "convert checks each tensor it reads)")
     progress = None if args.quiet else (lambda items, **kw: _iter_progress(items, **kw))
     manifest, problems = verify_checkpoint(directory, digests=not args.sizes_only, progress=progress)
     if problems:
@@ -166,6 +173,17 @@ def _parents_of(dst: str):
         raise
 
 
+def _written(directory: str) -> tuple[int, int]:
+    """Files and bytes under ``directory`` (what a conversion wrote there)."""
+    files = size = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.path.getsize(os.path.join(root, name))
+                files += 1
+    return files, size
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
@@ -182,7 +200,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             target.write(ckpt, args.dst, options)  # type: ignore[misc]
         finally:
             close()
-    print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): {human_bytes(total)}")
+    files, written_bytes = _written(args.dst)
+    print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): wrote {human_bytes(written_bytes)} in "
+          f"{files} file(s) (the source's tensors: {human_bytes(total)})")
     if target.loads_with:
         print(f"load it with: {target.loads_with.replace('{dst}', args.dst)}")
     directory = resolve_checkpoint_dir(args.dst)  # an engine's tag file may lead to the folder with our manifest
@@ -235,6 +255,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
         side = "A" if a.optimizer is None else "B"
         print(f"hint: {side} holds no optimizer state; compare the weights alone with --model-only")
     return EXIT_PROBLEMS if report.problems else 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a size is at least 1")
+    return value
 
 
 def _size_arg(text: str) -> int:
@@ -291,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
     p.add_argument("--max-shard-size", type=_size_arg, default="5GiB", help="largest safetensors file (default 5GiB; e.g. 500MB, 2GiB)")
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
-    g.add_argument("--world-size", type=int, help="number of data-parallel ranks the output is for")
+    g.add_argument("--world-size", type=_positive_int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
@@ -300,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one group if --deepspeed-config has an optimizer section), one group (model.parameters()), or "
                         "decay / no-decay as transformers' Trainer")
     g.add_argument("--fsdp", action="store_true", help="accelerate: the FSDP2 sharded layout (DCP) instead of DDP's")
-    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, help="Megatron: tensor-parallel size")
-    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, help="Megatron: pipeline-parallel size")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=_positive_int, help="Megatron: tensor-parallel size")
+    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=_positive_int, help="Megatron: pipeline-parallel size")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron: the optimizer state as Megatron-LM's --use-distributed-optimizer saves it (megatron: distrib_optim.pt; "
                         "megatron-dist: the fully_reshardable layout, loadable at any DP x TP x PP)")
@@ -329,10 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _engine_errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """The CLI shows its own progress and results; the libraries' own chatter (DeepSpeed's accelerator
+    detection on stdout, deprecation and user warnings from torch and transformers) shows with -v only."""
+    import warnings
+
+    if verbose:
+        logging.captureWarnings(True)
+        return
+    warnings.simplefilter("ignore")
+    for name in ("DeepSpeed", "accelerate", "transformers", "torch.distributed"):
+        logger = logging.getLogger(name)
+        if _engine_errors_only not in logger.filters:
+            logger.addFilter(_engine_errors_only)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries(args.verbose)
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `interop inspect ... | head`: the reader left; not an error

@@ -626,9 +626,12 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
         raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
     arch = MegatronArch.from_hf(ckpt.config)
     arch.check_tp(tp)
-    beyond = arch.spec.beyond_megatron_lm
-    if beyond and not any(beyond in n for n in ckpt.notes):
-        ckpt.notes.append(f"{arch.model_type}: {beyond}")
+    said = [f"{arch.model_type}: {arch.spec.beyond_megatron_lm}"] if arch.spec.beyond_megatron_lm else []
+    window = ckpt.config.get("sliding_window")
+    if isinstance(window, int) and arch.spec.name not in ("gemma2", "gemma3"):  # Gemma's note says more already
+        said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
+                    "the same up to that many tokens); the recorded Hugging Face config keeps it")
+    ckpt.notes.extend(n for n in said if n not in ckpt.notes)
     dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     return arch, padded_vocab(arch.vocab, tp), dtype
 

@@ -88,6 +88,10 @@ class MegatronArch:
         theta, percent = None, 1.0
         if fam.position_embedding is None:
             theta, percent = _rope(cfg)
+        proj_bias, mlp_bias = _flag(cfg, fam.proj_bias), _flag(cfg, fam.linear_bias)
+        if proj_bias != mlp_bias:
+            raise ConversionError(f"{kind}: Megatron's --add-bias-linear gives the attention output projection and the MLP "
+                                  f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
         return cls(
             family=fam.name, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
@@ -95,7 +99,7 @@ class MegatronArch:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             ffn=getattr(cfg, fam.ffn_attr, None) or 4 * cfg.hidden_size, vocab=cfg.vocab_size,
             tied=bool(tied_groups(config)), gated=fam.gated, norm=fam.norm, eps=float(getattr(cfg, fam.eps_attr)),
-            max_positions=cfg.max_position_embeddings, linear_bias=_flag(cfg, fam.linear_bias),
+            max_positions=cfg.max_position_embeddings, linear_bias=mlp_bias,
             qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent,
             options=tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args),
         )
@@ -105,8 +109,11 @@ class MegatronArch:
         import transformers
 
         fam = self.spec
-        if self.model_type == "qwen2" and self.linear_bias:
-            raise ConversionError("qwen2 has no MLP biases; this checkpoint has them")
+        if fam.linear_bias is False and self.linear_bias:
+            raise ConversionError(f"{self.model_type} has no MLP or attention output biases; this checkpoint has them")
+        if fam.proj_bias == fam.qkv_bias and isinstance(fam.qkv_bias, str) and self.qkv_bias != self.linear_bias:
+            raise ConversionError(f"{self.model_type}'s {fam.qkv_bias} gives q/k/v and the output projection biases together; "
+                                  f"this checkpoint has q/k/v biases {self.qkv_bias} but linear biases {self.linear_bias}")
         kw: dict[str, Any] = dict(
             vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.num_layers, num_attention_heads=self.heads,
             max_position_embeddings=self.max_positions, tie_word_embeddings=self.tied, **{fam.eps_attr: self.eps},
@@ -156,6 +163,11 @@ class MegatronArch:
                         f"and swiglu={swiglu} is neither Llama-like nor GPT-2-like; no Hugging Face name map fits it"
                     )
             fam = family_for(model_type)
+            for flag in ("qk_layernorm", "apply_layernorm_1p"):  # structure the family's map must agree with
+                if bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
+                    raise ConversionError(
+                        f"{where}: the run {'used' if a.get(flag) else 'did not use'} --{flag.replace('_', '-')}, which a "
+                        f"{model_type} model {'does not have' if a.get(flag) else 'needs'}; no Hugging Face name map fits it")
             padded = a.get("padded_vocab_size")
             return cls(
                 family=fam.name, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,

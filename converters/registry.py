@@ -162,6 +162,17 @@ register(
 )
 
 
+def layout_value(ckpt: LogicalCheckpoint, o: Options, key: str, default: int) -> int:
+    """A layout size: its flag, else the source's, else ``default``, said in a note (the output's manifest
+    records it and convert prints it), since nothing asked for it."""
+    value = o.extra.get(key) or ckpt.source.get(key)
+    if value is None:
+        flag = "--" + key.replace("_", "-")
+        value = default
+        ckpt.notes.append(f"{flag} {default}: neither given nor recorded by the source (pass {flag} to choose)")
+    return int(value)
+
+
 def _deepspeed_config(o: Options) -> dict | None:
     import json
 
@@ -178,8 +189,8 @@ def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
 
     extra = o.extra
     config = _deepspeed_config(o)
-    world = extra.get("world_size") or ckpt.source.get("world_size") or 1
-    stage = extra.get("zero_stage") or ckpt.source.get("zero_stage") or 2
+    world = layout_value(ckpt, o, "world_size", 1)
+    stage = layout_value(ckpt, o, "zero_stage", 2)
     dtype = extra.get("dtype") or ckpt.source.get("dtype") or "float32"
     write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype), config, o.overwrite, extra.get("param_groups"))
 
@@ -212,7 +223,7 @@ register(
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-    world = o.extra.get("world_size") or ckpt.source.get("world_size") or 1
+    world = layout_value(ckpt, o, "world_size", 1)
     fsdp = bool(o.extra.get("fsdp")) or (not o.extra.get("world_size") and ckpt.source.get("strategy") == "fsdp")
     accelerate.write_accelerate(ckpt, dst, int(world), fsdp, o.overwrite)
 
@@ -237,8 +248,8 @@ def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
-    megatron_dist.write_megatron_dist(ckpt, dst, int(o.extra.get("tp") or ckpt.source.get("tp") or 1), o.overwrite,
-                                      distributed_optimizer=layout, pp=int(o.extra.get("pp") or ckpt.source.get("pp") or 1),
+    megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite,
+                                      distributed_optimizer=layout, pp=layout_value(ckpt, o, "pp", 1),
                                       transformer_impl=o.extra.get("transformer_impl") or "transformer_engine")
 
 
@@ -265,8 +276,8 @@ register(
     )
 )
 def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-    tp = o.extra.get("tp") or ckpt.source.get("tp") or 1
-    pp = o.extra.get("pp") or ckpt.source.get("pp") or 1
+    tp = layout_value(ckpt, o, "tp", 1)
+    pp = layout_value(ckpt, o, "pp", 1)
     te = (o.extra.get("transformer_impl") or "transformer_engine") == "transformer_engine"
     if o.extra.get("dist_optim_layout"):
         raise ConfigurationError("--dist-optim-layout is a torch_dist layout (--to megatron-dist); the legacy format's "

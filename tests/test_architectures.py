@@ -143,7 +143,7 @@ def test_moe_expert_optimizer_state_is_split_per_expert_and_fused_back_exactly(t
 
 def test_a_missing_expert_is_named(tmp_path):
     """A per-expert file that lacks one expert cannot make the module's fused tensor: one line naming the layer's
-    tensor and the expert, exit 2, nothing written."""
+    tensor and the expert (or, when the last expert is gone from every pattern, the shapes), exit 2, nothing written."""
     from safetensors.torch import load_file, save_file
 
     _, hf = saved(tmp_path, "qwen2_moe")
@@ -154,6 +154,14 @@ def test_a_missing_expert_is_named(tmp_path):
                            "--world-size", "2"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "model.layers.1.mlp.experts.gate_up_proj: expert 3 has no 'mlp.experts.3.up_proj.weight' tensor" in done.stderr
+    assert not (tmp_path / "out").exists()
+    for key in [k for k in state if ".experts.3." in k]:  # the last expert gone from every pattern: the module's shape says so
+        del state[key]
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(hf), str(tmp_path / "out"), "--to", "accelerate",
+                           "--world-size", "1"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "experts.down_proj: its 3 experts make [3, 36, 20], but the model's tensor is [4, 36, 20]" in done.stderr and "experts are missing from the checkpoint" in done.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -287,3 +288,68 @@ def test_config_of_another_model_is_refused_naming_the_tensor(sources, tmp_path,
     assert not (tmp_path / "out").exists()
     code, out, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "same", "--to", "hf", "--config", sources / "hf")
     assert code == 0, err
+
+
+def test_verify_refuses_what_records_nothing_to_check_against(sources, tmp_path, capsys):
+    """A Hugging Face directory (even one interop wrote) has no manifest: verify says so and exits 2, as for any input
+    it cannot use; so does a directory that is no checkpoint, or no directory."""
+    code, out, err = run_cli(capsys, "verify", sources / "hf")
+    assert_one_line_error(code, err, "is a hf checkpoint with no interop manifest.json: nothing records what it should hold")
+    assert out == ""
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli(capsys, "verify", tmp_path / "empty")
+    assert_one_line_error(code, err, "not a checkpoint this tool recognises")
+    code, _, err = run_cli(capsys, "verify", tmp_path / "absent")
+    assert_one_line_error(code, err, "no such file or directory")
+
+
+@pytest.mark.parametrize("flag", ["--world-size", "--tp", "--pp"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_sizes_below_one_are_refused(sources, tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(sources / "uni"), str(tmp_path / "out"), "--to", "megatron", flag, value])
+    _, err = capsys.readouterr()
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"argument {flag}" in err and "a size is at least 1" in err and "(see interop convert --help)" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_prints_what_it_wrote_and_the_defaults_it_chose(sources, tmp_path, capsys):
+    """The size printed is the output's bytes on disk; layout sizes neither given nor recorded by the source are
+    said in a note (and recorded in the output's manifest)."""
+    code, out, _ = run_cli(capsys, "convert", sources / "hf", tmp_path / "ds", "--to", "deepspeed")
+    assert code == 0
+    files = [os.path.join(r, n) for r, _, names in os.walk(tmp_path / "ds") for n in names]
+    size = sum(os.path.getsize(f) for f in files)
+    line = next(line for line in out.splitlines() if line.startswith("converted "))
+    assert f"wrote {size / 1024:.1f} KiB in {len(files)} file(s)" in line, (line, size)
+    assert "note: --world-size 1: neither given nor recorded by the source (pass --world-size to choose)" in out
+    assert "note: --zero-stage 2: neither given nor recorded by the source (pass --zero-stage to choose)" in out
+    code, out, _ = run_cli(capsys, "convert", sources / "hf", tmp_path / "ds3", "--to", "deepspeed", "--world-size", "2",
+                           "--zero-stage", "3")
+    assert code == 0 and "neither given" not in out
+
+
+def test_demo_without_its_engines_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    code, out, err = run_cli(capsys, "demo", "--out", tmp_path / "demo")
+    assert_one_line_error(code, err, "interop demo: error: needs deepspeed, not installed here: pip install 'interop[demo]'")
+    assert not (tmp_path / "demo").exists()
+
+
+def test_a_clean_run_shows_no_library_warnings(sources, tmp_path):
+    """convert (to DeepSpeed, whose import announces its accelerator), diff, inspect and verify print their own
+    lines only: no library warning on stderr or stdout (-v lets them through)."""
+    env = worker_env()
+    cli = [sys.executable, "-m", "converters.cli"]
+    runs = [["convert", str(sources / "uni"), str(tmp_path / "ds"), "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2"],
+            ["diff", str(sources / "uni"), str(tmp_path / "ds")], ["inspect", str(tmp_path / "ds")], ["verify", str(tmp_path / "ds"), "-q"]]
+    for argv in runs:
+        done = subprocess.run(cli + argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, (argv, done.stderr)
+        noise = [line for line in (done.stderr + done.stdout).splitlines()
+                 if "Warning" in line or "[WARNING]" in line or "Setting accelerator" in line or "warn(" in line]
+        assert noise == [], (argv[0], noise)

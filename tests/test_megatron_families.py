@@ -55,6 +55,8 @@ def test_family_through_megatron_and_back_is_exact(tmp_path, name, target):
     notes = exact_back(tmp_path, name, target)
     beyond = families()[ARCHITECTURES[name][0]].beyond_megatron_lm
     assert any(beyond in n for n in notes) if beyond else not any("Megatron-Bridge" in n for n in notes)
+    window = ARCHITECTURES[name][2].get("sliding_window")
+    assert any(f"sliding_window {window}: not written as a Megatron argument" in n for n in notes) == (name == "mistral")
 
 
 def test_family_arguments_are_megatron_lms(tmp_path):
@@ -63,7 +65,7 @@ def test_family_arguments_are_megatron_lms(tmp_path):
     expect = {
         "qwen3": {"qk_layernorm": True, "swiglu": True},
         "gemma2": {"apply_layernorm_1p": True, "swiglu": False, "attn_logit_softcapping": 50.0,
-                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256, "window_size": 16},
+                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256},
         "gemma3": {"apply_layernorm_1p": True, "qk_layernorm": True},
         "gpt2": {"openai_gelu": True, "swiglu": False, "normalization": "LayerNorm"},
         "phi3": {"rotary_percent": 1.0, "swiglu": True, "add_qkv_bias": False},
@@ -123,3 +125,36 @@ def test_an_activation_the_map_does_not_compute_is_refused(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match="llama with activation 'gelu': its Megatron map computes silu only"):
         convert(tmp_path / "hf", tmp_path / "meg", "megatron", tp=1, pp=1)
+
+
+def test_biases_megatron_cannot_express_are_refused_and_the_ones_it_can_are_exact(tmp_path):
+    """Megatron's --add-bias-linear gives the attention output projection and the MLP their biases together: a Llama
+    with attention_bias and mlp_bias converts exactly (o_proj's bias included); one with attention_bias alone is
+    refused in one line (before, its o_proj bias was left out with a note, and the model's outputs changed)."""
+    from tests import architectures
+
+    both = dict(architectures.LLAMA, attention_bias=True, mlp_bias=True)
+    architectures.ARCHITECTURES["llama-biased"] = ("llama", "LlamaForCausalLM", both)
+    try:
+        exact_back(tmp_path / "both", "llama-biased", "megatron")
+        architectures.ARCHITECTURES["llama-biased"] = ("llama", "LlamaForCausalLM", dict(both, mlp_bias=False))
+        build("llama-biased").save_pretrained(tmp_path / "attn" / "hf")
+        with pytest.raises(ConversionError, match="llama: Megatron's --add-bias-linear gives the attention output projection "
+                                                  "and the MLP biases together; this model has an output projection bias True "
+                                                  "but MLP biases False"):
+            convert(tmp_path / "attn" / "hf", tmp_path / "attn" / "meg", "megatron", tp=1, pp=1)
+    finally:
+        del architectures.ARCHITECTURES["llama-biased"]
+
+
+def test_megatron_arguments_a_family_does_not_have_are_refused():
+    """A Megatron-LM run's own checkpoint says its structure in flags: zero-centred norms (--apply-layernorm-1p) on a
+    model the flags otherwise make Llama-like would be copied off by one; refused, naming the flag."""
+    from converters.megatron_arch import MegatronArch
+
+    args = MegatronArch.from_hf(build("llama").config.to_dict()).to_args(1, 1)
+    args.pop("hf_model_type")
+    assert MegatronArch.from_args(args, "args").model_type == "llama"
+    with pytest.raises(ConversionError, match="args: the run used --apply-layernorm-1p, which a llama model does not have"):
+        MegatronArch.from_args({**args, "apply_layernorm_1p": True}, "args")
+    assert MegatronArch.from_args({**args, "qk_layernorm": True}, "args").model_type == "qwen3"

@@ -113,7 +113,21 @@ def run_demo(out: str, steps: int = 6) -> DemoResult:
     return result
 
 
+def require_engines(*packages: str, extra: str) -> None:
+    """One line naming what to install when an engine the command runs is missing (the launched processes
+    would otherwise end in an import traceback each)."""
+    import importlib.util
+
+    from interop.errors import ConfigurationError
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ConfigurationError(f"needs {' and '.join(missing)}, not installed here: pip install 'interop[{extra}]' "
+                                 f"(or pip install -e '.[{extra}]' in a clone)")
+
+
 def _command(args: argparse.Namespace) -> int:
+    require_engines("deepspeed", "accelerate", extra="demo")
     logging.getLogger().setLevel(logging.WARNING)
     out = args.out or tempfile.mkdtemp(prefix="interop-demo-")
     result = run_demo(out, args.steps)

@@ -217,25 +217,29 @@ def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     plans = fusion.plan(names, to_module, _converters(key))
     fused = {n for p in plans for n in p.names}
     renamed = ckpt.renamed({n: m for n, m in module_names(config, names).items() if n not in fused})
-    return fusion.fuse(renamed, plans, _facts(key)[1].config)
+    return fusion.fuse(renamed, plans, _facts(key)[1])
 
 
 def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     """``ckpt`` read under the module's names, under universal's (save_pretrained's) names: fused module
-    tensors (MoE experts) split back into the stored per-expert tensors, the rest renamed."""
+    tensors (MoE experts) split back into the stored per-expert tensors (matched by transformers' own
+    rename_source_key on the reversed converters, as save_pretrained matches them), the rest renamed."""
+    from transformers.core_model_loading import rename_source_key
+
     config = config or ckpt.config
     facts = _known(config)
     if facts is None:
         return ckpt
     key = _key(config)
     _, to_stored = _renamers(key)
-    known = set(facts.names)
-    splits, converters = [], _converters(key)
-    for name in sorted(ckpt.names()):
-        converter = next((c for c in converters if name in known and len(c.target_patterns) == 1
-                          and fusion.pattern_regex(c.target_patterns[0]).search(name)), None)
-        if converter is not None and name in ckpt.model:
-            splits.append(fusion.plan_split(name, converter, ckpt.model[name].spec, to_stored, _facts(key)[1].config))
+    reversed_ = [c.reverse_transform() for c in _converters(key)]
+    known, meta = set(facts.names), _facts(key)[1]
+    splits = []
+    for name in sorted(n for n in ckpt.model if n in known):
+        pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
+        if pattern is not None:
+            reverse = next(r for r in reversed_ if pattern in r.source_patterns)
+            splits.append(fusion.plan_split(name, reverse, ckpt.model[name].spec, to_stored, meta))
     fused = {s.source for s in splits}
     renamed = ckpt.renamed({n: to_stored(n) for n in ckpt.names() if n not in fused})
-    return fusion.split(renamed, splits, _facts(key)[1].config)
+    return fusion.split(renamed, splits, meta)

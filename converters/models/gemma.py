@@ -17,7 +17,7 @@ POST_ATTENTION = norm("self_attention.linear_proj.post_layernorm", "post_attenti
 POST_MLP = norm("mlp.linear_fc2.post_layernorm", "post_feedforward_layernorm")
 PROJ, QKV = ATTENTION[:2], ATTENTION[2:]
 SOFT = (("query_pre_attn_scalar", "query_pre_attn_scalar"), ("attn_logit_softcapping", "attn_logit_softcapping"),
-        ("final_logit_softcapping", "final_logit_softcapping"), ("sliding_window", "window_size"))
+        ("final_logit_softcapping", "final_logit_softcapping"))
 ONE_P = {"apply_layernorm_1p": True}
 
 GEMMA = register(Family(
@@ -33,6 +33,6 @@ GEMMA2 = register(Family(
 GEMMA3 = register(Family(
     name="gemma3", model_types=("gemma3_text",),
     layer=(*INPUT_NORM, *PROJ, *POST_ATTENTION, *QKV, *QK_NORMS, *PRE_FFN_NORM, *MLP, *POST_MLP), qk_norm=True,
-    activation=GELU, linear_bias=False, megatron_args={**ONE_P, "qk_layernorm": True}, config_args=SOFT[:1] + SOFT[3:],
+    activation=GELU, linear_bias=False, megatron_args={**ONE_P, "qk_layernorm": True}, config_args=SOFT[:1],
     beyond_megatron_lm=BEYOND.replace("GeGLU", "GeGLU with local and global rotary bases"), **TOP,
 ))

@@ -8,7 +8,7 @@ from .megatron_family import COLS, PACKED_QKV, PACKED_QKV_T, REPLICATED, ROWS, T
 GPT2 = register(Family(
     name="gpt2", model_types=("gpt2",), embedding="transformer.wte.weight", position_embedding="transformer.wpe.weight",
     final_norm="transformer.ln_f", output="lm_head.weight", layer_prefix="transformer.h.{i}.", norm="LayerNorm", eps_attr="layer_norm_epsilon", ffn_attr="n_inner",
-    activation=("gelu_new", "gelu_pytorch_tanh"), gated=False, qkv_bias=True, linear_bias=True,
+    activation=("gelu_new", "gelu_pytorch_tanh"), gated=False, qkv_bias=True, proj_bias=True, linear_bias=True,
     megatron_args={"openai_gelu": True},
     layer=(
         *norm("input_layernorm", "ln_1", norm_of="self_attention.linear_qkv"),

@@ -27,4 +27,4 @@ LAYER = (*INPUT_NORM, *ATTENTION, *PRE_MLP_NORM, *MLP)
 TOP = dict(embedding="model.embed_tokens.weight", final_norm="model.norm", output="lm_head.weight", layer_prefix="model.layers.{i}.")
 
 LLAMA = register(Family(name="llama", model_types=("llama", "mistral"), layer=LAYER, **TOP))
-QWEN2 = register(Family(name="qwen2", model_types=("qwen2",), layer=LAYER, qkv_bias=True, linear_bias=False, **TOP))
+QWEN2 = register(Family(name="qwen2", model_types=("qwen2",), layer=LAYER, qkv_bias=True, proj_bias=False, linear_bias=False, **TOP))

@@ -67,7 +67,8 @@ class Family:
     gated: bool = True
     qk_norm: bool = False
     qkv_bias: str | bool = "attention_bias"  # a config attribute, or fixed
-    linear_bias: str | bool = "mlp_bias"
+    proj_bias: str | bool = "attention_bias"  # the attention output projection's bias
+    linear_bias: str | bool = "mlp_bias"  # the MLP's; Megatron's --add-bias-linear is this and proj_bias at once
     megatron_args: dict[str, Any] = field(default_factory=dict)  # Megatron-LM arguments the family sets
     config_args: tuple[tuple[str, str], ...] = ()  # (HF config attribute, Megatron arg) carried as they are
     beyond_megatron_lm: str | None = None  # what Megatron-LM's arguments cannot express (a note on the output)

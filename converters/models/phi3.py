@@ -7,7 +7,7 @@ from .llama import INPUT_NORM, PRE_MLP_NORM, TOP
 from .megatron_family import COLS, GATED, PACKED_QKV, ROWS, Family, Param, register
 
 PHI3 = register(Family(
-    name="phi3", model_types=("phi3",), qkv_bias=False, linear_bias=False,
+    name="phi3", model_types=("phi3",), qkv_bias=False, proj_bias=False, linear_bias=False,
     layer=(
         *INPUT_NORM,
         Param("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), COLS),
