@@ -145,5 +145,5 @@ def write_interop_dcp(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups}
     return write_engine_checkpoint(
         ckpt, dst, NATIVE_KEY, lambda directory: write_dcp(state, directory), sharding, {"torch": torch.__version__},
-        optimizer, overwrite, frozenset({"model", "optimizer"}),
+        optimizer, overwrite, frozenset({"model", "optimizer"}), any_world_size=True,
     )

@@ -17,7 +17,7 @@ interop convert "$OUT/zero2/checkpoint-4" "$OUT/fsdp2-start" --to accelerate --w
 interop verify "$OUT/fsdp2-start" --quiet
 
 # 3. the target run picks up at step 5
-accelerate launch --config_file examples/fsdp2.yaml examples/train_accelerate.py --batch-size 8 \
+accelerate launch --config_file examples/fsdp2.yaml examples/train_accelerate.py --batch-size 4 \
     --steps 8 --resume "$OUT/fsdp2-start" --output-dir "$OUT/fsdp2" > "$OUT/fsdp2.log"
 
 python examples/compare_losses.py "$OUT/zero2.log" "$OUT/fsdp2.log"

@@ -237,7 +237,7 @@ def table(cells: dict[tuple[str, str], str]) -> str:
     limits = [(name, column, cells[(name, column)]) for name in ARCHITECTURES for column in COLUMNS
               if cells.get((name, column), "").startswith(ENGINE_LIMIT)]
     if limits:
-        lines += ["", "The engine's limit (the engine refuses the model itself, before any checkpoint is read):", ""]
+        lines += ["", "The engine's limit (the engine cannot run the model at all: its first forward fails the same way with or without a checkpoint):", ""]
         lines += [f"- {name} ({column}): {cell.removeprefix(ENGINE_LIMIT + ': ')}" for name, column, cell in limits]
     return "\n".join(lines) + "\n"
 

@@ -96,8 +96,8 @@ def test_accelerate_fsdp2_loads_each_architecture(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_fsdp2_loads_every_architecture_it_can_run(tmp_path):
-    """Every architecture; T5's and BERT's ties span modules accelerate's FSDP2 wraps apart, which FSDP2 itself
-    refuses before any checkpoint is read (the engine's limit, named in docs/architectures.md)."""
+    """Every architecture; T5's and BERT's ties span modules accelerate's FSDP2 wraps apart, which FSDP2's first
+    forward refuses with or without a checkpoint (the engine's limit, named in docs/architectures.md)."""
     results = engine_load(tmp_path, ENGINE, "fsdp2")
     check_loaded([r for n, r in zip(ENGINE, results) if n not in FSDP2_CANNOT_RUN], [n for n in ENGINE if n not in FSDP2_CANNOT_RUN])
     for name, r in zip(ENGINE, results):

@@ -211,6 +211,8 @@ def test_console_script_help_and_demo(tmp_path):
     for _, zero, fsdp, tp in rows:  # the resumed runs continue ZeRO-2's uninterrupted losses
         assert float(fsdp) == pytest.approx(float(zero), rel=1e-5) and float(tp) == pytest.approx(float(zero), rel=1e-5)
     assert "weights equal the TP2 checkpoint's" in out and "generate('The checkpoint ')" in out
+    # read from the resumed runs' manifests (2 ranks resumed 2 ranks' streams): nothing records a stream not restored
+    assert "RNG streams: each rank's restored as saved (no checkpoint's manifest records otherwise)" in out, out
     manifest = json.loads((tmp_path / "demo" / "universal" / "manifest.json").read_text())
     assert manifest["format"] == "interop-universal" and manifest["step"] == 3
 

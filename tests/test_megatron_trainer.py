@@ -147,6 +147,9 @@ def test_convert_to_interop_dcp_is_lossless(runs, tmp_path):
     assert re.search(r"(\d+) compared, \1 exact, 0 within atol, 0 different", report), report
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert {"scheduler", "data", "trainer", "rng"} <= set(manifest["components"])  # carried beside dcp/
+    # DCP loads on any layout: no note may claim the 4 ranks' RNG "cannot follow onto 1" (a Megatron-style run on 4
+    # ranks restores it exactly; the run that loads it says what it does)
+    assert not any("cannot follow" in n for n in manifest["notes"]), manifest["notes"]
 
 
 # --- bad input ----------------------------------------------------------------------------------------------

@@ -100,3 +100,20 @@ def test_manifest_records_model_and_sharding_metadata(tmp_path):
     assert manifest.model["tied"] == [["lm_head.weight", "model.embed_tokens.weight"]]
     assert manifest.optimizer == {"class": "AdamW"}
     assert isinstance(LocalModel(trainer.model), DistributedModel)
+
+
+def test_every_trainer_flag_has_help():
+    """`--help` explains each flag, for every trainer's own flags too (the parser the launchers' scripts use)."""
+    import argparse
+
+    from trainers.accelerate import AccelerateTrainerConfig
+    from trainers.base import config_parser
+    from trainers.deepspeed import DeepSpeedTrainerConfig
+    from trainers.megatron import MegatronTrainerConfig
+
+    for cls in (TrainerConfig, DeepSpeedTrainerConfig, AccelerateTrainerConfig, MegatronTrainerConfig):
+        actions = [a for a in config_parser(cls)._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+        bare = [a.option_strings[0] for a in actions if not a.help or a.help.startswith("default:")]
+        assert not bare, (cls.__name__, bare)
+    done = subprocess.run([sys.executable, "-m", "trainers.base", "--help"], capture_output=True, text=True, env=worker_env(), timeout=120)
+    assert done.returncode == 0 and "--save-every SAVE_EVERY" in done.stdout and "save a checkpoint every N steps" in done.stdout

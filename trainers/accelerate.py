@@ -33,7 +33,7 @@ from interop.state import NativeLoad
 from interop.errors import ConfigurationError
 
 from .accelerate_compat import enable_cpu_fsdp, has_accelerator
-from .base import BaseTrainer, TrainerConfig, configure_logging, param_group_names, run
+from .base import flag, BaseTrainer, TrainerConfig, configure_logging, param_group_names, run
 from .base import parse_config as base_parse_config
 from .comm_hooks import register_compression
 from .state import OptimizerStateful
@@ -43,12 +43,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AccelerateTrainerConfig(TrainerConfig):
-    fsdp: bool = False  # FSDP2 (fsdp_version=2, sharded state dict) instead of DDP
-    mixed_precision: str = "no"  # no | bf16
-    comm_hook: str = "none"  # DDP gradient compression: none | fp16 | bf16 | powersgd
-    powersgd_rank: int = 1  # PowerSGD's matrix approximation rank
-    powersgd_start_iter: int = 2  # plain all-reduce before this iteration (DDP settles its buckets first)
-    local_sgd_steps: int = 0  # DDP: no gradient all-reduce; parameters averaged every K steps (0: off)
+    fsdp: bool = flag(False, "FSDP2 (fsdp_version=2, sharded state dict) instead of DDP")
+    mixed_precision: str = flag("no", "no | bf16")
+    comm_hook: str = flag("none", "DDP gradient compression: none | fp16 | bf16 | powersgd")
+    powersgd_rank: int = flag(1, "PowerSGD's matrix approximation rank")
+    powersgd_start_iter: int = flag(2, "plain all-reduce before this iteration (DDP settles its buckets first)")
+    local_sgd_steps: int = flag(0, "DDP: no gradient all-reduce; parameters averaged every K steps (0: off)")
     output_dir: str = "out/accelerate"
 
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -32,31 +32,39 @@ log = logging.getLogger(__name__)
 BETAS = (0.9, 0.95)
 
 
+def flag(default: Any, help: str) -> Any:
+    """A config field and its command-line help (``--name``, see :func:`config_parser`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainerConfig:
-    model: str = "llama"  # llama | gpt2 (tiny, built from a config)
-    tied: bool = False  # tie input embeddings and output layer
-    init_from: str | None = None  # a Hugging Face model directory instead of a fresh model
-    steps: int = 8  # length of the run (the schedule's horizon)
-    stop_at: int | None = None  # stop early at this step, as an interrupted run would
-    batch_size: int = 4
-    seq_len: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0  # clip the global gradient norm (0: off); DeepSpeed's and Hugging Face's default
-    warmup_steps: int = 2
-    seed: int = 1234
-    output_dir: str = "out/base"
-    save_every: int = 0
-    keep_last: int | None = 3
-    resume: str | None = None  # a checkpoint directory, or "latest" for output_dir's latest
-    backend: str = "auto"  # process-group backend for multi-process trainers: auto | gloo | nccl | mpi
-    activation_checkpointing: bool = False
-    dtype: str = "float32"
-    freeze: str = ""  # comma-separated parameter-name prefixes to freeze, e.g. "model.layers.0.mlp"
-    verify: bool = True  # on resume, check every file's digest against the manifest (--no-verify: sizes only)
-    debug: bool = False  # show the traceback of an error instead of its one line
-    trust_pickle: bool = False  # let the engine unpickle anything in the checkpoint's files (trusted sources only)
+    model: str = flag("llama", "tiny model built from a config: llama | gpt2")
+    tied: bool = flag(False, "tie input embeddings and output layer")
+    init_from: str | None = flag(None, "a Hugging Face model directory to start from instead of a fresh model")
+    steps: int = flag(8, "length of the run (the schedule's horizon)")
+    stop_at: int | None = flag(None, "stop early at this step, as an interrupted run would")
+    batch_size: int = flag(4, "samples per optimizer step, over all data-parallel ranks")
+    seq_len: int = flag(32, "tokens per sample")
+    lr: float = flag(3e-3, "peak learning rate (linear warmup, then linear decay to 0 at --steps)")
+    weight_decay: float = flag(0.1, "AdamW weight decay (norms and biases: none)")
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm (0: off); DeepSpeed's and Hugging Face's default")
+    warmup_steps: int = flag(2, "learning-rate warmup steps")
+    seed: int = flag(1234, "seed of the model, the data order and every RNG stream")
+    output_dir: str = flag("out/base", "where checkpoint-<step> directories are saved")
+    save_every: int = flag(0, "save a checkpoint every N steps (0: at the end only)")
+    keep_last: int | None = flag(3, "checkpoints kept (older ones are removed after a save commits)")
+    resume: str | None = flag(None, "a checkpoint directory in any format interop reads, or 'latest' for output_dir's latest")
+    backend: str = flag("auto", "process-group backend for multi-process trainers: auto | gloo | nccl | mpi")
+    activation_checkpointing: bool = flag(False, "recompute activations in the backward pass (less memory)")
+    dtype: str = flag("float32", "training precision: float32 | bfloat16 (fp32 master weights kept)")
+    freeze: str = flag("", "comma-separated parameter-name prefixes to freeze, e.g. 'model.layers.0.mlp'")
+    verify: bool = flag(True, "on resume, check every file's digest against the manifest (--no-verify: sizes only)")
+    debug: bool = flag(False, "show the traceback of an error instead of its one line")
+    trust_pickle: bool = flag(False, "let the engine unpickle anything in the checkpoint's files (trusted sources only)")
+
+
+_BASE_HELP = {f.name: f.metadata.get("help", "") for f in fields(TrainerConfig)}
 
 
 def tiny_config(kind: str, tied: bool = False):
@@ -301,13 +309,15 @@ def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        text = f.metadata.get("help") or _BASE_HELP.get(f.name, "")  # a trainer's own default keeps the base's help
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif f.name == "resume":
-            parser.add_argument(flag, nargs="?", const="latest", default=None, help="resume from a checkpoint (default: latest)")
+            parser.add_argument(flag, nargs="?", const="latest", default=None, help=f"{text} (bare --resume: latest)")
         else:
             kind = type(default) if default is not None else str
-            parser.add_argument(flag, type=int if f.name in ("keep_last", "stop_at") else kind, default=default)
+            parser.add_argument(flag, type=int if f.name in ("keep_last", "stop_at") else kind, default=default,
+                                help=f"{text} (default: {default})" if text else f"default: {default}")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser
 

@@ -32,15 +32,15 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
 from interop.state import NativeLoad
 
-from .base import BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, resolve_backend, run
+from .base import flag, BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, resolve_backend, run
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DeepSpeedTrainerConfig(TrainerConfig):
-    deepspeed_config: str | None = None  # the user's DeepSpeed JSON; flags below only fill what it leaves out
-    zero_stage: int = 2
+    deepspeed_config: str | None = flag(None, "the user's DeepSpeed JSON; flags below only fill what it leaves out")
+    zero_stage: int = flag(2, "ZeRO stage 1, 2 or 3 (when --deepspeed-config sets none)")
     output_dir: str = "out/deepspeed"
 
 

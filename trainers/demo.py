@@ -27,6 +27,7 @@ class DemoResult:
     verify_problems: list[str] = field(default_factory=list)
     generated: str = ""
     weights_exact: bool = False
+    rng_notes: list[str] = field(default_factory=list)  # what the resumed runs' manifests record about RNG streams
 
     def max_rel(self, run: str) -> float:
         return max(abs(a - b) / abs(b) for a, b in zip(self.resumed[run], self.reference))
@@ -47,6 +48,8 @@ def run_demo(out: str, steps: int = 6) -> DemoResult:
 
     from converters import registry
     from converters.diff import diff_checkpoints
+    from interop.commit import resolve_checkpoint_dir
+    from interop.manifest import read_manifest
     from interop.verify import verify_checkpoint
 
     from .launch import launch
@@ -109,7 +112,12 @@ def run_demo(out: str, steps: int = 6) -> DemoResult:
     for k in result.resumed:
         _say(f"  {k}: largest relative difference {result.max_rel(k):.1e} (float rounding between engines)")
     _say("preserved: weights and AdamW state bit for bit, per-parameter step, both param groups, the LR schedule, "
-         "the data position and trainer progress; RNG streams per rank (same number of ranks)")
+         "the data position and trainer progress (the losses above continue ZeRO-2's)")
+    # what the resumed runs' own checkpoints record about the state they could not take as saved
+    result.rng_notes = [f"{name}: {n}" for name, run in (("Accelerate FSDP2", fsdp), ("Megatron-style TP2", tp2))
+                        for n in read_manifest(resolve_checkpoint_dir(run.checkpoint)).notes if "rng" in n.lower()]
+    _say("RNG streams: " + ("; ".join(result.rng_notes) if result.rng_notes else
+                            "each rank's restored as saved (no checkpoint's manifest records otherwise)"))
     return result
 
 

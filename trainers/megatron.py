@@ -35,7 +35,7 @@ from interop.state import NativeLoad
 from interop.errors import ConfigurationError
 
 from . import memory
-from .base import BaseTrainer, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
+from .base import flag, BaseTrainer, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
 
@@ -46,11 +46,11 @@ SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass
 class MegatronTrainerConfig(TrainerConfig):
-    tp: int = 1  # tensor-parallel size (Megatron's --tensor-model-parallel-size)
-    pp: int = 1  # pipeline-parallel size (Megatron's --pipeline-model-parallel-size)
-    microbatches: int = 0  # per pipeline step; 0: as many as pipeline stages
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
-    recompute_granularity: str = "layer"  # with --activation-checkpointing: layer | stage
+    tp: int = flag(1, "tensor-parallel size (Megatron's --tensor-model-parallel-size)")
+    pp: int = flag(1, "pipeline-parallel size (Megatron's --pipeline-model-parallel-size)")
+    microbatches: int = flag(0, "per pipeline step; 0: as many as pipeline stages")
+    pipeline_schedule: str = flag("1f1b", "gpipe | 1f1b")
+    recompute_granularity: str = flag("layer", "with --activation-checkpointing: layer | stage")
     output_dir: str = "out/megatron"
 
 
