@@ -33,7 +33,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
 
-from .megatron_arch import MegatronArch, padded_vocab
+from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
     COLS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows, rules,
     split, stage_rules, tied_output_rule,
@@ -515,17 +515,13 @@ def hf_config(arch: MegatronArch, args: dict[str, Any]) -> dict[str, Any]:
     config = arch.to_hf()
     recorded = args.get("hf_config")
     if isinstance(recorded, dict) and recorded.get("model_type") == config["model_type"]:
-        return {**recorded, **{k: v for k, v in config.items() if k in _SHAPE_KEYS}}
+        return {**recorded, **{k: v for k, v in config.items() if k in SHAPE_KEYS}}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(config.get(key), int) and config[key] >= arch.vocab:
             config[key] = None
     return config
 
 
-_SHAPE_KEYS = {
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "max_position_embeddings", "tie_word_embeddings",
-}
 
 
 def _check_vocab(files: LegacyFiles, ranks: dict[tuple[int, int], _RankModel], padded: int) -> None:

@@ -132,8 +132,11 @@ class MegatronArch:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
             if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:
                 kw[key] = None
-        config = transformers.AutoConfig.for_model(self.model_type, **kw).to_diff_dict()
+        made = transformers.AutoConfig.for_model(self.model_type, **kw)
+        config = made.to_diff_dict()
         config.pop("transformers_version", None)
+        full = made.to_dict()
+        config.update({k: full[k] for k in SHAPE_KEYS if k in full})  # every size, even one equal to the class default
         causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         return {"architectures": [causal[self.model_type]], "model_type": self.model_type, **config,
                 "vocab_size": self.vocab, "tie_word_embeddings": self.tied}
@@ -205,6 +208,11 @@ class MegatronArch:
         args.update(extra)
         return args
 
+
+SHAPE_KEYS = {  # the sizes the arguments decide, whatever a recorded config says
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "max_position_embeddings", "tie_word_embeddings",
+}
 
 _ACTIVATION_KEYS = ("hidden_activation", "hidden_act", "activation_function")
 

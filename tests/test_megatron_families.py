@@ -158,3 +158,16 @@ def test_megatron_arguments_a_family_does_not_have_are_refused():
     with pytest.raises(ConversionError, match="args: the run used --apply-layernorm-1p, which a llama model does not have"):
         MegatronArch.from_args({**args, "apply_layernorm_1p": True}, "args")
     assert MegatronArch.from_args({**args, "qk_layernorm": True}, "args").model_type == "qwen3"
+
+
+def test_sizes_come_from_the_arguments_even_where_they_equal_transformers_defaults():
+    """The Hugging Face config of a Megatron checkpoint is the one its writer recorded with every size from the
+    arguments, also a size that equals the config class's default (2048 positions for Llama)."""
+    import dataclasses
+
+    from converters.megatron import hf_config
+    from converters.megatron_arch import MegatronArch
+
+    config = build("llama").config.to_dict()
+    arch = dataclasses.replace(MegatronArch.from_hf(config), max_positions=2048)
+    assert hf_config(arch, {"hf_config": {**config, "max_position_embeddings": 128}})["max_position_embeddings"] == 2048

@@ -115,5 +115,4 @@ def test_every_trainer_flag_has_help():
         actions = [a for a in config_parser(cls)._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
         bare = [a.option_strings[0] for a in actions if not a.help or a.help.startswith("default:")]
         assert not bare, (cls.__name__, bare)
-    done = subprocess.run([sys.executable, "-m", "trainers.base", "--help"], capture_output=True, text=True, env=worker_env(), timeout=120)
-    assert done.returncode == 0 and "--save-every SAVE_EVERY" in done.stdout and "save a checkpoint every N steps" in done.stdout
+    assert "save a checkpoint every N steps" in config_parser(TrainerConfig).format_help()
