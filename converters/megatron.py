@@ -624,7 +624,7 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     arch.check_tp(tp)
     said = [f"{arch.model_type}: {arch.spec.beyond_megatron_lm}"] if arch.spec.beyond_megatron_lm else []
     window = ckpt.config.get("sliding_window")
-    if isinstance(window, int) and arch.spec.name not in ("gemma2", "gemma3"):  # Gemma's note says more already
+    if isinstance(window, int):
         said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
                     "the same up to that many tokens); the recorded Hugging Face config keeps it")
     ckpt.notes.extend(n for n in said if n not in ckpt.notes)

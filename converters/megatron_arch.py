@@ -127,7 +127,8 @@ class MegatronArch:
         for name, value in ((fam.qkv_bias, self.qkv_bias), (fam.linear_bias, self.linear_bias)):
             if isinstance(name, str):
                 kw[name] = value
-        kw.update({attr: dict(self.options)[arg] for attr, arg in fam.config_args if dict(self.options).get(arg) is not None})
+        options = dict(self.options)
+        kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None})
         defaults = transformers.AutoConfig.for_model(self.model_type)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
             if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:

@@ -142,6 +142,21 @@ def test_moe_expert_optimizer_state_is_split_per_expert_and_fused_back_exactly(t
             assert torch.equal(optimizer.state[p][key], optimizer2.state[p2][key]), key
 
 
+def test_an_engine_checkpoint_with_another_number_of_experts_is_refused(tmp_path):
+    """Reading an engine's fused expert tensor back into per-expert tensors: one whose shape is not the model's
+    (3 experts where the config has 4) is refused, naming it, instead of splitting into 3 experts."""
+    from converters.models.facts import in_stored_names
+    from interop.logical import LogicalCheckpoint
+    from interop.tensors import LazyTensor
+
+    model = architectures.build("mixtral")
+    state = {n: LazyTensor.of(t) for n, t in model.state_dict().items()}
+    state["model.layers.0.mlp.experts.down_proj"] = LazyTensor.of(model.state_dict()["model.layers.0.mlp.experts.down_proj"][:3])
+    with pytest.raises(ConversionError, match=r"model.layers.0.mlp.experts.down_proj: \[3, 36, 52\] in the checkpoint, but "
+                                              r"the model's fused tensor is \[4, 36, 52\]: experts are missing or extra"):
+        in_stored_names(LogicalCheckpoint(model=state, config=model.config.to_dict()))
+
+
 def test_a_missing_expert_is_named(tmp_path):
     """A per-expert file that lacks one expert cannot make the module's fused tensor: one line naming the layer's
     tensor and the expert (or, when the last expert is gone from every pattern, the shapes), exit 2, nothing written."""

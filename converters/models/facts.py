@@ -234,10 +234,15 @@ def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     _, to_stored = _renamers(key)
     reversed_ = [c.reverse_transform() for c in _converters(key)]
     known, meta = set(facts.names), _facts(key)[1]
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     splits = []
     for name in sorted(n for n in ckpt.model if n in known):
         pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
         if pattern is not None:
+            if name in shapes and tuple(ckpt.model[name].spec.shape) != shapes[name]:  # split by its size, it would
+                # give another number of experts than the model has
+                raise ConversionError(f"{name}: {list(ckpt.model[name].spec.shape)} in the checkpoint, but the model's fused "
+                                      f"tensor is {list(shapes[name])}: experts are missing or extra")
             reverse = next(r for r in reversed_ if pattern in r.source_patterns)
             splits.append(fusion.plan_split(name, reverse, ckpt.model[name].spec, to_stored, meta))
     fused = {s.source for s in splits}

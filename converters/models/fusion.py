@@ -85,14 +85,13 @@ def plan(names: list[str], matched: Callable[[str], tuple[str, str | None]], con
     return out
 
 
-def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any) -> LazyTensor:
+def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any, expected: tuple[int, ...] | None) -> LazyTensor:
     """The module tensor ``fused`` makes of ``parts`` (stored name -> tensor), read only when loaded; its shape
-    checked against the module's (an expert missing from every pattern is found here)."""
+    checked against the module's, ``expected`` (an expert missing from every pattern is found here)."""
     patterns = fused.converter.source_patterns
     empty = {p: [torch.empty(parts[n].spec.shape, dtype=parts[n].spec.dtype, device="meta") for n in group]
              for p, group in zip(patterns, fused.sources)}
     shape = tuple(next(iter(_run(fused.converter, empty, fused.target, meta).values())).shape)
-    expected = tuple(meta.get_parameter(fused.target).shape) if fused.target in dict(meta.named_parameters()) else None
     if expected is not None and shape != expected:
         raise ConversionError(f"{fused.target}: its {len(fused.sources[0])} experts make {list(shape)}, but the model's "
                               f"tensor is {list(expected)}: experts are missing from the checkpoint")
@@ -111,10 +110,11 @@ def fuse(ckpt: LogicalCheckpoint, plans: list[Fused], meta: Any) -> LogicalCheck
     if not plans:
         return ckpt
     member = {n: f for f in plans for n in f.names}
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}  # the module's, each fused tensor checked against
     model = {n: t for n, t in ckpt.model.items() if n not in member}
     for f in plans:
         if all(n in ckpt.model for n in f.names):
-            model[f.target] = _fused_tensor(f, ckpt.model, meta)
+            model[f.target] = _fused_tensor(f, ckpt.model, meta, shapes.get(f.target))
     for group in ckpt.tied:
         if any(n in member for n in group):
             raise ConversionError(f"{next(n for n in group if n in member)} is tied and fused into an expert tensor; no engine layout holds that")
@@ -128,7 +128,7 @@ def fuse(ckpt: LogicalCheckpoint, plans: list[Fused], meta: Any) -> LogicalCheck
             frozen.append(f.target)
     opt = ckpt.optimizer
     if opt is not None:
-        opt = OptimizerState(opt.cls, _groups(opt.param_groups, plans, member), _fused_state(opt.tensors, plans, member, meta),
+        opt = OptimizerState(opt.cls, _groups(opt.param_groups, plans, member), _fused_state(opt.tensors, plans, member, meta, shapes),
                              _fused_scalars(opt.scalars, plans, member))
     return replace(ckpt, model=model, optimizer=opt, frozen=frozen)
 
@@ -146,14 +146,14 @@ def _groups(groups: list[dict[str, Any]], plans: list[Fused], member: dict[str, 
 
 
 def _fused_state(tensors: dict[str, dict[str, LazyTensor]], plans: list[Fused], member: dict[str, Fused],
-                 meta: Any) -> dict[str, dict[str, LazyTensor]]:
+                 meta: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, LazyTensor]]:
     out = {}
     for key, per in tensors.items():
         kept = {n: t for n, t in per.items() if n not in member}
         for f in plans:
             held = sum(n in per for n in f.names)
             if held == len(f.names):
-                kept[f.target] = _fused_tensor(f, per, meta)
+                kept[f.target] = _fused_tensor(f, per, meta, shapes.get(f.target))
             elif held:
                 raise ConversionError(f"{f.target}: optimizer state {key!r} exists for {held} of its {len(f.names)} expert tensors only")
         out[key] = kept
