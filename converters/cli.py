@@ -20,6 +20,8 @@ from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
 from interop.errors import InteropError, UnknownFormatError, one_line
 from interop.locking import exclusive
+from interop.logs import quiet_libraries
+from interop.usage import OneLineParser
 from interop.logical import LogicalCheckpoint
 from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, Manifest, read_manifest
 from interop.topology import Topology
@@ -280,15 +282,8 @@ def _size_arg(text: str) -> int:
 # --- wiring --------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage mistakes in one line (exit 2), pointing at ``--help`` instead of printing the whole usage."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="interop", description="Inspect, verify, convert and compare training checkpoints across engines."
     )
     parser.add_argument("--version", action="version", version=f"interop {__version__}")
@@ -357,25 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the core commands
             log.debug("command plugin %s failed to load: %s", ep.name, exc)
     return parser
-
-
-def _engine_errors_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR
-
-
-def quiet_libraries(verbose: bool) -> None:
-    """The CLI shows its own progress and results; the libraries' own chatter (DeepSpeed's accelerator
-    detection on stdout, deprecation and user warnings from torch and transformers) shows with -v only."""
-    import warnings
-
-    if verbose:
-        logging.captureWarnings(True)
-        return
-    warnings.simplefilter("ignore")
-    for name in ("DeepSpeed", "accelerate", "transformers", "torch.distributed"):
-        logger = logging.getLogger(name)
-        if _engine_errors_only not in logger.filters:
-            logger.addFilter(_engine_errors_only)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,9 +99,19 @@ def all_pairs() -> list[tuple[str, str]]:
 # --- running ---------------------------------------------------------------------------------------------
 
 
+# what the engines print when a trainer does not keep them quiet (it does, unless --verbose): DeepSpeed's logger
+# and its op builder's print, accelerate's line per saved file, Python warnings (torch's deprecations)
+ENGINE_NOISE = re.compile(r"\[WARNING\]|\[INFO\]|^INFO (accelerate|DeepSpeed|transformers)|built successfully|Warning: |warnings.warn")
+
+
 def train(layout: Layout, out: Path, *extra: str) -> list[float]:
-    """Launch ``layout``'s trainer under torchrun; the losses of the steps this run trained."""
-    return launch(layout.module, layout.nproc, [*RUN, *layout.flags, "--output-dir", str(out), *extra]).losses
+    """Launch ``layout``'s trainer under torchrun; the losses of the steps this run trained. The run prints
+    its own lines only."""
+    summary = launch(layout.module, layout.nproc, [*RUN, *layout.flags, "--output-dir", str(out), *extra])
+    noise = [line for line in summary.log.splitlines() if ENGINE_NOISE.search(line)]
+    if noise:
+        raise AssertionError(f"{layout.module}: library output in a run without --verbose: {noise[:5]}")
+    return summary.losses
 
 
 def interop(*args: str) -> subprocess.CompletedProcess:
@@ -180,14 +190,21 @@ class Result:
     seconds: float = 0.0
 
 
-def run_pair(source: Source, target_key: str, work: Path) -> Result:
+def run_pair(source: Source, target_key: str, work: Path, direct: bool = False) -> Result:
     """Convert ``source`` for ``target_key``'s layout with one ``interop convert``, verify the output, resume
-    the target's trainer from it, and compare its losses with the source's."""
+    the target's trainer from it, and compare its losses with the source's. ``direct``: the target's trainer
+    resumes from the source checkpoint itself (and converts it in-process)."""
     target = target_layout(source.layout.key, target_key)
     result = Result(source.layout.key, target_key, target.label, reference=source.reference)
     start = time.perf_counter()
     converted = work / f"{source.layout.key}--{target_key}"
     try:
+        if direct:
+            out = work / f"direct-{source.layout.key}--{target_key}"
+            result.losses = train(target, out, "--resume", str(source.checkpoint))
+            saved = json.loads((out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+            result.notes += saved.get("notes", [])
+            return _compared(result, start)
         done = interop("convert", str(source.checkpoint), str(converted), *target.to, "--overwrite")
         result.notes += [line.removeprefix("note: ") for line in done.stdout.splitlines() if line.startswith("note: ")]
         interop("verify", str(converted), "--quiet")
@@ -202,12 +219,19 @@ def run_pair(source: Source, target_key: str, work: Path) -> Result:
         result.losses = train(target, out, "--resume", str(converted))
         saved = json.loads((out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
         result.notes += [n for n in saved.get("notes", []) if n not in result.notes]
+    except (LaunchError, AssertionError, subprocess.TimeoutExpired) as exc:
+        result.error = str(exc)
+    return _compared(result, start)
+
+
+def _compared(result: Result, start: float) -> Result:
+    if result.error is None and result.losses:
         result.max_rel = max(abs(a - b) / abs(b) for a, b in zip(result.losses, result.reference))
         result.ok = len(result.losses) == len(result.reference) and result.max_rel <= REL
         if not result.ok:
             result.error = f"losses {result.losses} vs {result.reference}"
-    except (LaunchError, AssertionError, subprocess.TimeoutExpired) as exc:
-        result.error = str(exc)
+    elif result.error is None:
+        result.error = "the resumed run trained no step"
     result.seconds = time.perf_counter() - start
     return result
 

@@ -23,8 +23,8 @@ def run_example(name: str, out) -> str:
     return result.stdout
 
 
-# both under -m slow: by default the export example runs the launchers as written, and `interop demo` (test_cli.py)
-# makes the same ZeRO-2 -> FSDP2 resume and checks its losses; the resume matrix covers Megatron
+# under -m slow: `interop demo` (test_cli.py) makes the same ZeRO-2 -> FSDP2 resume and checks its losses; the
+# resume matrix covers Megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero2_to_fsdp2.sh", "megatron_to_zero3.sh"])
 def test_resume_example_continues_the_source_run(tmp_path, name):
@@ -34,6 +34,8 @@ def test_resume_example_continues_the_source_run(tmp_path, name):
     assert steps == ["5", "6", "7", "8"]  # the resumed half of the 8-step run, compared step by step
 
 
+@pytest.mark.slow  # by default: the README's base-trainer block exports and re-imports through the CLI, the
+# launcher example and zero_to_fp32 run in test_deepspeed.py, and Megatron round trips in test_megatron.py
 def test_export_example_equals_zero_to_fp32_and_round_trips_megatron(tmp_path):
     out = run_example("export_to_hf.sh", tmp_path)
     diffs = [line for line in out.splitlines() if " vs " in line and "compared" in line]

@@ -9,10 +9,11 @@ from .resume_matrix import SOURCES, Result, all_pairs, make_source, run_pair
 
 pytestmark = pytest.mark.dist
 
-# Megatron-style, ZeRO and accelerate each once as a source and once as a target (FSDP2 and ZeRO-2 also in the
-# demo; a ZeRO-3 world-size change in test_deepspeed.py; a Hugging Face model in through DeepSpeed's own loader in
-# test_architectures.py), 4 ranks -> 1 and 2 -> 4, and a Trainer out; the whole 81-pair grid under -m slow
-CI_SLICE = [("tp2pp2", "hf-trainer"), ("ds-z3", "ddp"), ("fsdp2", "tp2pp2")]
+# Converted with `interop convert`: Megatron-style as a source and as a target, FSDP2 as a source, 4 ranks -> 1 and
+# 2 -> 4, and a Trainer out; ZeRO and accelerate as targets of a conversion are test_deepspeed.py's and
+# test_accelerate.py's (and the demo's); the slice's ZeRO-3 source goes into DDP directly below. The whole 81-pair
+# grid under -m slow.
+CI_SLICE = [("tp2pp2", "hf-trainer"), ("fsdp2", "tp2pp2")]
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +57,14 @@ FULL = [p for p in all_pairs() if p not in CI_SLICE]
 @pytest.mark.parametrize(("src", "dst"), FULL, ids=[f"{s}-to-{d}" for s, d in FULL])
 def test_full_matrix(source, src, dst):
     check(run_pair(source(src), dst, source.work))
+
+
+# Every trainer's --resume takes a checkpoint of any format and converts it in-process (rank 0, into a scratch
+# directory it removes): ZeRO from FSDP2, DDP from ZeRO-3 and transformers' Trainer from
+# Megatron-style TP2xPP2 here; the Megatron-style trainer from universal in test_megatron_trainer.py.
+DIRECT = [("fsdp2", "ds-z2"), ("ds-z3", "ddp"), ("tp2pp2", "hf-trainer")]
+
+
+@pytest.mark.parametrize(("src", "dst"), DIRECT, ids=[f"{s}-to-{d}" for s, d in DIRECT])
+def test_resume_directly_from_another_format(source, src, dst):
+    check(run_pair(source(src), dst, source.work, direct=True))

@@ -72,11 +72,20 @@ def test_init_from_hf_and_checkpoint_converts_losslessly(tmp_path, tiny_llama):
 
 
 def test_trainer_cli_resumes_exactly_as_a_launcher_would_start_it(tmp_path):
-    def run(*args):
-        proc = subprocess.run(
+    """A run stopped and resumed from the command line continues exactly. A resume at the run's last step says so
+    and leaves the finished run's checkpoint as it was (it would otherwise be saved again over itself); a
+    checkpoint of another format, which no converter writes for the base trainer, is refused in one line."""
+    from converters import registry
+    from interop.manifest import read_manifest
+
+    def start(*args):
+        return subprocess.run(
             [sys.executable, "-m", "trainers.base", "--steps", "6", "--output-dir", str(tmp_path / args[0]), *args[1:]],
             env=worker_env(), capture_output=True, text=True, timeout=300, cwd=ROOT,
         )
+
+    def run(*args):
+        proc = start(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
 
@@ -84,6 +93,20 @@ def test_trainer_cli_resumes_exactly_as_a_launcher_would_start_it(tmp_path):
     head = run("split", "--stop-at", "3")
     tail = run("split", "--resume")
     assert head + tail == full and len(full) == 6
+
+    finished = read_manifest(str(tmp_path / "split" / "checkpoint-6")).committed_at
+    again = start("split", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to train: the checkpoint is at step 6 and the run ends at step 6" in again.stderr
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["losses"] == [] and summary["checkpoint"] is None
+    assert read_manifest(str(tmp_path / "split" / "checkpoint-6")).committed_at == finished
+
+    _, ckpt = registry.read(str(tmp_path / "split" / "checkpoint-6"))
+    registry.writer("hf").write(ckpt, str(tmp_path / "hf"), registry.Options())
+    refused = start("other", "--resume", str(tmp_path / "hf"))
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"error: {tmp_path / 'hf'} is a hf checkpoint, and no converter writes BaseTrainer's format" in refused.stderr
 
 
 def test_manifest_records_model_and_sharding_metadata(tmp_path):

@@ -191,6 +191,11 @@ class AccelerateTrainer(BaseTrainer):
         }
         return meta
 
+    primary_component = "accelerate"
+
+    def import_writer(self):
+        return lambda ckpt, out: accelerate_format.write_accelerate(ckpt, out, self.world_size, self.fsdp, overwrite=True)
+
     def sharding_metadata(self) -> ShardingMetadata:
         return ShardingMetadata(
             strategy=Strategy.FSDP if self.fsdp else Strategy.DDP,
@@ -249,7 +254,7 @@ def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
+    configure_logging(argv)
     run(lambda: AccelerateTrainer(parse_config(argv)))
 
 

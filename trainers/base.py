@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
@@ -22,6 +23,8 @@ import torch
 from converters.models.facts import tied_groups
 from interop import CheckpointManager, RNGState, SharingPattern, StateComponent, WorldSizePolicy
 from interop.errors import ConfigurationError, InteropError, one_line
+from interop.logs import quiet_libraries
+from interop.usage import OneLineParser
 from interop.sharding import LocalModel, ShardingMetadata
 
 from . import memory
@@ -54,13 +57,15 @@ class TrainerConfig:
     output_dir: str = flag("out/base", "where checkpoint-<step> directories are saved")
     save_every: int = flag(0, "save a checkpoint every N steps (0: at the end only)")
     keep_last: int | None = flag(3, "checkpoints kept (older ones are removed after a save commits)")
-    resume: str | None = flag(None, "a checkpoint directory in any format interop reads, or 'latest' for output_dir's latest")
+    resume: str | None = flag(None, "a checkpoint of this trainer (any layout), 'latest' for output_dir's latest, or, for the "
+                                    "engine trainers, one of any format interop reads (converted in-process)")
     backend: str = flag("auto", "process-group backend for multi-process trainers: auto | gloo | nccl | mpi")
     activation_checkpointing: bool = flag(False, "recompute activations in the backward pass (less memory)")
     dtype: str = flag("float32", "training precision: float32 | bfloat16 (fp32 master weights kept)")
     freeze: str = flag("", "comma-separated parameter-name prefixes to freeze, e.g. 'model.layers.0.mlp'")
     verify: bool = flag(True, "on resume, check every file's digest against the manifest (--no-verify: sizes only)")
     debug: bool = flag(False, "show the traceback of an error instead of its one line")
+    verbose: bool = flag(False, "show the engines' own log lines and library warnings (DeepSpeed, accelerate, torch)")
     trust_pickle: bool = flag(False, "let the engine unpickle anything in the checkpoint's files (trusted sources only)")
 
 
@@ -271,16 +276,55 @@ class BaseTrainer:
         log.info("%s", memory.describe(stats))
         return self.checkpoints.save(self.state.step, metadata={"memory": stats})
 
+    # the component that holds this trainer's model and optimizer: a checkpoint without it is another format's
+    primary_component = "model"
+
+    def import_writer(self) -> Callable[[Any, str], Any] | None:
+        """How a checkpoint of another format becomes one of this trainer's layout (``write(logical, dir)``);
+        None where no converter writes this trainer's format."""
+        return None
+
     def resume(self, path: str | None = None) -> int:
+        """Resume from ``path``: a checkpoint of this trainer (any layout the engine reshards) as it is, or one of
+        any other format interop reads, converted on rank 0 into a scratch directory first."""
         target = None if path in (None, "latest") else path
+        if target is None or self.reads_as_is(target):
+            return self.load_checkpoint(target)
+        write = self.import_writer()
+        if write is None:
+            from converters import registry
+
+            fmt = registry.detect(target).name  # raises naming the problem when nothing reads it
+            raise ConfigurationError(
+                f"{target} is a {fmt} checkpoint, and no converter writes {type(self).__name__}'s format: resume it "
+                f"with the trainer of its engine, or with trainers.hf_trainer (one process), which convert any format")
+        scratch = import_checkpoint(self, target, write)
+        try:
+            return self.load_checkpoint(scratch, origin=target)
+        finally:
+            self.checkpoints.collective.barrier()
+            if self.rank == 0:
+                import shutil
+
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def reads_as_is(self, path: str) -> bool:
+        """``path`` is a committed checkpoint (or run root) holding this trainer's primary component."""
+        from converters.engine_checkpoint import committed_manifest
+        from interop.manifest import CHECKPOINT_FORMAT
+
+        manifest = committed_manifest(path)
+        return manifest is not None and manifest.format == CHECKPOINT_FORMAT and self.primary_component in manifest.components
+
+    def load_checkpoint(self, target: str | None, origin: str | None = None) -> int:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         result = self.checkpoints.load(target, verify=self.cfg.verify)
         if not result.step:  # weights converted from a model: no training yet, so no optimizer state to keep
             self.optimizer.state.clear()
             for group, hyper in zip(self.optimizer.param_groups, fresh):
                 group.update(hyper)
-            log.info("%s is at step 0: weights loaded, the optimizer starts fresh", result.path)
-        log.info("resumed from %s at step %d", result.path, self.state.step)
+            log.info("%s is at step 0: weights loaded, the optimizer starts fresh", origin or result.path)
+        log.info("resumed from %s at step %d", origin or result.path, self.state.step)
         return self.state.step
 
 
@@ -304,7 +348,10 @@ def import_checkpoint(trainer, path: str, write: Callable[[Any, str], Any]) -> s
 
 def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse.ArgumentParser:
     """Flags for every TrainerConfig field (``--save-every``), so the engines' launchers can pass them."""
-    parser = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    prog = f"python -m trainers.{os.path.basename(script)[:-3]}" if os.path.dirname(script) == here else None  # started with -m
+    parser = OneLineParser(prog=prog, description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = cls()
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -334,8 +381,6 @@ def run(make: Callable[[], Any]) -> None:
     A finished run exits 0 without the interpreter's teardown: its checkpoint is committed and its process
     group left, and a gloo CPU process now and then aborts in C++ static destructors there ("terminate called
     without an active exception", exit -6), which torchrun reports as a failed run."""
-    import sys
-
     try:
         _run(make())
     except SystemExit:
@@ -357,9 +402,15 @@ def _run(trainer: Any) -> None:
     cfg = trainer.cfg
     if cfg.resume:
         trainer.resume(cfg.resume)
+    start = trainer.state.step
     losses = trainer.train(cfg.stop_at)
-    saved_by_loop = cfg.save_every and trainer.state.step % cfg.save_every == 0
-    path = trainer.checkpoints.path_for(trainer.state.step) if saved_by_loop else trainer.save()
+    if trainer.state.step == start and cfg.resume:  # a finished run resumed: saving again would only replace a checkpoint
+        log.warning("nothing to train: the checkpoint is at step %d and the run ends at step %d (--steps, --stop-at); "
+                    "no checkpoint written", start, cfg.stop_at or cfg.steps)
+        path = None
+    else:
+        saved_by_loop = cfg.save_every and trainer.state.step % cfg.save_every == 0
+        path = trainer.checkpoints.path_for(trainer.state.step) if saved_by_loop else trainer.save()
     if trainer.rank == 0:
         print(json.dumps({"step": trainer.state.step, "losses": losses, "checkpoint": path, "config": asdict(cfg)}), flush=True)
     shutdown()
@@ -374,14 +425,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def configure_logging() -> None:
-    """INFO on rank 0, warnings only on the others: one copy of each progress line."""
+def configure_logging(argv: list[str] | None = None) -> None:
+    """INFO on rank 0, warnings only on the others: one copy of each progress line. The engines' own lines
+    (accelerate's per saved file, DeepSpeed's accelerator detection, torch's deprecations) with --verbose only.
+    Read from the command line before the trainer's flags are parsed: the engines log while they import."""
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries("--verbose" in (sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
+    configure_logging(argv)
     run(lambda: BaseTrainer(parse_config(argv)))
 
 

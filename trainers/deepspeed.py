@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from converters import deepspeed as deepspeed_zero
-from converters.deepspeed_writer import write_native
+from converters.deepspeed_writer import write_deepspeed, write_native
 from converters.pickle_safety import real_globals, screen_pickles, weights_only_loads
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
+from interop.logs import library_prints
 from interop.state import NativeLoad
 
 from .base import flag, BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, resolve_backend, run
@@ -126,7 +127,8 @@ class DeepSpeedTrainer(BaseTrainer):
         _prepare_cpu()
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=resolve_backend(self.cfg.backend))
+        with library_prints(self.cfg.verbose, __name__):  # its CPU communication op announces itself on stdout
+            deepspeed.init_distributed(dist_backend=resolve_backend(self.cfg.backend))
         import torch.distributed as dist
 
         return dist.get_rank(), dist.get_world_size()
@@ -168,6 +170,12 @@ class DeepSpeedTrainer(BaseTrainer):
             StateComponent("trainer", self.state, SharingPattern.GLOBAL),
             StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
         ]
+
+    primary_component = "deepspeed"
+
+    def import_writer(self):
+        layout = deepspeed_zero.NativeLayout(self.world_size, self.zero_stage, self.precision)
+        return lambda ckpt, out: write_deepspeed(ckpt, out, layout, self.engine.config, overwrite=True, grouping="source")
 
     def sharding_metadata(self) -> ShardingMetadata:
         return ShardingMetadata(
@@ -213,7 +221,7 @@ def parse_config(argv: list[str] | None = None) -> DeepSpeedTrainerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
+    configure_logging(argv)
     run(lambda: DeepSpeedTrainer(parse_config(argv)))
 
 

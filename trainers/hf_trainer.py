@@ -124,6 +124,9 @@ class HFTrainer:
             max_grad_norm=cfg.max_grad_norm, lr_scheduler_type="linear", warmup_steps=cfg.warmup_steps,
             optim="adamw_torch", seed=cfg.seed, save_strategy="no", logging_strategy="no", report_to=[],
             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
+            # every trainable parameter takes part in each step; True (Trainer's default under a launcher) makes
+            # torch's DDP reducer warn on every run that it found none unused
+            ddp_find_unused_parameters=False,
             **{_checkpointing_flag(transformers): cfg.activation_checkpointing},
         )
         owner = self
@@ -228,7 +231,7 @@ def parse_config(argv: list[str] | None = None) -> HFTrainerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
+    configure_logging(argv)
     run(lambda: HFTrainer(parse_config(argv)))
 
 

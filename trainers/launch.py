@@ -25,6 +25,7 @@ class RunSummary:
     step: int
     losses: list[float]  # of the steps this run trained
     checkpoint: str  # its last committed checkpoint
+    log: str = ""  # what the run printed, stdout then stderr
 
 
 def free_port() -> int:
@@ -76,4 +77,4 @@ def launch(module: str, nproc: int, args: list[str], timeout: float = 900) -> Ru
     if not lines:
         raise LaunchError(f"{' '.join(cmd)} printed no summary line:\n{result.stdout[-2000:]}")
     summary = json.loads(lines[-1])
-    return RunSummary(summary["step"], summary["losses"], summary["checkpoint"])
+    return RunSummary(summary["step"], summary["losses"], summary["checkpoint"], result.stdout + result.stderr)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +34,7 @@ from interop.state import NativeLoad
 from interop.errors import ConfigurationError
 
 from . import memory
-from .base import flag, BaseTrainer, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
+from .base import flag, BaseTrainer, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
 
@@ -286,16 +285,10 @@ class MegatronTrainer(BaseTrainer):
         return summary
 
     # --- resuming from another format --------------------------------------------------------------
-    def resume(self, path: str | None = None) -> int:
-        if path in (None, "latest") or interop_dcp.is_interop_dcp(path):
-            return super().resume(path)
-        scratch = import_checkpoint(self, path, lambda ckpt, out: interop_dcp.write_interop_dcp(ckpt, out, overwrite=True))
-        try:
-            return super().resume(scratch)
-        finally:
-            self.checkpoints.collective.barrier()
-            if self.rank == 0:
-                shutil.rmtree(scratch, ignore_errors=True)
+    primary_component = interop_dcp.NATIVE_KEY
+
+    def import_writer(self):
+        return lambda ckpt, out: interop_dcp.write_interop_dcp(ckpt, out, overwrite=True)
 
 
 def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
@@ -303,7 +296,7 @@ def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
+    configure_logging(argv)
     run(lambda: MegatronTrainer(parse_config(argv)))
 
 
