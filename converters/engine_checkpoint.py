@@ -130,12 +130,11 @@ def write_engine_checkpoint(
     optimizer: dict | None,
     overwrite: bool = False,
     consumed: frozenset[str] = frozenset(),
-    any_world_size: bool = False,
 ) -> Manifest:
     """``write_files(out)`` writes the engine's files as the engine would save them into ``out`` (the staged
     ``dst``); ``consumed`` names the source components those files already hold, which are not carried beside.
-    ``any_world_size``: the engine's files load on any number of ranks (DCP), so no world size is the target's
-    and the carried per-rank state is judged by the run that loads it, not here."""
+    ``sharding.any_world_size``: the engine's files load on any number of ranks (DCP), so no world size is the
+    target's and the carried per-rank state is judged by the run that loads it, not here."""
     with staged_output(dst, overwrite) as out:
         written = write_files(out)
         if not isinstance(written, Written):
@@ -151,7 +150,7 @@ def write_engine_checkpoint(
                 rank_state={k: v for k, v in ckpt.rank_state.items() if k not in consumed},
             )
         components = copy_components(carried, at, files)
-        if not any_world_size:
+        if not sharding.any_world_size:
             notes += per_rank_notes(components, ckpt.topology, sharding.world_size)
         components[key] = ComponentRecord(
             pattern=SharingPattern.PER_RANK.value, policy=WorldSizePolicy.RESHARD.value, pieces={"native": NATIVE_TOP}, native=True

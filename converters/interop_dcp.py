@@ -141,9 +141,9 @@ def write_interop_dcp(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False
     state: dict[str, Any] = {"model": model_tree(ckpt, order)}
     if ckpt.optimizer is not None:
         state["optimizer"] = flat_optimizer(ckpt, order)
-    sharding = ShardingMetadata(strategy=Strategy.SINGLE, precision=ckpt.source.get("dtype") or "float32")
+    sharding = ShardingMetadata(strategy=Strategy.SINGLE, precision=ckpt.source.get("dtype") or "float32", any_world_size=True)
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups}
     return write_engine_checkpoint(
         ckpt, dst, NATIVE_KEY, lambda directory: write_dcp(state, directory), sharding, {"torch": torch.__version__},
-        optimizer, overwrite, frozenset({"model", "optimizer"}), any_world_size=True,
+        optimizer, overwrite, frozenset({"model", "optimizer"}),
     )

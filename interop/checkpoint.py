@@ -356,7 +356,7 @@ class CheckpointManager:
         # the engine's files are for the layout the sharding section names (a conversion writes them for its
         # target), which may differ from the topology the carried per-rank pieces came from
         written_for = int((manifest.sharding or {}).get("world_size") or saved.world_size)
-        if written_for != current.world_size:
+        if written_for != current.world_size and not (manifest.sharding or {}).get("any_world_size"):
             if policy is WorldSizePolicy.REFUSE:
                 raise TopologyError(
                     f"{directory}: component {comp.key!r} was saved by {written_for} ranks and its policy is 'refuse'; "

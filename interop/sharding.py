@@ -44,6 +44,7 @@ class ShardingMetadata:
     pp: int = 1
     tensors: dict[str, TensorSharding] = field(default_factory=dict)  # only tensors that are split
     pp_stage_of_layer: dict[str, int] = field(default_factory=dict)  # layer prefix -> pipeline stage
+    any_world_size: bool = False  # the engine's files are for no world size (DCP written offline): any run loads them
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
