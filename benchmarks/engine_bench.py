@@ -7,11 +7,10 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 
 from hf_roundtrip import model_config
-from measure import disk_floor, measure, print_table, tree_bytes
+from measure import disk_floor, measure, print_table, tree_bytes, workdir
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -142,7 +141,7 @@ def warm(path: str) -> int:
 
 def prepare(args, script: str, native_key: str, engine: str, port: int, env: dict[str, str] | None = None) -> Prepared:
     """Train (``script --train DIR`` on 2 processes) unless --workdir already holds the checkpoint; warm it."""
-    work = args.workdir or tempfile.mkdtemp(prefix=f"interop-bench-{native_key}-")
+    work = workdir(args.workdir, f"interop-bench-{native_key}-")
     run_dir = os.path.join(work, "run")
     ckpt = os.path.join(run_dir, "checkpoint-1")
     if not os.path.isdir(ckpt):

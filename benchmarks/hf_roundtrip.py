@@ -15,10 +15,9 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import measure, print_table  # noqa: E402
+from measure import measure, print_table, workdir  # noqa: E402
 
 REFERENCE = """
 import sys, transformers
@@ -59,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
 
 def collect(args) -> tuple[list, dict[str, str], str]:
     """Build the model (once per workdir), then measure; the rows, which row each is compared with, the files."""
-    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-")
+    work = workdir(args.workdir, "interop-bench-")
     src, uni, out, ref = (os.path.join(work, d) for d in ("src_hf", "universal", "out_hf", "ref_hf"))
     for d in (uni, out, ref):
         shutil.rmtree(d, ignore_errors=True)

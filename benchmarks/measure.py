@@ -13,6 +13,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
+def workdir(given: str | None, prefix: str) -> str:
+    """``given``, kept for the next run; or a temporary directory, removed when the benchmark exits (its
+    checkpoints are gigabytes)."""
+    if given:
+        return given
+    import atexit
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, work, True)
+    return work
+
+
 def measure(cmd: list[str], env: dict[str, str] | None = None, repeat: int = 1, output: str | None = None) -> tuple[float, int]:
     """Median wall seconds until the output is durable over ``repeat`` runs, and the largest peak RSS (bytes) of
     one child process: its own, or its largest waited-for descendant's. ``output`` is removed before each run.

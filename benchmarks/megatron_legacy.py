@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_bench  # noqa: E402
-from measure import REPO, measure  # noqa: E402
+from measure import REPO, measure, workdir  # noqa: E402
 
 REFERENCE = r"""
 import argparse, os, sys, torch
@@ -61,9 +61,7 @@ LAYERS = 18  # 268M parameters at hidden 1024
 
 
 def collect(args) -> engine_bench.Section:
-    import tempfile
-
-    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-megatron-")
+    work = workdir(args.workdir, "interop-bench-megatron-")
     meg = os.path.join(work, "megatron")
     cli = [sys.executable, "-m", "converters.cli"]
     if not os.path.isdir(meg):

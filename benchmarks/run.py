@@ -14,14 +14,13 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import accelerate_fsdp2  # noqa: E402
 import deepspeed_zero3  # noqa: E402
 import hf_roundtrip  # noqa: E402
 import megatron_legacy  # noqa: E402
-from measure import REPO, print_table  # noqa: E402
+from measure import REPO, print_table, workdir  # noqa: E402
 
 ENGINES = (("deepspeed", deepspeed_zero3, 17), ("accelerate", accelerate_fsdp2, 17), ("megatron", megatron_legacy, megatron_legacy.LAYERS))
 
@@ -32,7 +31,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
     p.add_argument("--hidden", type=int, default=1024)
     args = p.parse_args()
-    work = args.workdir or tempfile.mkdtemp(prefix="interop-bench-all-")
+    work = workdir(args.workdir, "interop-bench-all-")
     rows, reference = [], {}
     hf_rows, hf_ref, _ = hf_roundtrip.collect(argparse.Namespace(hidden=args.hidden, layers=16, repeat=args.repeat,
                                                                  workdir=os.path.join(work, "hf")))

@@ -41,11 +41,18 @@ def committed_manifest(path: str) -> Manifest | None:
         return None
 
 
-def holds_native(path: str, key: str) -> bool:
-    """Whether ``path`` is one of our checkpoints (or its root) around the engine's own ``key/`` directory:
-    detected by its manifest, so a damaged engine directory is reported by the reader, not as 'unknown'."""
+def holds_component(path: str, key: str, native: bool | None = None) -> bool:
+    """Whether ``path`` is one of our committed checkpoints (or its root) with component ``key`` (native or not,
+    when asked): detected by its manifest, so a damaged engine directory is reported by the reader, not as
+    'unknown'."""
     manifest = committed_manifest(path)
-    return manifest is not None and key in manifest.components and manifest.components[key].native
+    record = manifest.components.get(key) if manifest is not None and manifest.format == CHECKPOINT_FORMAT else None
+    return record is not None and (native is None or record.native == native)
+
+
+def holds_native(path: str, key: str) -> bool:
+    """Whether ``path`` is one of our checkpoints (or its root) around the engine's own ``key/`` directory."""
+    return holds_component(path, key, native=True)
 
 
 def native_dir(directory: str, manifest: Manifest, key: str) -> str:

@@ -14,15 +14,14 @@ from typing import Any
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import CorruptCheckpointError
 from interop.logical import LogicalCheckpoint, OptimizerState
-from interop.manifest import CHECKPOINT_FORMAT, Manifest
+from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
-from .engine_checkpoint import carried_components, native_dir, write_engine_checkpoint
+from .engine_checkpoint import carried_components, holds_native, native_dir, write_engine_checkpoint
 from .models.facts import tied_groups
-from .engine_checkpoint import committed_manifest
 from .param_order import EngineOrder, engine_order
 
 NATIVE_KEY = "dcp"
@@ -30,9 +29,7 @@ STATE, GROUPS = "state.", "param_groups."
 
 
 def is_interop_dcp(path: str) -> bool:
-    manifest = committed_manifest(path)
-    record = manifest.components.get(NATIVE_KEY) if manifest is not None else None
-    return manifest is not None and manifest.format == CHECKPOINT_FORMAT and record is not None and record.native
+    return holds_native(path, NATIVE_KEY)
 
 
 # --- reading ------------------------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------------------------------------
-    def load(self, path: str | None = None, verify: bool = True) -> LoadResult:
+    def load(self, path: str | None = None, verify: bool = True, shown_as: str | None = None) -> LoadResult:
         """Load the checkpoint at ``path`` (or ``root``'s ``latest``) into the provider's components.
 
         First, on every rank together, the checkpoint is checked against its manifest: nothing on disk it does
@@ -290,7 +290,8 @@ class CheckpointManager:
             result = LoadResult(directory, manifest, notes)
             step = f" at step {manifest.step}" if manifest.step is not None else ""
             unverified = [] if verify else ["loaded without checking file digests (--no-verify): only sizes were checked"]
-            self.resume_notes = list(manifest.notes) + [f"resumed from {directory}{step}: {n}" for n in unverified + notes]
+            origin = shown_as or directory  # a converted copy in scratch space is named by what it was converted from
+            self.resume_notes = list(manifest.notes) + [f"resumed from {origin}{step}: {n}" for n in unverified + notes]
         except Exception as exc:  # noqa: BLE001
             error, own_exc = describe_error(exc), exc
 

@@ -43,8 +43,10 @@ def library_prints(verbose: bool, name: str) -> Iterator[None]:
     try:
         with contextlib.redirect_stdout(buffer):
             yield
-    finally:
+    except BaseException:
+        sys.stderr.write(buffer.getvalue())  # what the library said before it failed may explain the failure
+        raise
+    else:
         logger = logging.getLogger(name)
         for line in buffer.getvalue().splitlines():
             logger.debug("%s", line)
-        sys.stdout.flush()

@@ -202,7 +202,12 @@ def run_pair(source: Source, target_key: str, work: Path, direct: bool = False) 
         if direct:
             out = work / f"direct-{source.layout.key}--{target_key}"
             result.losses = train(target, out, "--resume", str(source.checkpoint))
+            left = [p.name for p in out.iterdir() if p.name.startswith(".import-")]
+            if left:
+                raise AssertionError(f"the in-process conversion's scratch was left in {out}: {left}")
             saved = json.loads((out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+            if any(".import-" in n for n in saved.get("notes", [])):
+                raise AssertionError(f"a note names the removed scratch copy, not {source.checkpoint}: {saved['notes']}")
             result.notes += saved.get("notes", [])
             return _compared(result, start)
         done = interop("convert", str(source.checkpoint), str(converted), *target.to, "--overwrite")

@@ -1,11 +1,11 @@
 """Every command block of README.md runs as written, in order, from the root of a fresh copy of the repository,
 exits 0, prints what it promises and leaves nothing outside ``out/``.
 
-Each ```bash block carries a marker on the line above it, ``<!-- readme-block: NAME [slow|skip (why)] -->``;
-a block without one fails here, so a new block is classified when it is written. The default run takes the
-base trainer's block (a run stopped, resumed, exported to Hugging Face and started from it again); ``-m slow``
-runs every block, in README order, in one copy (later blocks use earlier blocks' output, as a reader's shell
-would)."""
+Each ```bash block carries a marker on the line above it, ``<!-- readme-block: NAME [slow|skip (why)] [after
+NAME,...] -->``; a block without one fails here, so a new block is classified when it is written. ``after``
+names the earlier blocks whose output it starts from (as a reader's shell has it): a block whose prerequisites
+were not selected runs them first. The default run takes the base trainer's block (a run stopped, resumed,
+exported to Hugging Face and started from it again); ``-m slow`` the others, in README order, in one copy."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ from .conftest import ROOT
 
 pytestmark = pytest.mark.dist
 
-MARKER = re.compile(r"<!-- readme-block: (?P<name>[\w-]+)(?: (?P<kind>slow|skip)(?: \((?P<why>[^)]*)\))?)? -->")
+MARKER = re.compile(r"<!-- readme-block: (?P<name>[\w-]+)(?: (?P<kind>slow|skip)(?: \((?P<why>[^)]*)\))?)?"
+                    r"(?: after (?P<after>[\w,-]+))? -->")
+# what a block may leave besides out/: the install line's environment and Python's caches (all in .gitignore)
+LEFT_BY_INSTALLS = re.compile(r"^!! (\.venv/|[\w./-]*__pycache__/|[\w.-]+\.egg-info/|\.pytest_cache/)")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Block:
     kind: str  # "default", "slow" or "skip"
     line: int
     script: str
+    after: tuple[str, ...] = ()
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -45,11 +49,13 @@ def readme_blocks(text: str) -> list[Block]:
         if marker is None:
             raise AssertionError(f"README.md:{i + 1}: a bash block without a '<!-- readme-block: NAME [slow|skip (why)] -->' line above it")
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-        blocks.append(Block(marker["name"], marker["kind"] or "default", i + 1, "\n".join(lines[i + 1 : end]) + "\n"))
+        after = tuple(filter(None, (marker["after"] or "").split(",")))
+        blocks.append(Block(marker["name"], marker["kind"] or "default", i + 1, "\n".join(lines[i + 1 : end]) + "\n", after))
     return blocks
 
 
 BLOCKS = readme_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+RAN: dict[Path, set[str]] = {}  # the blocks run so far in each copy
 
 
 def summaries(stdout: str) -> dict[str, dict]:
@@ -149,6 +155,8 @@ CHECKS = {
 def test_every_block_is_classified_and_checked():
     names = [b.name for b in BLOCKS]
     assert len(names) == len(set(names)), names
+    for i, block in enumerate(BLOCKS):  # a prerequisite is an earlier block, as a reader meets it
+        assert set(block.after) <= set(names[:i]), (block.name, block.after)
     assert {b.name for b in BLOCKS if b.kind != "skip"} == set(CHECKS)
     assert all(b.kind != "default" or b.name in CHECKS for b in BLOCKS)
 
@@ -168,6 +176,7 @@ def copy(tmp_path_factory) -> Path:
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run(git + ["add", "-A"], cwd=dest, check=True)
     subprocess.run(git + ["commit", "-qm", "copy"], cwd=dest, check=True)
+    RAN[dest] = set()
     return dest
 
 
@@ -186,9 +195,10 @@ def run_block(block: Block, copy: Path) -> str:
                             capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, f"README.md:{block.line} ({block.name}) exit {result.returncode}\n" \
                                    f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    left = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=copy, capture_output=True,
-                          text=True, check=True).stdout
-    assert not left, f"README.md:{block.line} ({block.name}) left files outside out/:\n{left}"
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=normal"], cwd=copy,
+                            capture_output=True, text=True, check=True).stdout
+    left = [line for line in status.splitlines() if line != "!! out/" and not LEFT_BY_INSTALLS.match(line)]
+    assert not left, f"README.md:{block.line} ({block.name}) left files outside out/:\n" + "\n".join(left)
     return result.stdout
 
 
@@ -202,4 +212,10 @@ def params():
 
 @pytest.mark.parametrize("block", list(params()))
 def test_readme_block_runs_as_written(block, copy):
+    by_name = {b.name: b for b in BLOCKS}
+    for name in block.after:  # not selected in this session (-m, -k): run first, as the reader did
+        if name not in RAN[copy]:
+            run_block(by_name[name], copy)
+            RAN[copy].add(name)
     CHECKS[block.name](run_block(block, copy), copy)
+    RAN[copy].add(block.name)

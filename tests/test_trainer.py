@@ -73,8 +73,8 @@ def test_init_from_hf_and_checkpoint_converts_losslessly(tmp_path, tiny_llama):
 
 def test_trainer_cli_resumes_exactly_as_a_launcher_would_start_it(tmp_path):
     """A run stopped and resumed from the command line continues exactly. A resume at the run's last step says so
-    and leaves the finished run's checkpoint as it was (it would otherwise be saved again over itself); a
-    checkpoint of another format, which no converter writes for the base trainer, is refused in one line."""
+    and leaves the finished run's checkpoint as it was (it would otherwise be saved again over itself); another
+    format, which no converter writes for the base trainer, is refused in one line (a model: use --init-from)."""
     from converters import registry
     from interop.manifest import read_manifest
 
@@ -106,7 +106,7 @@ def test_trainer_cli_resumes_exactly_as_a_launcher_would_start_it(tmp_path):
     registry.writer("hf").write(ckpt, str(tmp_path / "hf"), registry.Options())
     refused = start("other", "--resume", str(tmp_path / "hf"))
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert f"error: {tmp_path / 'hf'} is a hf checkpoint, and no converter writes BaseTrainer's format" in refused.stderr
+    assert f"error: {tmp_path / 'hf'} is a Hugging Face model, not a checkpoint to resume: start from it with --init-from" in refused.stderr
 
 
 def test_manifest_records_model_and_sharding_metadata(tmp_path):
@@ -139,3 +139,17 @@ def test_every_trainer_flag_has_help():
         bare = [a.option_strings[0] for a in actions if not a.help or a.help.startswith("default:")]
         assert not bare, (cls.__name__, bare)
     assert "save a checkpoint every N steps" in config_parser(TrainerConfig).format_help()
+
+
+def test_trainer_usage_errors_are_one_line(capsys):
+    """A flag mistake is one line naming the command and --help, as in the CLI; --verbose is read before the
+    flags are parsed, so abbreviations of it (or any flag) are refused rather than half-applied."""
+    from trainers.base import config_parser
+
+    for argv, message in ((["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+                          (["--verb"], "unrecognized arguments: --verb")):
+        with pytest.raises(SystemExit) as exit_:
+            config_parser(TrainerConfig).parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert err.strip().endswith("--help)"), err

@@ -191,7 +191,7 @@ class AccelerateTrainer(BaseTrainer):
         }
         return meta
 
-    primary_component = "accelerate"
+    primary_component = accelerate_format.NATIVE_KEY
 
     def import_writer(self):
         return lambda ckpt, out: accelerate_format.write_accelerate(ckpt, out, self.world_size, self.fsdp, overwrite=True)

@@ -294,7 +294,12 @@ class BaseTrainer:
         if write is None:
             from converters import registry
 
+            if _has_manifest(target):  # one of ours, or damaged: the manager's load says which component or file is wrong
+                return self.load_checkpoint(target)
+
             fmt = registry.detect(target).name  # raises naming the problem when nothing reads it
+            if fmt == "hf":
+                raise ConfigurationError(f"{target} is a Hugging Face model, not a checkpoint to resume: start from it with --init-from {target}")
             raise ConfigurationError(
                 f"{target} is a {fmt} checkpoint, and no converter writes {type(self).__name__}'s format: resume it "
                 f"with the trainer of its engine, or with trainers.hf_trainer (one process), which convert any format")
@@ -310,15 +315,13 @@ class BaseTrainer:
 
     def reads_as_is(self, path: str) -> bool:
         """``path`` is a committed checkpoint (or run root) holding this trainer's primary component."""
-        from converters.engine_checkpoint import committed_manifest
-        from interop.manifest import CHECKPOINT_FORMAT
+        from converters.engine_checkpoint import holds_component
 
-        manifest = committed_manifest(path)
-        return manifest is not None and manifest.format == CHECKPOINT_FORMAT and self.primary_component in manifest.components
+        return holds_component(path, self.primary_component)
 
     def load_checkpoint(self, target: str | None, origin: str | None = None) -> int:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        result = self.checkpoints.load(target, verify=self.cfg.verify)
+        result = self.checkpoints.load(target, verify=self.cfg.verify, shown_as=origin)
         if not result.step:  # weights converted from a model: no training yet, so no optimizer state to keep
             self.optimizer.state.clear()
             for group, hyper in zip(self.optimizer.param_groups, fresh):
@@ -326,6 +329,16 @@ class BaseTrainer:
             log.info("%s is at step 0: weights loaded, the optimizer starts fresh", origin or result.path)
         log.info("resumed from %s at step %d", origin or result.path, self.state.step)
         return self.state.step
+
+
+def _has_manifest(path: str) -> bool:
+    from interop.commit import resolve_checkpoint_dir
+    from interop.manifest import MANIFEST
+
+    try:
+        return os.path.isfile(os.path.join(resolve_checkpoint_dir(path), MANIFEST))
+    except Exception:  # noqa: BLE001 - an unresolvable path is reported by whoever reads it
+        return False
 
 
 def import_checkpoint(trainer, path: str, write: Callable[[Any, str], Any]) -> str:
@@ -350,8 +363,9 @@ def config_parser(cls=TrainerConfig, description: str | None = None) -> argparse
     """Flags for every TrainerConfig field (``--save-every``), so the engines' launchers can pass them."""
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     here = os.path.dirname(os.path.abspath(__file__))
-    prog = f"python -m trainers.{os.path.basename(script)[:-3]}" if os.path.dirname(script) == here else None  # started with -m
-    parser = OneLineParser(prog=prog, description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prog = f"python -m trainers.{os.path.basename(script)[:-3]}" if os.path.dirname(script) == here else None  # one of ours
+    parser = OneLineParser(prog=prog, description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)  # --verbose is read from the command line before parsing: spelled out
     defaults = cls()
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")

@@ -171,7 +171,7 @@ class DeepSpeedTrainer(BaseTrainer):
             StateComponent("rng", self.rng, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.RESEED),
         ]
 
-    primary_component = "deepspeed"
+    primary_component = deepspeed_zero.NATIVE_KEY
 
     def import_writer(self):
         layout = deepspeed_zero.NativeLayout(self.world_size, self.zero_stage, self.precision)

@@ -183,32 +183,43 @@ class HFTrainer:
     def train(self, until: int | None = None) -> list[float]:
         self._stop_at = self.cfg.steps if until is None else until
         start = len(self.losses)
-        if self.state.step < self._stop_at:
-            with weights_only_loads(self.cfg.trust_pickle, numpy_allowlist()):  # Trainer's torch.load of the checkpoint
-                self.trainer.train(resume_from_checkpoint=self.resume_from)
+        try:
+            if self.state.step < self._stop_at:
+                with weights_only_loads(self.cfg.trust_pickle, numpy_allowlist()):  # Trainer's torch.load of the checkpoint
+                    self.trainer.train(resume_from_checkpoint=self.resume_from)
+        finally:
+            self._remove_scratch()
+        self.resume_from = None
+        return self.losses[start:]
+
+    def _remove_scratch(self) -> None:
         for scratch in (self.scratch, self.imported):  # Trainer's empty output_dir; a converted copy it has read
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
-        self.resume_from = self.imported = None
-        return self.losses[start:]
+        self.imported = None
 
     def save(self) -> str:
         return self.checkpoints.save(self.state.step)
 
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path
+        origin = target
         if target is not None and not _is_ours(target):  # Trainer reads the converted copy when training starts
             target = self.imported = import_checkpoint(self, target, lambda ckpt, out: hf_format.write_hf_trainer(ckpt, out, overwrite=True))
-        result = self.checkpoints.load(target, verify=self.cfg.verify)
-        expected = position_after(self.state.step, self.cfg, self.dataset)
-        if self.data.state_dict() != expected.state_dict():
-            raise LoadFailedError(
-                f"{result.path}: data position {self.data.state_dict()} is not where transformers' Trainer resumes after "
-                f"{self.state.step} batches of {self.cfg.batch_size} ({expected.state_dict()}): was it saved with another --batch-size?"
-            )
-        if not result.step:  # weights converted from a model: Trainer starts from them with a fresh optimizer
-            self._start_from_weights()
-        log.info("resumed from %s at step %d", result.path, self.state.step)
+        try:
+            result = self.checkpoints.load(target, verify=self.cfg.verify, shown_as=origin)
+            expected = position_after(self.state.step, self.cfg, self.dataset)
+            if self.data.state_dict() != expected.state_dict():
+                raise LoadFailedError(
+                    f"{origin}: data position {self.data.state_dict()} is not where transformers' Trainer resumes after "
+                    f"{self.state.step} batches of {self.cfg.batch_size} ({expected.state_dict()}): was it saved with another --batch-size?"
+                )
+            if not result.step:  # weights converted from a model: Trainer starts from them with a fresh optimizer
+                self._start_from_weights()
+        except BaseException:
+            self._remove_scratch()
+            raise
+        log.info("resumed from %s at step %d", origin or result.path, self.state.step)
         return self.state.step
 
     def _start_from_weights(self) -> None:
@@ -220,10 +231,9 @@ class HFTrainer:
 
 
 def _is_ours(path: str) -> bool:
-    from converters.engine_checkpoint import committed_manifest
+    from converters.engine_checkpoint import holds_native
 
-    manifest = committed_manifest(path)
-    return manifest is not None and hf_format.NATIVE_KEY in manifest.components
+    return holds_native(path, hf_format.NATIVE_KEY)
 
 
 def parse_config(argv: list[str] | None = None) -> HFTrainerConfig:

@@ -24,7 +24,7 @@ class LaunchError(RuntimeError):
 class RunSummary:
     step: int
     losses: list[float]  # of the steps this run trained
-    checkpoint: str  # its last committed checkpoint
+    checkpoint: str | None  # its last committed checkpoint (None: a finished run resumed, nothing written)
     log: str = ""  # what the run printed, stdout then stderr
 
 
