@@ -191,12 +191,13 @@ def main(doc: str, collect, train_and_save, layers: int | None = None, saves=Non
     if args.train:
         train_and_save(args.train, args.hidden, args.layers)
         return
-    report(collect(args), args.repeat)
+    report(collect(args), args.repeat, kept=bool(args.workdir))
 
 
-def report(section: Section, repeat: int) -> None:
+def report(section: Section, repeat: int, kept: bool = True) -> None:
     print_table(section.with_disk_floor(repeat), section.reference)
-    print(f"\nfiles under {section.work}")
+    if kept:  # a temporary work directory is removed at exit
+        print(f"\nfiles under {section.work}")
 
 
 def count_parameters(hidden: int, layers: int) -> int:

@@ -86,7 +86,8 @@ def main() -> None:
         return
     rows, reference, work = collect(args)
     print_table(rows, reference)
-    print(f"\nfiles under {work}")
+    if args.workdir:  # a temporary one is removed at exit
+        print(f"\nfiles under {work}")
 
 
 if __name__ == "__main__":

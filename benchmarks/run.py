@@ -45,7 +45,8 @@ def main() -> None:
         for out in section.outputs.values():  # several GiB each: the next section needs the disk
             shutil.rmtree(out, ignore_errors=True)
     print_table(rows, reference)
-    print(f"\nfiles under {work}")
+    if args.workdir:  # a temporary one is removed at exit
+        print(f"\nfiles under {work}")
 
 
 if __name__ == "__main__":

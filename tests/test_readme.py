@@ -133,7 +133,8 @@ def check_megatron_lm(out: str, copy: Path) -> None:
 
 
 def check_benchmarks(out: str, copy: Path) -> None:
-    assert "| step |" in out
+    assert re.search(r"^step +wall s +peak RSS +speed-up +RSS ratio$", out, re.M), out[-2000:]
+    assert re.search(r" is compared with ", out), out[-2000:]
 
 
 CHECKS = {

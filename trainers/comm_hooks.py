@@ -70,6 +70,15 @@ class PowerSGDStateful:
         self._layouts: dict[int, list[str]] = {}  # bucket index -> parameter names, as the hook last saw them
         self._pool: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KEYS}  # by name, not laid out yet
         hook = powerSGD_hook.powerSGD_hook
+        # torch's hook issues each bucket's later all-reduces (P, then Q) from its futures' callbacks, which run
+        # inline when a future is already done and on gloo's thread otherwise: with two buckets in flight the
+        # ranks can issue them in different orders, and gloo then pairs one rank's P with another's Q ("Received
+        # data size doesn't match expected size", an abort now and then). On gloo each bucket's chain finishes
+        # before the next bucket's starts: the same collectives in the same order on every rank.
+        import torch.distributed as dist
+
+        serial = dist.is_initialized() and dist.get_backend() == "gloo"
+        self._in_flight: Any = None
 
         def laid_out_hook(state, bucket):
             index = bucket.index()
@@ -80,7 +89,11 @@ class PowerSGDStateful:
                     self._to_pool(index, old)
                 self._layouts[index] = names
                 self._from_pool(index, names)
-            return hook(state, bucket)
+            if serial and self._in_flight is not None:
+                self._in_flight.wait()
+            future = hook(state, bucket)
+            self._in_flight = future if serial else None
+            return future
 
         ddp_model.register_comm_hook(self.state, laid_out_hook)
 
