@@ -522,8 +522,6 @@ def hf_config(arch: MegatronArch, args: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-
-
 def _check_vocab(files: LegacyFiles, ranks: dict[tuple[int, int], _RankModel], padded: int) -> None:
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         for (t, p), rm in ranks.items():

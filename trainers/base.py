@@ -296,7 +296,6 @@ class BaseTrainer:
 
             if _has_manifest(target):  # one of ours, or damaged: the manager's load says which component or file is wrong
                 return self.load_checkpoint(target)
-
             fmt = registry.detect(target).name  # raises naming the problem when nothing reads it
             if fmt == "hf":
                 raise ConfigurationError(f"{target} is a Hugging Face model, not a checkpoint to resume: start from it with --init-from {target}")

@@ -234,7 +234,7 @@ def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     _, to_stored = _renamers(key)
     reversed_ = [c.reverse_transform() for c in _converters(key)]
     known, meta = set(facts.names), _facts(key)[1]
-    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    shapes = fusion.parameter_shapes(meta)
     splits = []
     for name in sorted(n for n in ckpt.model if n in known):
         pattern = rename_source_key(name, [], reversed_, reverse=True)[1]

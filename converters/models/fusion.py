@@ -85,6 +85,11 @@ def plan(names: list[str], matched: Callable[[str], tuple[str, str | None]], con
     return out
 
 
+def parameter_shapes(meta: Any) -> dict[str, tuple[int, ...]]:
+    """The module's parameter shapes, what fused tensors are checked against (read once per conversion)."""
+    return {n: tuple(p.shape) for n, p in meta.named_parameters()}
+
+
 def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any, expected: tuple[int, ...] | None) -> LazyTensor:
     """The module tensor ``fused`` makes of ``parts`` (stored name -> tensor), read only when loaded; its shape
     checked against the module's, ``expected`` (an expert missing from every pattern is found here)."""
@@ -110,7 +115,7 @@ def fuse(ckpt: LogicalCheckpoint, plans: list[Fused], meta: Any) -> LogicalCheck
     if not plans:
         return ckpt
     member = {n: f for f in plans for n in f.names}
-    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}  # the module's, each fused tensor checked against
+    shapes = parameter_shapes(meta)
     model = {n: t for n, t in ckpt.model.items() if n not in member}
     for f in plans:
         if all(n in ckpt.model for n in f.names):
