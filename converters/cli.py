@@ -18,7 +18,7 @@ import os
 from interop import __version__
 from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
-from interop.errors import InteropError, UnknownFormatError, one_line
+from interop.errors import ConversionError, InteropError, UnknownFormatError, one_line
 from interop.locking import exclusive
 from interop.logs import quiet_libraries
 from interop.usage import OneLineParser
@@ -28,7 +28,8 @@ from interop.topology import Topology
 from interop.universal import parse_size
 
 from . import registry
-from .diff import diff_checkpoints
+from .diff import diff_checkpoints, expert_differences
+from .models import experts
 
 log = logging.getLogger("interop.cli")
 
@@ -103,6 +104,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _print_topology(manifest, ckpt)
     if ckpt.tied:
         print("tied:      " + "; ".join(" <- ".join(g) for g in ckpt.tied))
+    moe = experts.summary(ckpt)
+    if moe:
+        print(f"experts:   {moe}")
+        for problem in experts.problems(ckpt):
+            print(f"  ! {problem}")
     if ckpt.frozen:
         print(f"frozen:    {len(ckpt.frozen)} tensors")
     if ckpt.optimizer is not None:
@@ -144,6 +150,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                  "convert checks each tensor it reads)")
     progress = None if args.quiet else (lambda items, **kw: _iter_progress(items, **kw))
     manifest, problems = verify_checkpoint(directory, digests=not args.sizes_only, progress=progress)
+    if not problems:  # the bytes are the manifest's: do they hold every expert of a MoE model once?
+        problems = _expert_problems(args.path)
     if problems:
         print(f"{directory}: {len(problems)} problem(s)")
         for p in problems:
@@ -153,6 +161,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     checked = "sizes" if args.sizes_only else "sizes and digests"
     print(f"{directory}: OK ({manifest.format}, {len(manifest.files)} files, {checked} match the manifest)")
     return 0
+
+
+def _expert_problems(path: str) -> list[str]:
+    """The MoE experts a checkpoint whose files match its manifest lacks, duplicates or invents (read again
+    without digests: verify has just checked them)."""
+    try:
+        _, ckpt = registry.read(path, registry.Options(verify_digests=False))
+    except ConversionError as exc:  # what it holds cannot be the model's (an expert tensor of another size)
+        return [one_line(exc)]
+    except InteropError as exc:  # not readable without a flag (--trust-pickle, --config): the bytes were what verify checks
+        log.debug("experts not counted: %s", exc)
+        return []
+    return experts.problems(ckpt)
 
 
 # --- convert -------------------------------------------------------------------------------------------
@@ -248,6 +269,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(f"! {e.key}: max |a-b| {e.max_abs:.6g}")
         else:
             print(f"{'=' if e.status == 'exact' else '~'} {e.key}: {e.status}" + (f" (max |a-b| {e.max_abs:.3g})" if e.status == "close" else ""))
+    moe = expert_differences(a, b)
+    for line in moe:
+        print(f"! experts: {line}")
     both = len(report.entries) - report.count("only_a") - report.count("only_b")
     print(
         f"{fa.name} vs {fb.name}: {both} compared, {report.count('exact')} exact, {report.count('close')} within atol, "
@@ -256,7 +280,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if not args.model_only and (a.optimizer is None) != (b.optimizer is None):
         side = "A" if a.optimizer is None else "B"
         print(f"hint: {side} holds no optimizer state; compare the weights alone with --model-only")
-    return EXIT_PROBLEMS if report.problems else 0
+    return EXIT_PROBLEMS if report.problems or moe else 0
 
 
 def _positive_int(text: str) -> int:

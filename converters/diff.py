@@ -8,6 +8,8 @@ from interop.logical import LogicalCheckpoint, optim_key
 from interop.tensors import LazyTensor, tensor_digest
 from interop.universal import model_entries
 
+from .models import experts
+
 
 @dataclass
 class TensorDiff:
@@ -90,3 +92,24 @@ def diff_checkpoints(
     return report
 
 
+
+
+def expert_differences(a: LogicalCheckpoint, b: LogicalCheckpoint) -> list[str]:
+    """One line per MoE layer whose experts differ between the two checkpoints (the model's count, or which
+    experts each holds), and each side's own missing, extra or duplicated experts."""
+    ca, cb = (experts.count(c.config, {n: tuple(t.spec.shape) for n, t in c.model.items()}) for c in (a, b))
+    out = [f"A: {p}" for p in experts.problems(a)] + [f"B: {p}" for p in experts.problems(b)]
+    for layer in list(ca) + [k for k in cb if k not in ca]:
+        la, lb = ca.get(layer), cb.get(layer)
+        if la is None or lb is None:
+            side = "A" if lb is None else "B"
+            out.append(f"layer {layer}: a MoE layer in {side}'s model only")
+        elif la.experts != lb.experts:
+            out.append(f"layer {layer}: {la.experts} experts in A's model, {lb.experts} in B's")
+        else:
+            ia, ib = la.complete(), lb.complete()
+            if ia != ib:
+                gone = sorted(ia - ib) or sorted(ib - ia)
+                out.append(f"layer {layer}: {len(ia)} whole experts in A, {len(ib)} in B (expert {gone[0]} only in "
+                           f"{'A' if ia - ib else 'B'})")
+    return out

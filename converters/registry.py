@@ -18,6 +18,7 @@ from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_univ
 
 from .models.config_arg import apply_config
 from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
+from .models import experts
 from .models import facts as model_facts
 
 
@@ -99,8 +100,21 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 def register(fmt: Format) -> Format:
     if fmt.module_names:
         fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
+    fmt = dataclasses.replace(fmt, write=_experts_checked(fmt.write))
     FORMATS[fmt.name] = fmt
     return fmt
+
+
+def _experts_checked(write):
+    """Every writer refuses a MoE checkpoint that would drop, duplicate or invent an expert (the model's
+    experts as transformers declares them), before it writes anything."""
+    if write is None:
+        return None
+
+    def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+        experts.check(ckpt, dst)
+        write(ckpt, dst, o)
+    return wrapped
 
 
 def _stored_naming(read):

@@ -57,9 +57,22 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "mixtral": ("mixtral", "MixtralForCausalLM", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2)),  # MoE
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM", dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
                                                            shared_expert_intermediate_size=24)),  # MoE with a shared expert
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(LLAMA, head_dim=6, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=20)),  # MoE, q / k norms
+    # MLA attention (low-rank q and kv), one dense layer first, routed experts in groups with a score-correction bias
+    # (a buffer: no gradient, no optimizer state), a shared expert
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM", dict(
+        LLAMA, num_key_value_heads=6, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=6, moe_intermediate_size=20,
+        n_shared_experts=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # experts stored fused (gate_up interleaved) with per-expert biases, a router bias, attention sinks
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", dict(LLAMA, head_dim=6, num_local_experts=4, num_experts_per_tok=2,
+                                                     intermediate_size=20, sliding_window=16, rope_parameters=dict(
+                                                         rope_type="default", rope_theta=10000.0),
+                                                     layer_types=["sliding_attention", "full_attention"])),
 }
 FSDP2_CANNOT_RUN = ("bert", "t5")  # ties across modules accelerate's FSDP2 shards apart: FSDP2 refuses the model itself
-MOE = ("mixtral", "qwen2_moe")  # one file tensor per expert, one fused module tensor per layer
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")  # one fused module tensor per layer (one file tensor per expert but GPT-OSS's)
 
 
 def build(name: str) -> transformers.PreTrainedModel:

@@ -1,0 +1,158 @@
+"""A MoE checkpoint holds every expert of every layer exactly once, or nothing is written from it: the experts are
+the model's as transformers declares them (its expert modules and expert-parallel plan), counted by `interop
+inspect`, compared by `interop diff`, checked by `interop verify`, and every conversion refuses one that would
+drop, duplicate or invent an expert, naming the layer and the expert."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from converters import registry
+from converters.cli import main
+from converters.models import experts
+from converters.models.facts import in_module_names
+from interop.errors import ConversionError
+from interop.logical import OptimizerState
+from interop.tensors import LazyTensor
+from interop.universal import write_universal
+from tests import architectures
+from tests.conftest import ROOT, worker_env
+
+LAYER = "model.layers.1.mlp.experts"
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def edited(tmp_path, name: str, edit) -> tuple:
+    """``name`` saved by save_pretrained, and a copy whose safetensors file ``edit`` changed (a merger's bug)."""
+    _, hf = architectures.saved(tmp_path, name)
+    state = load_file(hf / "model.safetensors")
+    edit(state)
+    bad = tmp_path / name / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf / "config.json").read_text())
+    save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    return hf, bad
+
+
+def drop(*keys):
+    return lambda state: [state.pop(k) for k in keys]
+
+
+def test_the_model_says_which_tensors_are_experts():
+    """From transformers' expert modules: per-expert files (Qwen2-MoE), a dense first layer and a score bias that
+    is not an expert tensor (DeepSeek-V3), experts stored fused with biases (GPT-OSS); none in a dense model."""
+    def tensors(name):
+        model_type, arch, overrides = architectures.ARCHITECTURES[name]
+        import transformers
+
+        return experts.expert_tensors(transformers.AutoConfig.for_model(model_type, architectures=[arch], **overrides).to_dict())
+
+    assert sorted(tensors("qwen2_moe")) == [f"model.layers.{i}.mlp.experts.{t}" for i in (0, 1) for t in ("down_proj", "gate_up_proj")]
+    deepseek = tensors("deepseek_v3")
+    assert sorted(deepseek) == [f"{LAYER}.down_proj", f"{LAYER}.gate_up_proj"] and deepseek[f"{LAYER}.down_proj"].experts == 4
+    assert sorted(tensors("gpt_oss"))[:4] == [f"model.layers.0.mlp.experts.{t}" for t in
+                                               ("down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias")]
+    assert tensors("llama") == {}
+
+
+def test_every_target_refuses_a_checkpoint_that_lacks_an_expert(tmp_path):
+    """Expert 2 of layer 1 gone from the files: universal, hf and the engine targets all refuse before writing,
+    naming the layer and the expert (universal used to write it, and from_pretrained then initialised it at random)."""
+    hf, bad = edited(tmp_path, "qwen2_moe", drop(*(f"{LAYER}.2.{p}_proj.weight" for p in ("gate", "up", "down"))))
+    _, ckpt = registry.read(str(bad))
+    for target, extra in (("universal", {}), ("hf", {}), ("dcp", {}), ("deepspeed", {"world_size": 2}), ("accelerate", {"world_size": 1})):
+        with pytest.raises(ConversionError, match=rf"{target}-out: not written: layer {LAYER}, expert 2 of 4: missing "
+                                                  rf"\(no '{LAYER}.2.gate_proj.weight'\) \(and 2 more\)"):
+            registry.writer(target).write(ckpt, str(tmp_path / f"{target}-out"), registry.Options(extra=extra))
+        assert not (tmp_path / f"{target}-out").exists()
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(bad), str(tmp_path / "cli-out"), "--to", "universal"],
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"layer {LAYER}, expert 2 of 4: missing" in done.stderr and not (tmp_path / "cli-out").exists()
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda s: s.__setitem__(f"{LAYER}.4.down_proj.weight", s[f"{LAYER}.3.down_proj.weight"].clone()),
+     rf"layer {LAYER}, expert 4: beyond the model's 4 experts \({LAYER}.4.down_proj.weight\)"),
+    (lambda s: s.__setitem__(f"{LAYER}.01.up_proj.weight", s[f"{LAYER}.1.up_proj.weight"].clone()),
+     rf"layer {LAYER}, expert 1: stored 2 times \({LAYER}.01.up_proj.weight, {LAYER}.1.up_proj.weight\)"),
+    (drop(f"{LAYER}.3.up_proj.weight"),  # the last expert, from one pattern: no other tensor says there were 4
+     rf"layer {LAYER}, expert 3 of 4: missing \(no '{LAYER}.3.up_proj.weight'\)"),
+], ids=["extra", "duplicate", "last-of-one-pattern"])
+def test_an_extra_or_duplicated_expert_is_refused(tmp_path, edit, message):
+    _, bad = edited(tmp_path, "qwen2_moe", edit)
+    with pytest.raises(ConversionError, match=message):
+        registry.writer("universal").write(registry.read(str(bad))[1], str(tmp_path / "out"), registry.Options())
+    assert not (tmp_path / "out").exists()
+
+
+def test_experts_stored_fused_are_counted_by_their_first_dimension(tmp_path):
+    """GPT-OSS stores each layer's experts as one tensor: one that holds 3 of the model's 4 is refused."""
+    _, bad = edited(tmp_path, "gpt_oss", lambda s: s.__setitem__(f"{LAYER}.down_proj", s[f"{LAYER}.down_proj"][:3].clone()))
+    _, ckpt = registry.read(str(bad))
+    assert experts.problems(ckpt) == [f"layer {LAYER}, expert 3 of 4: missing ({LAYER}.down_proj lacks it)"]
+    with pytest.raises(ConversionError, match=rf"layer {LAYER}, expert 3 of 4: missing"):
+        registry.writer("hf").write(ckpt, str(tmp_path / "out"), registry.Options())
+
+
+def test_optimizer_state_of_an_expert_the_model_lacks_is_refused(tmp_path):
+    """Moments are per expert too: state for expert 5 of a 4-expert layer (a merge that offset a rank's experts
+    twice) is refused, naming the state; state missing for an expert is not (an engine keeping one parameter per
+    expert has none for an expert that has had no tokens yet)."""
+    _, hf = architectures.saved(tmp_path, "qwen2_moe")
+    _, ckpt = registry.read(str(hf))
+    moments = {n: LazyTensor.of(torch.zeros(t.spec.shape)) for n, t in ckpt.model.items() if ".experts.1." not in n}
+    ckpt = dataclasses.replace(ckpt, optimizer=OptimizerState("AdamW", [{"params": list(ckpt.model), "lr": 0.1}], {"exp_avg": moments}, {}))
+    assert experts.problems(ckpt) == []
+    moments[f"{LAYER}.5.down_proj.weight"] = moments[f"{LAYER}.3.down_proj.weight"]
+    assert experts.problems(ckpt) == [f"layer {LAYER}, expert 5: beyond the model's 4 experts (optimizer 'exp_avg') ({LAYER}.5.down_proj.weight)"]
+
+
+def test_inspect_diff_and_verify_count_experts(tmp_path, capsys):
+    hf, bad = edited(tmp_path, "mixtral", drop("model.layers.1.block_sparse_moe.experts.2.w1.weight"))
+    code, out, _ = run_cli(capsys, "inspect", hf, "--limit", "1")
+    assert code == 0 and "experts:   4 experts in each of 2 MoE layers\n" in out
+    code, out, _ = run_cli(capsys, "inspect", bad, "--limit", "1")
+    assert "experts:   model.layers.0.mlp.experts: 4 of 4; model.layers.1.mlp.experts: 3 of 4\n" in out
+    assert f"  ! layer {LAYER}, expert 2 of 4: missing (no 'model.layers.1.block_sparse_moe.experts.2.w1.weight')" in out
+
+    code, out, _ = run_cli(capsys, "diff", hf, bad)
+    assert code == 1
+    assert f"! experts: layer {LAYER}: 4 whole experts in A, 3 in B (expert 2 only in A)" in out
+    assert f"! experts: B: layer {LAYER}, expert 2 of 4: missing" in out
+    code, out, _ = run_cli(capsys, "diff", hf, hf)
+    assert code == 0 and "experts" not in out
+
+    # a universal checkpoint written without the check (by an older interop): its bytes match its manifest, but
+    # verify counts the experts
+    write_universal(registry.read(str(bad))[1], str(tmp_path / "uni"))
+    code, out, _ = run_cli(capsys, "verify", tmp_path / "uni")
+    assert code == 1 and f"layer {LAYER}, expert 2 of 4: missing" in out
+    registry.writer("universal").write(registry.read(str(hf))[1], str(tmp_path / "good"), registry.Options())
+    code, out, _ = run_cli(capsys, "verify", tmp_path / "good")
+    assert code == 0, out
+
+
+def test_fusing_into_an_engine_layout_checks_the_experts_again(tmp_path):
+    """Below the writers' check, the fusion into the module's tensors refuses what cannot make them: an expert
+    missing from one pattern, and (the last expert gone from every pattern) a fused shape that is not the model's."""
+    _, hf = architectures.saved(tmp_path, "qwen2_moe")
+    _, ckpt = registry.read(str(hf))
+    model = {n: t for n, t in ckpt.model.items() if n != f"{LAYER}.3.up_proj.weight"}
+    with pytest.raises(ConversionError, match=rf"{LAYER}.gate_up_proj: expert 3 has no 'mlp.experts.3.up_proj.weight' tensor"):
+        in_module_names(dataclasses.replace(ckpt, model=model))
+    model = {n: t for n, t in ckpt.model.items() if f"{LAYER}.3." not in n}
+    with pytest.raises(ConversionError, match=r"experts.down_proj: its 3 experts make \[3, 36, 20\], but the model's tensor "
+                                              r"is \[4, 36, 20\]: experts are missing from the checkpoint"):
+        in_module_names(dataclasses.replace(ckpt, model=model))
