@@ -54,7 +54,8 @@ def collect(args) -> engine_bench.Section:
 
     cli = [sys.executable, "-m", "converters.cli"]
     ds_env = {"DS_ACCELERATOR": "cpu"}
-    tag = os.path.join(native, "global_step1")
+    # the directory holding the ZeRO files, and the one whose 'latest' names it (the run's root names checkpoint-1)
+    tag = native if any(f.endswith("_optim_states.pt") for f in os.listdir(native)) else os.path.join(native, "global_step1")
     n = args.repeat
     rows = [
         ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env, n)),
@@ -69,7 +70,8 @@ def collect(args) -> engine_bench.Section:
         )),
         ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
         ("zero_to_fp32.py --safe_serialization (DeepSpeed)", measure(
-            [sys.executable, os.path.join(native, "zero_to_fp32.py"), native, outputs["ref_hf"], "--safe_serialization"],
+            [sys.executable, os.path.join(native, "zero_to_fp32.py"), os.path.dirname(tag), outputs["ref_hf"], "--safe_serialization",
+             "--tag", os.path.basename(tag)],
             ds_env, n, outputs["ref_hf"],
         )),
     ]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from hf_roundtrip import model_config
+from hf_roundtrip import EXPERTS_ENV, describe, model_config
 from measure import disk_floor, measure, print_table, tree_bytes, workdir
 
 
@@ -18,6 +18,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=17)
     p.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
+    p.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts per layer instead of the Llama")
     p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
     p.add_argument("--train", default=None, help=argparse.SUPPRESS)
     p.add_argument("--saves", default=None, help=argparse.SUPPRESS)  # with --train: time saves, write them here
@@ -28,7 +29,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
 class Prepared:
     work: str
     ckpt: str  # our trainer's checkpoint-1
-    native: str  # the engine's own directory inside it
+    native: str  # where the engine's own files are (the checkpoint itself)
 
 
 def _bench_trainer(trainer_cls, cfg, hidden: int, layers: int):
@@ -153,9 +154,10 @@ def prepare(args, script: str, native_key: str, engine: str, port: int, env: dic
         )
         print(f"trained and saved with {engine} on 2 processes in {wall:.0f} s")
     params = int(subprocess.check_output([sys.executable, os.path.abspath(__file__), str(args.hidden), str(args.layers)]))
-    native = os.path.join(ckpt, native_key)
+    native = os.path.join(ckpt, native_key)  # an older trainer's layout; today's keeps the engine's files beside the manifest
+    native = native if os.path.isdir(native) else ckpt
     size = warm(native)
-    print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
+    print(f"model: {describe(args.hidden, args.layers)}, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
           f"{engine} checkpoint on 2 processes: {size / 2**30:.2f} GiB")
     return Prepared(work, ckpt, native)
 
@@ -185,6 +187,8 @@ def main(doc: str, collect, train_and_save, layers: int | None = None, saves=Non
     if layers is not None:
         p.set_defaults(layers=layers)
     args = p.parse_args()
+    if args.experts:
+        os.environ[EXPERTS_ENV] = str(args.experts)
     if args.train and args.saves:
         saves(args)
         return

@@ -26,14 +26,26 @@ m.save_pretrained(sys.argv[2])
 """
 
 
+EXPERTS_ENV = "INTEROP_BENCH_EXPERTS"  # set by --experts; every process of a benchmark (torchrun's too) inherits it
+
+
 def model_config(hidden: int, layers: int):
-    """The benchmarks' Llama: 246M parameters at hidden 1024 and 16 layers, 257M at 17."""
+    """The benchmarks' Llama: 246M parameters at hidden 1024 and 16 layers, 257M at 17. With --experts N (the
+    environment's INTEROP_BENCH_EXPERTS), a Mixtral: its MLP as N experts of intermediate ``hidden``, 2 per token
+    (260M parameters at hidden 1024, 7 layers, 8 experts)."""
     import transformers
 
-    return transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False,
-    )
+    experts = int(os.environ.get(EXPERTS_ENV) or 0)
+    common = dict(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                  num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False)
+    if experts:
+        return transformers.MixtralConfig(intermediate_size=hidden, num_local_experts=experts, num_experts_per_tok=2, **common)
+    return transformers.LlamaConfig(intermediate_size=int(hidden * 2.75), **common)
+
+
+def describe(hidden: int, layers: int) -> str:
+    experts = int(os.environ.get(EXPERTS_ENV) or 0)
+    return f"Mixtral ({experts} experts, 2 per token)" if experts else "Llama"
 
 
 def build(src: str, hidden: int, layers: int) -> int:

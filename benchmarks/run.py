@@ -3,7 +3,8 @@
     python benchmarks/run.py [--workdir DIR] [--repeat 3]      # about 12 min on 2 cores the first time
 
 Runs benchmarks/hf_roundtrip.py, deepspeed_zero3.py, accelerate_fsdp2.py and megatron_legacy.py (each trains
-or builds its ~250M-parameter checkpoint once under --workdir and reuses it), then prints their rows together:
+or builds its ~250M-parameter checkpoint once under --workdir and reuses it), and deepspeed_zero3.py again on a
+260M-parameter Mixtral (8 experts; rows marked [MoE]), then prints their rows together:
 wall time until the output is on disk and peak RSS of each step in its own process, and for each interop row
 the speed-up and RSS ratio against the engine's tool on the same files.
 """
@@ -44,6 +45,20 @@ def main() -> None:
         reference.update(section.reference)
         for out in section.outputs.values():  # several GiB each: the next section needs the disk
             shutil.rmtree(out, ignore_errors=True)
+    # a MoE model (Mixtral, 8 experts of 2 per token, 260M parameters) through ZeRO-3: the experts fused in the
+    # engine's files, one tensor per expert in universal and Hugging Face files
+    os.environ[hf_roundtrip.EXPERTS_ENV] = "8"
+    try:
+        section = deepspeed_zero3.collect(argparse.Namespace(hidden=args.hidden, layers=7, repeat=args.repeat,
+                                                             workdir=os.path.join(work, "deepspeed-moe"), train=None))
+    finally:
+        del os.environ[hf_roundtrip.EXPERTS_ENV]
+    measured = section.with_disk_floor(args.repeat)
+    moe = {r: f"{r} [MoE]" for r, _ in measured}
+    rows += [(moe[r], m) for r, m in measured]
+    reference.update({moe[k]: moe[v] for k, v in section.reference.items()})
+    for out in section.outputs.values():
+        shutil.rmtree(out, ignore_errors=True)
     print_table(rows, reference)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {work}")

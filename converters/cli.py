@@ -29,6 +29,7 @@ from interop.universal import parse_size
 
 from . import registry
 from .diff import diff_checkpoints, expert_differences
+from . import deepspeed_moe
 from .models import experts
 
 log = logging.getLogger("interop.cli")
@@ -64,7 +65,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -104,7 +105,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _print_topology(manifest, ckpt)
     if ckpt.tied:
         print("tied:      " + "; ".join(" <- ".join(g) for g in ckpt.tied))
-    moe = experts.summary(ckpt)
+    moe = experts.summary(ckpt) or deepspeed_moe.summary(ckpt)
     if moe:
         print(f"experts:   {moe}")
         for problem in experts.problems(ckpt):
@@ -269,7 +270,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(f"! {e.key}: max |a-b| {e.max_abs:.6g}")
         else:
             print(f"{'=' if e.status == 'exact' else '~'} {e.key}: {e.status}" + (f" (max |a-b| {e.max_abs:.3g})" if e.status == "close" else ""))
-    moe = expert_differences(a, b)
+    # which experts each side holds can differ only where names or shapes do (asking transformers about the
+    # model's experts costs its import, which a diff of equal layouts never pays)
+    moe = expert_differences(a, b) if any(e.status in ("only_a", "only_b", "shape") for e in report.entries) else []
     for line in moe:
         print(f"! experts: {line}")
     both = len(report.entries) - report.count("only_a") - report.count("only_b")
@@ -342,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
     g.add_argument("--world-size", type=_positive_int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
+    g.add_argument("--ep-size", type=_positive_int, help="expert-parallel ranks of a model with DeepSpeed MoE layers "
+                   "(deepspeed.moe ep_size; default: the source's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
     g.add_argument("--param-groups", choices=("source", "single", "decay"),

@@ -41,6 +41,7 @@ from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
+from . import deepspeed_moe
 from .engine_checkpoint import carried_components, owning_checkpoint, holds_native, native_dir
 from .models.facts import tied_groups
 from .hf import config_near
@@ -99,15 +100,18 @@ class NativeLayout:
     world_size: int
     zero_stage: int
     precision: str = "float32"
+    ep_size: int = 1  # expert-parallel ranks of deepspeed.moe layers
 
     def describe(self) -> str:
-        return f"ZeRO-{self.zero_stage}, {self.world_size} rank(s), {self.precision}"
+        ep = f", experts over {self.ep_size} ranks" if self.ep_size > 1 else ""
+        return f"ZeRO-{self.zero_stage}, {self.world_size} rank(s), {self.precision}{ep}"
 
     def loads_as(self, other: "NativeLayout") -> bool:
         """ZeRO-1 and -2 share a partitioning, so either loads into the other; stage 3 does not."""
         return (
             self.world_size == other.world_size
             and self.precision == other.precision
+            and self.ep_size == other.ep_size
             and (self.zero_stage == 3) == (other.zero_stage == 3)
         )
 
@@ -270,6 +274,7 @@ class _Param:
     group: int  # optimizer param group
     flat: int  # ZeRO-1/2: param group; ZeRO-3: sub-group
     offset: int  # ZeRO-1/2: offset in the group's full flat vector; ZeRO-3: offset in each rank's flat vector
+    ranks: tuple[int, ...] | None = None  # ZeRO-1/2: the ranks whose partitions make its group's vector (None: all)
 
     @property
     def numel(self) -> int:
@@ -290,6 +295,7 @@ class _Optim:
     param_groups: list[dict[str, Any]]  # torch optimizer param groups (hyper-parameters, "params": flat indices)
     partition_count: int
     alignment_paddings: list[list[int]] | None = None  # ZeRO-1/2 parameter_alignment: padding after each param
+    group_partitions: list[int] | None = None  # ZeRO-1/2: ranks each flat group is split over (MoE groups: fewer)
     mapped: bool = False  # its tensors are views of the mmapped file
 
 
@@ -306,7 +312,8 @@ def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
         count = osd["partition_count"]
     except (KeyError, TypeError) as exc:
         raise CorruptCheckpointError(path, f"not a ZeRO optimizer file: missing {exc}") from None
-    count = max(count) if isinstance(count, (list, tuple)) else int(count)
+    per_group = [int(c) for c in count] if isinstance(count, (list, tuple)) else None
+    count = max(per_group) if per_group else int(count)
     if isinstance(base, dict):  # a torch optimizer state dict (the default, "rigid" layout)
         groups = base.get("param_groups", [])
         per_flat = [dict(base.get("state", {}).get(i, {})) for i in range(len(fp32))]
@@ -317,7 +324,7 @@ def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
         if step is not None:
             for s in per_flat:
                 s.setdefault("step", step)
-    return _Optim(path, fp32, per_flat, groups, count, osd.get("param_alignment_paddings"), is_mapped(path))
+    return _Optim(path, fp32, per_flat, groups, count, osd.get("param_alignment_paddings"), mapped=is_mapped(path), group_partitions=per_group)
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -325,7 +332,7 @@ _DS_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts", "ds_autoep_layers",
 }
 
 
@@ -346,16 +353,68 @@ def _params_zero12(ms: dict[str, Any], optims: list[_Optim], path: str) -> list[
     paddings = optims[0].alignment_paddings
     params = []
     for g, group in enumerate(shapes):
-        offset = 0
         pads = paddings[g] if paddings else [0] * len(group)
-        for i, (name, shape) in enumerate(group.items()):
-            p = _Param(name, _shape(shape), g, g, offset)
-            params.append(p)
-            offset += p.numel + (pads[i] if i < len(pads) else 0)
-        have = sum(o.fp32[g].numel() for o in optims) if g < len(optims[0].fp32) else 0
-        if offset - (pads[-1] if pads else 0) > have:
-            raise CorruptCheckpointError(path, f"param group {g} needs {offset} fp32 elements; the {len(optims)} rank files hold {have}")
+        for ranks, rename in _group_owners(ms, optims, g, group, path):
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                p = _Param(rename(name), _shape(shape), g, g, offset, ranks)
+                params.append(p)
+                offset += p.numel + (pads[i] if i < len(pads) else 0)
+            held = ranks if ranks is not None else range(len(optims))
+            have = sum(optims[r].fp32[g].numel() for r in held) if g < len(optims[0].fp32) else 0
+            if offset - (pads[-1] if pads else 0) > have:
+                raise CorruptCheckpointError(path, f"param group {g} needs {offset} fp32 elements; the {len(held)} rank files "
+                                                   f"holding it have {have}")
     return params
+
+
+def _group_owners(ms: dict[str, Any], optims: list[_Optim], g: int, group: dict[str, Any], path: str):
+    """(ranks, renaming) for each copy of param group ``g`` the ranks hold: one over all ranks, or, for a
+    ``deepspeed.moe`` expert group, one per expert-parallel rank (:mod:`.deepspeed_moe`): rank 0's
+    ``param_shapes`` names its own experts by local number; the copy of expert-parallel rank e renames them to
+    their global numbers, as DeepSpeed's own expert files do."""
+    hyper = optims[0].param_groups[g] if g < len(optims[0].param_groups) else {}
+    world = len(optims)
+    if not hyper.get("moe"):
+        return [(None, lambda n: n)]
+    ep = _expert_parallel(optims, g)
+    local: dict[str, set[int]] = {}
+    for name in group:
+        parts = deepspeed_moe.expert_of(name)
+        if parts is None:
+            raise UnsupportedStateError(f"{path}: {name!r} is in expert group {g} ({hyper.get('name')}) but is not named as a "
+                                        "deepspeed.moe expert's parameter; interop cannot place it")
+        local.setdefault(parts[0], set()).add(parts[1])
+    for prefix, ids in local.items():
+        if ids != set(range(len(ids))):
+            raise CorruptCheckpointError(path, f"{prefix}: local experts {sorted(ids)} in param_shapes are not 0..{len(ids) - 1}")
+    counts = [int(c) for c in ms.get("num_experts") or []]
+    totals = sorted({len(ids) * ep for ids in local.values()})
+    if counts and not set(totals) <= set(counts):
+        raise CorruptCheckpointError(path, f"expert group {g} holds {totals} experts per layer over {ep} expert-parallel ranks, "
+                                           f"but the model has num_experts {counts}")
+
+    def renaming(e: int):
+        def rename(name: str) -> str:
+            prefix, i, suffix = deepspeed_moe.expert_of(name)
+            return f"{prefix}{e * len(local[prefix]) + i}{suffix}"
+        return rename
+    data_before = bool((ms.get("ds_config") or {}).get(deepspeed_moe.DATA_BEFORE_EXPERT))
+    return [(ranks, renaming(e)) for e, ranks in enumerate(deepspeed_moe.ep_ranks(world, ep, data_before))]
+
+
+def _expert_parallel(optims: list[_Optim], g: int | None = None) -> int:
+    """Expert-parallel ranks of expert group ``g`` (of the largest, for None): the world over the ranks it is
+    split across; 1 for a checkpoint without expert groups."""
+    world = len(optims)
+    parts = optims[0].group_partitions or [world] * len(optims[0].fp32)
+    groups = [g] if g is not None else [i for i, h in enumerate(optims[0].param_groups) if h.get("moe") and i < len(parts)]
+    ep = 1
+    for i in groups:
+        if parts[i] <= 0 or world % parts[i]:
+            raise CorruptCheckpointError(optims[0].path, f"expert group {i} is split over {parts[i]} ranks, which does not divide {world}")
+        ep = max(ep, world // parts[i])
+    return ep
 
 
 def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[_Param]:
@@ -431,6 +490,13 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
     ckpt = DeepSpeedCheckpoint(info, model_states, optims)
     ms0 = model_states[0]
     ckpt.params = _params_zero3(ms0, optims, world) if zero3 else _params_zero12(ms0, optims, files.model[0])
+    if any(g.get("moe") for g in optims[0].param_groups):
+        for layer, experts in enumerate(ms0.get("num_experts") or []):
+            for e in range(int(experts)):
+                f = os.path.join(files.tag_dir, deepspeed_moe.expert_file(layer, e))
+                if not os.path.isfile(f):
+                    raise MissingFileError(f, f"missing: DeepSpeed's loader reads each of MoE layer {layer}'s {experts} experts "
+                                              "from its own file")
     ckpt.frozen, ckpt.buffers = frozen_and_buffers(model_states, files.model[0], {p.name for p in ckpt.params}, zero3)
     return ckpt
 
@@ -488,7 +554,8 @@ def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatVi
 
     if zero3:
         return [FlatView([vector(o, f) for f in range(len(o.fp32))], o.path, o.mapped) for o in ckpt.optims]
-    return [FlatView([vector(o, p.flat) for o in ckpt.optims], ckpt.optims[0].path, all(o.mapped for o in ckpt.optims))]
+    owners = [ckpt.optims[r] for r in p.ranks] if p.ranks is not None else ckpt.optims
+    return [FlatView([vector(o, p.flat) for o in owners], owners[0].path, all(o.mapped for o in owners))]
 
 
 def _state_layout(ckpt: DeepSpeedCheckpoint) -> tuple[list[str], dict[int, dict[str, Any]]]:
@@ -582,6 +649,10 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         "ds_version": ckpt.info.ds_version,
         "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
     }
+    if layout.zero_stage != 3 and _expert_parallel(ckpt.optims) > 1:
+        source["ep_size"] = _expert_parallel(ckpt.optims)
+    if ckpt.model_states[0].get("num_experts") and any(g.get("moe") for g in ckpt.optims[0].param_groups):
+        source["num_experts"] = [int(n) for n in ckpt.model_states[0]["num_experts"]]  # per deepspeed.moe layer
     return to_logical(ckpt.model_states[0], trainable, ckpt.frozen, ckpt.buffers, _optimizer(ckpt), source,
                       ckpt.info.files.tag_dir, manifest, directory, root=path, config=config)
 

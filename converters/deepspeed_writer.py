@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
 from interop.universal import scalar_value
 
+from . import deepspeed_moe
 from .deepspeed import NATIVE_KEY, NativeLayout
 from .engine_checkpoint import Written, write_engine_checkpoint
 from .param_order import EngineOrder, engine_order, regroup
@@ -98,22 +100,46 @@ def zero12_padding(total: int, world: int, rank: int) -> int:
     return size if total <= left else max(0, left + size - total)
 
 
-def _zero12_buffers(ckpt, order: EngineOrder, world: int, key: str | None) -> list[list[torch.Tensor]]:
-    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``."""
-    out = [[] for _ in range(world)]
-    for names in order.groups:
-        total = sum(_numel(ckpt, n) for n in names)
-        size = zero12_partition(total, world)
-        flat = torch.zeros(size * world, dtype=torch.float32)
-        offset = 0
-        for n in names:
-            t = _state_tensor(ckpt, key, n)
-            if t is not None:
-                flat[offset : offset + t.numel()] = t
-            offset += _numel(ckpt, n)
-        for r in range(world):
-            out[r].append(flat[r * size : (r + 1) * size].clone())
+Owners = list[list[tuple[tuple[int, ...], list[tuple[str, str]]]]]
+
+
+def zero12_owners(order: EngineOrder, world: int, ep: int, data_before_expert: bool = False) -> Owners:
+    """Per param group, (ranks, [(name, name on those ranks)]) for each copy of it the ranks hold: a group is
+    split over every rank; a deepspeed.moe expert group, once per expert-parallel rank over its ranks, each copy
+    holding that rank's experts under their local numbers (:mod:`.deepspeed_moe`)."""
+    out: Owners = []
+    for names, hyper in zip(order.groups, order.hyper):
+        if hyper.get("moe"):
+            layers = deepspeed_moe.ExpertLayers.of(names)
+            out.append([(ranks, layers.local(ep, e)) for e, ranks in enumerate(deepspeed_moe.ep_ranks(world, ep, data_before_expert))])
+        else:
+            out.append([(tuple(range(world)), [(n, n) for n in names])])
     return out
+
+
+def _zero12_buffers(ckpt, owners: Owners, world: int, key: str | None) -> list[list[torch.Tensor]]:
+    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``."""
+    out: list[list[torch.Tensor]] = [[None] * len(owners) for _ in range(world)]  # type: ignore[list-item]
+    for g, copies in enumerate(owners):
+        for ranks, pairs in copies:
+            total = sum(_numel(ckpt, n) for n, _ in pairs)
+            size = zero12_partition(total, len(ranks))
+            flat = torch.zeros(size * len(ranks), dtype=torch.float32)
+            offset = 0
+            for n, _ in pairs:
+                t = _state_tensor(ckpt, key, n)
+                if t is not None:
+                    flat[offset : offset + t.numel()] = t
+                offset += _numel(ckpt, n)
+            for i, r in enumerate(ranks):
+                out[r][g] = flat[i * size : (i + 1) * size].clone()
+    return out
+
+
+def _copy_of(owners: Owners, g: int, rank: int) -> tuple[int, int, list[tuple[str, str]]]:
+    """(this rank's index among the ranks of its copy of group ``g``, how many they are, the copy's names)."""
+    ranks, pairs = next((ranks, pairs) for ranks, pairs in owners[g] if rank in ranks)
+    return ranks.index(rank), len(ranks), pairs
 
 
 def _sub_groups(ckpt, names: list[str], world: int, sub_group_size: int) -> list[list[str]]:
@@ -178,9 +204,15 @@ def optimizer_grouping(ds_config: dict[str, Any] | None, grouping: str | None) -
     return grouping or ("single" if section else "source"), (params or None)
 
 
-def grouped_order(ckpt: LogicalCheckpoint, ds_config: dict[str, Any] | None, grouping: str | None) -> EngineOrder:
+def grouped_order(ckpt: LogicalCheckpoint, ds_config: dict[str, Any] | None, grouping: str | None, ep: int = 1) -> EngineOrder:
+    """The engine's param groups; a model's deepspeed.moe experts in groups of their own, as
+    ``split_params_into_different_moe_groups_for_optimizer`` makes them for ``ep`` expert-parallel ranks."""
     name, hyper = optimizer_grouping(ds_config, grouping)
-    return regroup(engine_order(ckpt), ckpt, name, hyper)
+    order = regroup(engine_order(ckpt), ckpt, name, hyper)
+    if not any(deepspeed_moe.expert_of(n) for g in order.groups for n in g):
+        return order
+    groups, hypers = deepspeed_moe.split_moe_groups(order.groups, order.hyper, ep)
+    return replace(order, groups=groups, hyper=hypers)
 
 
 def write_native(
@@ -204,7 +236,15 @@ def write_native(
     dtype = dtype_from_name(layout.precision)
     step = ckpt.step if step is None else step
     step = int(step or 0)
-    order = order or grouped_order(ckpt, ds_config, grouping)
+    order = order or grouped_order(ckpt, ds_config, grouping, layout.ep_size)
+    experts = [n for g in order.groups for n in g if deepspeed_moe.expert_of(n)]
+    if experts and stage == 3:
+        raise ConversionError("the model has deepspeed.moe expert layers, which DeepSpeed does not run with ZeRO-3 (\"Native "
+                              "DeepSpeed MoE is not supported with ZeRO Stage 3\"); write --zero-stage 1 or 2")
+    if experts and world % layout.ep_size:
+        raise ConversionError(f"--ep-size {layout.ep_size} does not divide the world size {world}")
+    if not experts and layout.ep_size > 1:
+        raise ConversionError(f"--ep-size {layout.ep_size}: the checkpoint has no deepspeed.moe experts to split over ranks")
     ds_config = dict(ds_config or {})
     ds_config.setdefault("zero_optimization", {})
     ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage": stage}
@@ -230,14 +270,21 @@ def write_native(
         scalars = [_group_scalars(ckpt, sub) for sub in subs]
         param_shapes = [shapes(ckpt, sub) for sub in subs]
     else:
+        owners = zero12_owners(order, world, layout.ep_size, bool(ds_config.get(deepspeed_moe.DATA_BEFORE_EXPERT)))
         flat_ids = [[g] for g in range(len(order.groups))]
-        fp32 = _zero12_buffers(ckpt, order, world, None)
-        states = {k: _zero12_buffers(ckpt, order, world, k) for k in keys}
+        fp32 = _zero12_buffers(ckpt, owners, world, None)
+        states = {k: _zero12_buffers(ckpt, owners, world, k) for k in keys}
         scalars = [_group_scalars(ckpt, names) for names in order.groups]
-        param_shapes = [shapes(ckpt, names) for names in order.groups]
+        # rank 0's view, which it saves: its own experts under their local numbers
+        param_shapes = [OrderedDict((local, torch.Size(ckpt.model[n].spec.shape)) for n, local in _copy_of(owners, g, 0)[2])
+                        for g in range(len(owners))]
         subs = order.groups
 
     module = _module(ckpt, order, dtype, placeholders=stage == 3)
+    if experts:  # save_checkpoint leaves the experts out of `module` and writes each expert's own file
+        module = OrderedDict((k, v) for k, v in module.items() if not deepspeed_moe.expert_of(k))
+        for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
+            save_torch(tensors, os.path.join(tag_dir, name))
     frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
     for r in range(world):
         state = {}
@@ -257,7 +304,8 @@ def write_native(
                 "fp32_flat_groups": fp32[r],
             }
         else:
-            paddings = [zero12_padding(sum(_numel(ckpt, n) for n in names), world, r) for names in order.groups]
+            copies = [_copy_of(owners, g, r) for g in range(len(owners))]
+            paddings = [zero12_padding(sum(_numel(ckpt, n) for n, _ in pairs), count, i) for i, count, pairs in copies]
             osd = {
                 "loss_scaler": LossScaler(1.0),
                 "dynamic_loss_scale": False,
@@ -266,10 +314,10 @@ def write_native(
                 "single_partition_of_fp32_groups": [t[: t.numel() - p] for t, p in zip(fp32[r], paddings)],
                 "zero_stage": ZeroStageEnum(stage),
                 "group_paddings": paddings,
-                "param_alignment_paddings": [[0] * len(names) for names in order.groups],
-                "partition_count": [world] * len(order.groups),
+                "param_alignment_paddings": [[0] * len(pairs) for _, _, pairs in copies],
+                "partition_count": [count for _, count, _ in copies],
                 "ds_version": version,
-                "param_slice_mappings": _slice_mappings(ckpt, order, world, r, fragment_address),
+                "param_slice_mappings": _slice_mappings(ckpt, copies, fragment_address),
             }
         save_torch({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": version},
                    os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
@@ -282,6 +330,8 @@ def write_native(
                 ),
                 step=step, ds_config=ds_config, world=world, version=version,
             )
+            if experts:
+                states_dict.update(num_experts=list(deepspeed_moe.ExpertLayers.of(experts).experts.values()), ds_autoep_layers=None)
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
             save_torch(states_dict, os.path.join(tag_dir, name))
     with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
@@ -351,18 +401,19 @@ def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, pla
     return out
 
 
-def _slice_mappings(ckpt, order: EngineOrder, world: int, rank: int, fragment_address) -> list[OrderedDict]:
-    """Where each parameter's piece sits in this rank's partition (what ds_to_universal reads)."""
+def _slice_mappings(ckpt, copies: list[tuple[int, int, list[tuple[str, str]]]], fragment_address) -> list[OrderedDict]:
+    """Where each parameter's piece sits in this rank's partition (what ds_to_universal reads), by the name it
+    has on this rank; ``copies``: per group, this rank's index, its copy's rank count and names."""
     out = []
-    for names in order.groups:
-        size = zero12_partition(sum(_numel(ckpt, n) for n in names), world)
-        lo, hi = rank * size, (rank + 1) * size
+    for index, count, pairs in copies:
+        size = zero12_partition(sum(_numel(ckpt, n) for n, _ in pairs), count)
+        lo, hi = index * size, (index + 1) * size
         mapping, offset = OrderedDict(), 0
-        for n in names:
+        for n, local in pairs:
             numel = _numel(ckpt, n)
             start, end = max(offset, lo), min(offset + numel, hi)
             if start < end:
-                mapping[n] = fragment_address(numel=end - start, start=start - lo)
+                mapping[local] = fragment_address(numel=end - start, start=start - lo)
             offset += numel
         out.append(mapping)
     return out
@@ -382,9 +433,9 @@ def write_deepspeed(
     DeepSpeed trainer's ``--resume dst`` all load it."""
     sharding = ShardingMetadata(
         strategy=Strategy.ZERO, world_size=layout.world_size, dp=layout.world_size, precision=layout.precision,
-        master_precision="float32", zero_stage=layout.zero_stage,
+        master_precision="float32", zero_stage=layout.zero_stage, ep=layout.ep_size,
     )
-    order = grouped_order(ckpt, ds_config, grouping)  # the files and the manifest's record of their groups
+    order = grouped_order(ckpt, ds_config, grouping, layout.ep_size)  # the files and the manifest's record of their groups
 
     def write_files(directory: str) -> Written:
         return Written(at=os.path.basename(write_native(ckpt, directory, layout, ds_config, order=order)))

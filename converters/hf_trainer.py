@@ -133,9 +133,13 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
         raise ConversionError("the source records no model config, so no Trainer checkpoint can be written; "
                               "pass the model's config with --config CONFIG.json (or the model's directory)")
     os.makedirs(directory, exist_ok=True)
-    module = in_module_names(ckpt)  # optimizer.pt numbers the module's parameters; model.safetensors keeps save_pretrained's names
+    # optimizer.pt numbers the module's parameters, and model.safetensors holds them under the module's names too:
+    # Trainer.train(resume_from_checkpoint=...) loads it with load_state_dict(strict=False), which would leave
+    # any tensor save_pretrained names otherwise (a MoE model's per-expert tensors) as initialised, silently;
+    # from_pretrained takes the module's names as well
+    module = in_module_names(ckpt)
     order = engine_order(module)
-    write_sharded(directory, "", "model", model_entries(ckpt), sys.maxsize, hashed=False)
+    write_sharded(directory, "", "model", model_entries(module), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config, f, indent=2)
     save_torch(torch_optimizer_state(module, order), os.path.join(directory, OPTIM_PT))
@@ -161,8 +165,8 @@ def _global_batch(ckpt: LogicalCheckpoint) -> int:
 
 
 def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False) -> Manifest:
-    """An interop checkpoint whose ``hf_trainer/`` is a transformers Trainer checkpoint for one process:
-    ``trainer.train(resume_from_checkpoint=dst + "/hf_trainer")`` continues it, and our Hugging Face trainer
+    """An interop checkpoint that is itself a transformers Trainer checkpoint for one process (its files beside the manifest):
+    ``trainer.train(resume_from_checkpoint=dst)`` continues it, and our Hugging Face trainer
     resumes from ``dst`` with the data position and trainer progress beside it."""
     import transformers
 

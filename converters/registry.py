@@ -18,6 +18,7 @@ from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_univ
 
 from .models.config_arg import apply_config
 from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
+from . import deepspeed_moe
 from .models import experts
 from .models import facts as model_facts
 
@@ -105,6 +106,15 @@ def register(fmt: Format) -> Format:
     return fmt
 
 
+def writes_as(name: str, write: Callable[[LogicalCheckpoint, str], object]) -> Callable[[LogicalCheckpoint, str], object]:
+    """``write(ckpt, dst)`` (a trainer's own call of a format's writer, with the layout it runs) given what the
+    registered format ``name``'s writer is given: experts checked, and the module's names where the format
+    stores them (a MoE model's per-expert tensors fused)."""
+    wrapped = _experts_checked(_module_naming(lambda ckpt, dst, o: write(ckpt, dst)) if FORMATS[name].module_names
+                               else lambda ckpt, dst, o: write(ckpt, dst))
+    return lambda ckpt, dst: wrapped(ckpt, dst, Options())
+
+
 def _experts_checked(write):
     """Every writer refuses a MoE checkpoint that would drop, duplicate or invent an expert (the model's
     experts as transformers declares them), before it writes anything."""
@@ -113,6 +123,7 @@ def _experts_checked(write):
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
         experts.check(ckpt, dst)
+        deepspeed_moe.check(ckpt, dst)  # a model of DeepSpeed's own MoE layers (no transformers model to ask)
         write(ckpt, dst, o)
     return wrapped
 
@@ -206,7 +217,8 @@ def _write_deepspeed(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     world = layout_value(ckpt, o, "world_size", 1)
     stage = layout_value(ckpt, o, "zero_stage", 2)
     dtype = extra.get("dtype") or ckpt.source.get("dtype") or "float32"
-    write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype), config, o.overwrite, extra.get("param_groups"))
+    ep = int(extra.get("ep_size") or ckpt.source.get("ep_size") or 1)  # only a deepspeed.moe model has experts to split
+    write_deepspeed(ckpt, dst, NativeLayout(int(world), int(stage), dtype, ep), config, o.overwrite, extra.get("param_groups"))
 
 
 register(

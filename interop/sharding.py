@@ -42,6 +42,7 @@ class ShardingMetadata:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert-parallel ranks: each holds 1/ep of every MoE layer's experts
     tensors: dict[str, TensorSharding] = field(default_factory=dict)  # only tensors that are split
     pp_stage_of_layer: dict[str, int] = field(default_factory=dict)  # layer prefix -> pipeline stage
     any_world_size: bool = False  # the engine's files are for no world size (DCP written offline): any run loads them

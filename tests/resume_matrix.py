@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainers.launch import LaunchError, launch, run_processes
@@ -77,10 +77,25 @@ SOURCES: dict[str, Layout] = {
 TARGETS: dict[str, Layout] = {**{k: v for k, v in SOURCES.items() if k != "hf"}, "hf-trainer": HF_TRAINER}
 ENGINE_TARGETS = list(TARGETS)  # Hugging Face as a target: transformers' Trainer, resuming its own checkpoint format
 
+# The same runs on a tiny Mixtral (the Llama's MLP as 4 experts, 2 per token: one fused expert tensor per layer in
+# the engines, one tensor per expert in universal and Hugging Face files), key "<layout>@moe"
+MOE_FLAGS = ("--model", "mixtral")
+
+
+def _moe(layout: Layout) -> Layout:
+    return replace(layout, key=f"{layout.key}@moe", label=f"{layout.label}, Mixtral", flags=layout.flags + MOE_FLAGS)
+
+
+MOE_SOURCES: dict[str, Layout] = {m.key: m for m in map(_moe, (SOURCES["ds-z3"], SOURCES["fsdp2"], HF))}
+MOE_TARGETS: dict[str, Layout] = {m.key: m for m in map(_moe, (TARGETS["ds-z3"], TARGETS["fsdp2"], HF_TRAINER))}
+ALL_SOURCES, ALL_TARGETS = {**SOURCES, **MOE_SOURCES}, {**TARGETS, **MOE_TARGETS}
+
 
 def target_layout(source: str, target: str) -> Layout:
     """``target``'s layout for a resume from ``source``: its usual one, or, for the same engine and layout,
     another world size (ZeRO and accelerate on 1 process, Megatron with a second data-parallel replica)."""
+    if target.endswith("@moe"):
+        return _moe(target_layout(source.removesuffix("@moe"), target.removesuffix("@moe")))
     if source != target:
         return TARGETS[target]
     if target.startswith("ds-z"):
@@ -93,7 +108,7 @@ def target_layout(source: str, target: str) -> Layout:
 
 
 def all_pairs() -> list[tuple[str, str]]:
-    return [(s, t) for s in SOURCES for t in ENGINE_TARGETS]
+    return [(s, t) for s in SOURCES for t in ENGINE_TARGETS] + [(s, t) for s in MOE_SOURCES for t in MOE_TARGETS]
 
 
 # --- running ---------------------------------------------------------------------------------------------
@@ -127,10 +142,10 @@ class Source:
 
 
 def make_source(key: str, work: Path) -> Source:
-    layout = SOURCES[key]
+    layout = ALL_SOURCES[key]
     out = work / f"source-{key}"
-    if key == "hf":
-        source = _hf_source(out)
+    if layout.engine == "hf":
+        source = _hf_source(out, layout)
     else:
         losses = train(layout, out, "--save-every", str(SAVED_AT))
         source = Source(layout, out / f"checkpoint-{SAVED_AT}", losses[SAVED_AT:])
@@ -156,14 +171,14 @@ def round_trip_is_lossless(source: Source, converted: Path, work: Path) -> None:
     initial state for engines that need it)."""
     back = work / f"{converted.name}--universal"
     interop("convert", str(converted), str(back), "--to", "universal", "--overwrite")
-    model_only = ["--model-only"] if source.layout.key == "hf" else []
+    model_only = ["--model-only"] if source.layout.engine == "hf" else []
     done = run_processes([sys.executable, "-c", DIFF_WITHOUT_ENGINES, "diff", str(source.universal), str(back), *model_only], timeout=600)
     summary = next(line for line in done.stdout.splitlines() if " compared, " in line)
     if "0 different; 0 only in A, 0 only in B" not in summary or " 0 exact" in summary:
         raise AssertionError(f"round trip through {converted.name} changed something: {summary}")
 
 
-def _hf_source(out: Path) -> Source:
+def _hf_source(out: Path, layout: Layout = HF) -> Source:
     """A Hugging Face model directory, and the single-process trainer's losses fine-tuning from it."""
     import torch
     import transformers
@@ -171,9 +186,9 @@ def _hf_source(out: Path) -> Source:
     from trainers.base import tiny_config
 
     torch.manual_seed(HF_SEED)
-    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(out / "model")
-    losses = train(HF, out / "run", "--init-from", str(out / "model"))
-    return Source(HF, out / "model", losses)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral" if layout.key.endswith("@moe") else "llama")).save_pretrained(out / "model")
+    losses = train(layout, out / "run", "--init-from", str(out / "model"))
+    return Source(layout, out / "model", losses)
 
 
 @dataclass
@@ -244,15 +259,15 @@ def _compared(result: Result, start: float) -> Result:
 # --- the docs table --------------------------------------------------------------------------------------
 
 
-def table(results: list[Result]) -> str:
+def table(results: list[Result], sources: dict[str, Layout] = SOURCES, targets: list[str] = ENGINE_TARGETS) -> str:
     by_pair = {(r.source, r.target): r for r in results}
-    lines = ["| source \\ target | " + " | ".join(ENGINE_TARGETS) + " |", "|---" * (len(ENGINE_TARGETS) + 1) + "|"]
-    for s in SOURCES:
+    lines = ["| source \\ target | " + " | ".join(targets) + " |", "|---" * (len(targets) + 1) + "|"]
+    for s in sources:
         cells = []
-        for t in ENGINE_TARGETS:
+        for t in targets:
             r = by_pair.get((s, t))
             cells.append("" if r is None else (f"ok {r.max_rel:.0e}" if r.ok else "FAIL"))
-        lines.append(f"| {SOURCES[s].label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {sources[s].label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -305,6 +320,19 @@ def render(results: list[Result]) -> str:
         table(results),
         "",
         "Targets: " + "; ".join(f"`{k}` {TARGETS[k].label} (`interop convert ... {' '.join(TARGETS[k].to)}`)" for k in ENGINE_TARGETS) + ".",
+        "",
+        "## Mixture of experts",
+        "",
+        "The same runs on a tiny Mixtral (`--model mixtral`: 4 experts, 2 per token). The engines hold each layer's "
+        "experts as one fused tensor (`experts.gate_up_proj`, with its Adam moments); universal and Hugging Face "
+        "files hold one tensor per expert, fused and split by transformers' own conversion operations. The "
+        "Hugging Face Trainer column resumes through our trainer, which places the experts itself: transformers' "
+        "`Trainer._load_from_checkpoint` loads `model.safetensors` with `load_state_dict(strict=False)` and leaves "
+        "per-expert tensors as initialised (its own Mixtral resume continues at 5.5114 where the run was at 5.5022), "
+        "so `--to hf-trainer` writes the weights under the module's names, which it and `from_pretrained` both load. "
+        "Expert parallelism in the Megatron-style trainer is not built yet.",
+        "",
+        table(results, MOE_SOURCES, list(MOE_TARGETS)),
         "",
     ]
     if notes:

@@ -156,3 +156,21 @@ def test_fusing_into_an_engine_layout_checks_the_experts_again(tmp_path):
     with pytest.raises(ConversionError, match=r"experts.down_proj: its 3 experts make \[3, 36, 20\], but the model's tensor "
                                               r"is \[4, 36, 20\]: experts are missing from the checkpoint"):
         in_module_names(dataclasses.replace(ckpt, model=model))
+
+
+def test_transformers_trainer_resumes_our_hf_trainer_output_with_every_expert(tmp_path):
+    """transformers' own Trainer._load_from_checkpoint loads model.safetensors with load_state_dict(strict=False):
+    files in save_pretrained's per-expert naming leave a Mixtral's fused experts as initialised, silently.
+    `--to hf-trainer` writes the module's names, so the Trainer's own load restores every weight of it."""
+    import transformers
+
+    model, hf = architectures.saved(tmp_path, "mixtral")
+    registry.writer("hf-trainer").write(registry.read(str(hf))[1], str(tmp_path / "out"), registry.Options())
+    torch.manual_seed(99)
+    fresh = transformers.MixtralForCausalLM(model.config)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "scratch"), use_cpu=True, report_to=[])
+    transformers.Trainer(model=fresh, args=args)._load_from_checkpoint(str(tmp_path / "out"))
+    theirs = model.state_dict()
+    assert all(torch.equal(t, theirs[k]) for k, t in fresh.state_dict().items())
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")  # and from_pretrained reads it
+    assert all(torch.equal(t, theirs[k]) for k, t in back.state_dict().items())

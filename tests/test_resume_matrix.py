@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from .resume_matrix import SOURCES, Result, all_pairs, make_source, run_pair
+from .resume_matrix import ALL_SOURCES, Result, all_pairs, make_source, run_pair
 
 pytestmark = pytest.mark.dist
 
 # Converted with `interop convert`: Megatron-style as a source and as a target, FSDP2 as a source, 4 ranks -> 1 and
 # 2 -> 4, and a Trainer out; ZeRO and accelerate as targets of a conversion are test_deepspeed.py's and
-# test_accelerate.py's (and the demo's); the slice's ZeRO-3 source goes into DDP directly below. The whole 81-pair
-# grid under -m slow.
-CI_SLICE = [("tp2pp2", "hf-trainer"), ("fsdp2", "tp2pp2")]
+# test_accelerate.py's (and the demo's); the slice's ZeRO-3 source goes into DDP directly below. A Mixtral trained
+# by ZeRO-3 into the Trainer (per-expert files, fused module tensors, transformers' Trainer's strict=False load).
+# The whole grid (81 pairs, and 9 MoE pairs) under -m slow.
+CI_SLICE = [("tp2pp2", "hf-trainer"), ("fsdp2", "tp2pp2"), ("ds-z3@moe", "hf-trainer@moe")]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,10 @@ def source(tmp_path_factory):
 
 def check(result: Result) -> None:
     assert result.ok, f"{result.source} -> {result.target}: {result.error}"
-    rank_change = SOURCES[result.source].nproc != _target_nproc(result)
+    rank_change = ALL_SOURCES[result.source].nproc != _target_nproc(result)
     # DCP written offline is for no number of ranks: its load is no world-size change to report
     assert not any("component 'dcp': saved by" in n for n in result.notes), result.notes
-    if rank_change and result.source != "hf":  # a Hugging Face model has no RNG state to lose
+    if rank_change and not result.source.startswith("hf"):  # a Hugging Face model has no RNG state to lose
         assert any("rng" in n.lower() and ("reseed" in n or "fresh" in n) for n in result.notes), result.notes
 
 
@@ -65,8 +66,15 @@ def test_full_matrix(source, src, dst):
 # directory it removes): ZeRO from FSDP2, DDP from ZeRO-3 and transformers' Trainer from
 # Megatron-style TP2xPP2 here; the Megatron-style trainer from universal in test_megatron_trainer.py.
 DIRECT = [("fsdp2", "ds-z2"), ("ds-z3", "ddp"), ("tp2pp2", "hf-trainer")]
+DIRECT_SLOW = [("fsdp2@moe", "ds-z3@moe")]
 
 
 @pytest.mark.parametrize(("src", "dst"), DIRECT, ids=[f"{s}-to-{d}" for s, d in DIRECT])
 def test_resume_directly_from_another_format(source, src, dst):
+    check(run_pair(source(src), dst, source.work, direct=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("src", "dst"), DIRECT_SLOW, ids=[f"{s}-to-{d}" for s, d in DIRECT_SLOW])
+def test_resume_directly_from_another_format_moe(source, src, dst):
     check(run_pair(source(src), dst, source.work, direct=True))

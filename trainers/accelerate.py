@@ -194,7 +194,10 @@ class AccelerateTrainer(BaseTrainer):
     primary_component = accelerate_format.NATIVE_KEY
 
     def import_writer(self):
-        return lambda ckpt, out: accelerate_format.write_accelerate(ckpt, out, self.world_size, self.fsdp, overwrite=True)
+        from converters import registry
+
+        return registry.writes_as("accelerate", lambda ckpt, out: accelerate_format.write_accelerate(ckpt, out, self.world_size, self.fsdp,
+                                                                                                     overwrite=True))
 
     def sharding_metadata(self) -> ShardingMetadata:
         return ShardingMetadata(

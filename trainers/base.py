@@ -42,7 +42,7 @@ def flag(default: Any, help: str) -> Any:
 
 @dataclass
 class TrainerConfig:
-    model: str = flag("llama", "tiny model built from a config: llama | gpt2")
+    model: str = flag("llama", "tiny model built from a config: llama | gpt2 | mixtral (MoE: 4 experts, 2 per token)")
     tied: bool = flag(False, "tie input embeddings and output layer")
     init_from: str | None = flag(None, "a Hugging Face model directory to start from instead of a fresh model")
     steps: int = flag(8, "length of the run (the schedule's horizon)")
@@ -87,7 +87,13 @@ def tiny_config(kind: str, tied: bool = False):
             vocab_size=VOCAB_SIZE, n_positions=128, n_embd=48, n_layer=2, n_head=4,
             tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
         )
-    raise ConfigurationError(f"unknown tiny model {kind!r} (llama or gpt2)")
+    if kind == "mixtral":  # the Llama above with its MLP as 4 experts of intermediate 100, 2 per token
+        return transformers.MixtralConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_local_experts=4,
+            num_experts_per_tok=2, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        )
+    raise ConfigurationError(f"unknown tiny model {kind!r} (llama, gpt2 or mixtral)")
 
 
 def build_model(cfg: TrainerConfig) -> torch.nn.Module:

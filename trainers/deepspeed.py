@@ -175,7 +175,10 @@ class DeepSpeedTrainer(BaseTrainer):
 
     def import_writer(self):
         layout = deepspeed_zero.NativeLayout(self.world_size, self.zero_stage, self.precision)
-        return lambda ckpt, out: write_deepspeed(ckpt, out, layout, self.engine.config, overwrite=True, grouping="source")
+        from converters import registry
+
+        return registry.writes_as("deepspeed", lambda ckpt, out: write_deepspeed(ckpt, out, layout, self.engine.config, overwrite=True,
+                                                                                 grouping="source"))
 
     def sharding_metadata(self) -> ShardingMetadata:
         return ShardingMetadata(

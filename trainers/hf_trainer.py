@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from converters import hf_trainer as hf_format
+from converters import registry
 from converters.pickle_safety import numpy_allowlist, weights_only_loads
 from interop import CheckpointManager, SharingPattern, StateComponent, WorldSizePolicy
-from interop.errors import LoadFailedError, TopologyError
+from interop.errors import CorruptCheckpointError, LoadFailedError, TopologyError
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
@@ -135,6 +136,9 @@ class HFTrainer:
             def _get_train_sampler(self, *args, **kwargs):
                 return torch.utils.data.SequentialSampler(self.train_dataset)
 
+            def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+                owner.load_weights(resume_from_checkpoint, model or self.model)
+
             def training_step(self, *args, **kwargs):
                 loss = super().training_step(*args, **kwargs)
                 owner.losses.append(float(loss))
@@ -150,6 +154,23 @@ class HFTrainer:
         self.checkpoints = CheckpointManager(cfg.output_dir, self, keep_last=cfg.keep_last)
         self.checkpoints.claim()
         self._stop_at = cfg.steps
+
+    def load_weights(self, directory: str, model: torch.nn.Module) -> None:
+        """The checkpoint's weights into ``model``, every tensor placed. transformers' own Trainer loads
+        model.safetensors with ``load_state_dict(strict=False)`` (Trainer._load_from_checkpoint), so tensors that
+        save_pretrained stores under other names than the module's (a MoE model's per-expert tensors, fused in
+        the module) are silently left as initialised: a Mixtral run resumed by it continues from random experts.
+        Here they go through transformers' own renaming and fusion, as from_pretrained places them."""
+        from converters.models.facts import in_module_names
+
+        options = registry.Options(trust_pickle=self.cfg.trust_pickle, verify_digests=False)  # the load checked them
+        module = in_module_names(registry.read(directory, options, as_format="hf")[1])
+        result = model.load_state_dict({n: t.load() for n, t in module.model.items()}, strict=False)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise CorruptCheckpointError(directory, f"its weights do not fit the model: missing {missing[:3]}, "
+                                                    f"unexpected {result.unexpected_keys[:3]}")
 
     # --- the adapter's view ------------------------------------------------------------------------
     def get_state_components(self) -> list[StateComponent]:
@@ -205,7 +226,8 @@ class HFTrainer:
         target = None if path in (None, "latest") else path
         origin = target
         if target is not None and not _is_ours(target):  # Trainer reads the converted copy when training starts
-            target = self.imported = import_checkpoint(self, target, lambda ckpt, out: hf_format.write_hf_trainer(ckpt, out, overwrite=True))
+            target = self.imported = import_checkpoint(self, target, registry.writes_as(
+                "hf-trainer", lambda ckpt, out: hf_format.write_hf_trainer(ckpt, out, overwrite=True)))
         try:
             result = self.checkpoints.load(target, verify=self.cfg.verify, shown_as=origin)
             expected = position_after(self.state.step, self.cfg, self.dataset)

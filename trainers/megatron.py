@@ -288,7 +288,9 @@ class MegatronTrainer(BaseTrainer):
     primary_component = interop_dcp.NATIVE_KEY
 
     def import_writer(self):
-        return lambda ckpt, out: interop_dcp.write_interop_dcp(ckpt, out, overwrite=True)
+        from converters import registry
+
+        return registry.writes_as("interop-dcp", lambda ckpt, out: interop_dcp.write_interop_dcp(ckpt, out, overwrite=True))
 
 
 def parse_config(argv: list[str] | None = None) -> MegatronTrainerConfig:
