@@ -80,6 +80,7 @@ def test_inspect_counts_the_experts_and_a_dropped_one_is_refused(ep2, tmp_path, 
             registry.writer("universal").write(dropped, str(tmp_path / "out"), registry.Options())
 
 
+@pytest.mark.slow  # the partitioned expert groups are also written and loaded by DeepSpeed below (world 4, EP 2) by default
 def test_experts_partitioned_over_their_data_parallel_ranks_read_exactly(tmp_path):
     """EP 2 on 4 ranks, ZeRO-1: each expert group's partitions split over the 2 ranks of its expert-data-parallel group."""
     torchrun(4, "train", 1, 2, 2, tmp_path / "ds")
