@@ -28,6 +28,7 @@ import torch
 
 from interop.commit import read_tag, resolve_checkpoint_dir
 from interop.errors import (
+    ConversionError,
     CorruptCheckpointError,
     MissingFileError,
     TopologyError,
@@ -378,27 +379,24 @@ def _group_owners(ms: dict[str, Any], optims: list[_Optim], g: int, group: dict[
     if not hyper.get("moe"):
         return [(None, lambda n: n)]
     ep = _expert_parallel(optims, g)
-    local: dict[str, set[int]] = {}
     for name in group:
-        parts = deepspeed_moe.expert_of(name)
-        if parts is None:
+        if deepspeed_moe.expert_of(name) is None:
             raise UnsupportedStateError(f"{path}: {name!r} is in expert group {g} ({hyper.get('name')}) but is not named as a "
                                         "deepspeed.moe expert's parameter; interop cannot place it")
-        local.setdefault(parts[0], set()).add(parts[1])
-    for prefix, ids in local.items():
-        if ids != set(range(len(ids))):
-            raise CorruptCheckpointError(path, f"{prefix}: local experts {sorted(ids)} in param_shapes are not 0..{len(ids) - 1}")
+    try:
+        local = deepspeed_moe.ExpertLayers.of(list(group))  # rank 0's experts: numbered 0..n-1 in each layer
+    except ConversionError as exc:
+        raise CorruptCheckpointError(path, f"param_shapes of expert group {g}: {exc}") from None
     counts = [int(c) for c in ms.get("num_experts") or []]
-    totals = sorted({len(ids) * ep for ids in local.values()})
+    totals = sorted({n * ep for n in local.experts.values()})
     if counts and not set(totals) <= set(counts):
         raise CorruptCheckpointError(path, f"expert group {g} holds {totals} experts per layer over {ep} expert-parallel ranks, "
                                            f"but the model has num_experts {counts}")
+    whole = deepspeed_moe.ExpertLayers({p: n * ep for p, n in local.experts.items()}, local.suffixes)
 
     def renaming(e: int):
-        def rename(name: str) -> str:
-            prefix, i, suffix = deepspeed_moe.expert_of(name)
-            return f"{prefix}{e * len(local[prefix]) + i}{suffix}"
-        return rename
+        to_global = {on_rank: name for name, on_rank in whole.local(ep, e)}  # the one numbering rule, deepspeed_moe's
+        return to_global.__getitem__
     data_before = bool((ms.get("ds_config") or {}).get(deepspeed_moe.DATA_BEFORE_EXPERT))
     return [(ranks, renaming(e)) for e, ranks in enumerate(deepspeed_moe.ep_ranks(world, ep, data_before))]
 
@@ -649,8 +647,9 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         "ds_version": ckpt.info.ds_version,
         "tag": os.path.basename(os.path.normpath(ckpt.info.files.tag_dir)),
     }
-    if layout.zero_stage != 3 and _expert_parallel(ckpt.optims) > 1:
-        source["ep_size"] = _expert_parallel(ckpt.optims)
+    ep = _expert_parallel(ckpt.optims) if layout.zero_stage != 3 else 1
+    if ep > 1:
+        source["ep_size"] = ep
     if ckpt.model_states[0].get("num_experts") and any(g.get("moe") for g in ckpt.optims[0].param_groups):
         source["num_experts"] = [int(n) for n in ckpt.model_states[0]["num_experts"]]  # per deepspeed.moe layer
     return to_logical(ckpt.model_states[0], trainable, ckpt.frozen, ckpt.buffers, _optimizer(ckpt), source,

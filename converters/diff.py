@@ -92,8 +92,6 @@ def diff_checkpoints(
     return report
 
 
-
-
 def expert_differences(a: LogicalCheckpoint, b: LogicalCheckpoint) -> list[str]:
     """One line per MoE layer whose experts differ between the two checkpoints (the model's count, or which
     experts each holds), and each side's own missing, extra or duplicated experts."""
