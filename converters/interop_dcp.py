@@ -103,7 +103,7 @@ def read_interop_dcp(path: str, verify_digests: bool = True) -> LogicalCheckpoin
         components=carried_components(directory, manifest, NATIVE_KEY),
         source={**(manifest.source or {}), "format": "interop-dcp", "strategy": sharding.get("strategy"),
                 "world_size": manifest.topology.get("world_size", 1), "tp": sharding.get("tp", 1), "pp": sharding.get("pp", 1),
-                "dp": sharding.get("dp", 1), "dtype": sharding.get("precision"), "step": manifest.step},
+                "dp": sharding.get("dp", 1), "ep": sharding.get("ep", 1), "dtype": sharding.get("precision"), "step": manifest.step},
         topology=manifest.topology,
         tied=tied,
         frozen=info.get("frozen", []),

@@ -44,6 +44,9 @@ class ShardingMetadata:
     pp: int = 1
     ep: int = 1  # expert-parallel ranks: each holds 1/ep of every MoE layer's experts
     tensors: dict[str, TensorSharding] = field(default_factory=dict)  # only tensors that are split
+    # module tensors holding a MoE layer's experts along their first dimension, split over the ep ranks in order:
+    # ep rank r holds experts [r*E/ep, (r+1)*E/ep) (the topology's "ep" groups say which ranks those are)
+    expert_tensors: list[str] = field(default_factory=list)
     pp_stage_of_layer: dict[str, int] = field(default_factory=dict)  # layer prefix -> pipeline stage
     any_world_size: bool = False  # the engine's files are for no world size (DCP written offline): any run loads them
 

@@ -60,9 +60,9 @@ def _accelerate(fsdp: bool, world: int = 2) -> Layout:
                   ("--fsdp",) if fsdp else (), ("--to", "accelerate", "--world-size", str(world)) + (("--fsdp",) if fsdp else ()))
 
 
-def _megatron(key: str, tp: int, pp: int, dp: int = 1) -> Layout:
-    label = " x ".join(f"{n}{s}" for n, s in (("DP", dp), ("TP", tp), ("PP", pp)) if s > 1)
-    flags = ("--tp", str(tp), "--pp", str(pp)) + (("--microbatches", "2") if pp > 1 else ())
+def _megatron(key: str, tp: int, pp: int, dp: int = 1, ep: int = 1) -> Layout:
+    label = " x ".join(f"{n}{s}" for n, s in (("DP", dp), ("TP", tp), ("PP", pp), ("EP", ep)) if s > 1)
+    flags = ("--tp", str(tp), "--pp", str(pp)) + (("--microbatches", "2") if pp > 1 else ()) + (("--ep", str(ep)) if ep > 1 else ())
     return Layout(key, f"Megatron-style {label}", "trainers.megatron", dp * tp * pp, flags, ("--to", "interop-dcp"))
 
 
@@ -86,8 +86,11 @@ def _moe(layout: Layout) -> Layout:
     return replace(layout, key=f"{layout.key}@moe", label=f"{layout.label}, Mixtral", flags=layout.flags + MOE_FLAGS)
 
 
-MOE_SOURCES: dict[str, Layout] = {m.key: m for m in map(_moe, (SOURCES["ds-z3"], SOURCES["fsdp2"], HF))}
-MOE_TARGETS: dict[str, Layout] = {m.key: m for m in map(_moe, (TARGETS["ds-z3"], TARGETS["fsdp2"], HF_TRAINER))}
+# the Megatron-style trainer with its experts split over 2 expert-parallel ranks (token all-to-all on gloo);
+# resumed by itself, it runs 4 ranks with 1 expert each (EP 4)
+EP2 = _megatron("ep2", 1, 1, dp=2, ep=2)
+MOE_SOURCES: dict[str, Layout] = {m.key: m for m in map(_moe, (SOURCES["ds-z3"], SOURCES["fsdp2"], EP2, HF))}
+MOE_TARGETS: dict[str, Layout] = {m.key: m for m in map(_moe, (TARGETS["ds-z3"], TARGETS["fsdp2"], EP2, HF_TRAINER))}
 ALL_SOURCES, ALL_TARGETS = {**SOURCES, **MOE_SOURCES}, {**TARGETS, **MOE_TARGETS}
 
 
@@ -96,6 +99,8 @@ def target_layout(source: str, target: str) -> Layout:
     another world size (ZeRO and accelerate on 1 process, Megatron with a second data-parallel replica)."""
     if target.endswith("@moe"):
         return _moe(target_layout(source.removesuffix("@moe"), target.removesuffix("@moe")))
+    if target == EP2.key:
+        return EP2 if source != target else _megatron("ep2", 1, 1, dp=4, ep=4)
     if source != target:
         return TARGETS[target]
     if target.startswith("ds-z"):
@@ -330,7 +335,9 @@ def render(results: list[Result]) -> str:
         "`Trainer._load_from_checkpoint` loads `model.safetensors` with `load_state_dict(strict=False)` and leaves "
         "per-expert tensors as initialised (its own Mixtral resume continues at 5.5114 where the run was at 5.5022), "
         "so `--to hf-trainer` writes the weights under the module's names, which it and `from_pretrained` both load. "
-        "Expert parallelism in the Megatron-style trainer is not built yet.",
+        "`ep2@moe` is the Megatron-style trainer with each layer's experts split over 2 expert-parallel ranks "
+        "(transformers' expert-parallel plan, tokens sent to their experts by all-to-all on gloo); its checkpoint "
+        "holds the experts whole under their names (DCP), so on its diagonal it resumes at EP4 (4 ranks, one expert each).",
         "",
         table(results, MOE_SOURCES, list(MOE_TARGETS)),
         "",

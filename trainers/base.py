@@ -300,9 +300,10 @@ class BaseTrainer:
         if write is None:
             from converters import registry
 
-            if _has_manifest(target):  # one of ours, or damaged: the manager's load says which component or file is wrong
+            fmt = _our_format(target)
+            if fmt in ("", "interop"):  # ours, or damaged: the manager's load says which component or file is wrong
                 return self.load_checkpoint(target)
-            fmt = registry.detect(target).name  # raises naming the problem when nothing reads it
+            fmt = fmt or registry.detect(target).name  # raises naming the problem when nothing reads it
             if fmt == "hf":
                 raise ConfigurationError(f"{target} is a Hugging Face model, not a checkpoint to resume: start from it with --init-from {target}")
             raise ConfigurationError(
@@ -336,14 +337,22 @@ class BaseTrainer:
         return self.state.step
 
 
-def _has_manifest(path: str) -> bool:
+def _our_format(path: str) -> str | None:
+    """For a checkpoint with our manifest: the format it is (another trainer's, "interop" for this one's), or ""
+    where it is damaged past detecting; None where ``path`` has no manifest."""
+    from converters import registry
     from interop.commit import resolve_checkpoint_dir
     from interop.manifest import MANIFEST
 
     try:
-        return os.path.isfile(os.path.join(resolve_checkpoint_dir(path), MANIFEST))
+        if not os.path.isfile(os.path.join(resolve_checkpoint_dir(path), MANIFEST)):
+            return None
     except Exception:  # noqa: BLE001 - an unresolvable path is reported by whoever reads it
-        return False
+        return None
+    try:
+        return registry.detect(path).name
+    except Exception:  # noqa: BLE001 - the manager's load names what is wrong with it
+        return ""
 
 
 def import_checkpoint(trainer, path: str, write: Callable[[Any, str], Any]) -> str:

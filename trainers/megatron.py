@@ -4,8 +4,12 @@
     torchrun --nproc_per_node 2 -m trainers.megatron --pp 2 --microbatches 4 --pipeline-schedule 1f1b
     torchrun --nproc_per_node 4 examples/train_megatron.py --tp 2 --pp 2 --activation-checkpointing
     torchrun --nproc_per_node 2 -m trainers.megatron --tp 2 --resume path/to/universal   # any layout, any format
+    torchrun --nproc_per_node 4 -m trainers.megatron --model mixtral --ep 2 --tp 2        # experts over 2 ranks
 
-The mesh is (pp, dp, tp) with tp fastest, as Megatron places ranks; dp is the world size over tp x pp.
+The mesh is (pp, dp, tp) with tp fastest, as Megatron places ranks; dp is the world size over tp x pp, and
+with ``--ep`` it is (expert-data-parallel x ep): the ranks of an ``ep`` group hold different experts and
+different data, the ranks of an ``edp`` group the same experts. Expert gradients are reduced over ``edp``
+(and tp, whose ranks run their experts on disjoint slices of their shared tokens), every other gradient over dp.
 Tensor parallelism is DTensor's (``trainers.megatron_model``), pipeline parallelism is
 ``torch.distributed.pipelining`` (GPipe or 1F1B over ``--microbatches``), data parallelism an all-reduce of
 the gradients over the dp group. ``--batch-size`` is the global batch, split over the dp replicas and then
@@ -36,7 +40,8 @@ from interop.errors import ConfigurationError
 from . import memory
 from .base import flag, BaseTrainer, TrainerConfig, build_model, configure_logging, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
-from .megatron_model import CausalLMStage, apply_tensor_parallel, enable_activation_checkpointing, stage_layouts, tensor_sharding
+from .megatron_model import (CausalLMStage, apply_expert_parallel, apply_tensor_parallel, enable_activation_checkpointing,
+                             expert_plan, stage_layouts, tensor_sharding)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ SCHEDULES = ("gpipe", "1f1b")
 class MegatronTrainerConfig(TrainerConfig):
     tp: int = flag(1, "tensor-parallel size (Megatron's --tensor-model-parallel-size)")
     pp: int = flag(1, "pipeline-parallel size (Megatron's --pipeline-model-parallel-size)")
+    ep: int = flag(1, "expert-parallel size, dividing the data-parallel size (Megatron's --expert-model-parallel-size)")
     microbatches: int = flag(0, "per pipeline step; 0: as many as pipeline stages")
     pipeline_schedule: str = flag("1f1b", "gpipe | 1f1b")
     recompute_granularity: str = flag("layer", "with --activation-checkpointing: layer | stage")
@@ -98,6 +104,8 @@ class MegatronTrainer(BaseTrainer):
         if world % (cfg.tp * cfg.pp):
             raise ConfigurationError(f"world size {world} is not a multiple of tp x pp = {cfg.tp} x {cfg.pp}")
         self.dp = world // (cfg.tp * cfg.pp)
+        if cfg.ep < 1 or self.dp % cfg.ep:
+            raise ConfigurationError(f"--ep {cfg.ep} does not divide the data-parallel size {self.dp} (world {world} over tp x pp = {cfg.tp} x {cfg.pp})")
         self.device = torch.device("cpu")
         if torch.cuda.is_available():  # one GPU per process, as torchrun numbers them
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -106,10 +114,11 @@ class MegatronTrainer(BaseTrainer):
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh(self.device.type, (cfg.pp, self.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-        self.pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
-        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
-        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+            self.mesh = init_device_mesh(self.device.type, (cfg.pp, self.dp // cfg.ep, cfg.ep, cfg.tp),
+                                         mesh_dim_names=("pp", "edp", "ep", "tp"))
+            self.mesh["edp", "ep"]._flatten("dp")
+        local = {n: self.mesh[n].get_local_rank() if self.mesh is not None else 0 for n in ("pp", "dp", "tp", "edp")}
+        self.pp_rank, self.dp_rank, self.tp_rank, self.edp_rank = local["pp"], local["dp"], local["tp"], local["edp"]
         return rank, world
 
     def build_model(self) -> torch.nn.Module:
@@ -119,11 +128,18 @@ class MegatronTrainer(BaseTrainer):
         self.architecture = type(full).__name__
         self.full_param_groups = param_group_names(full)
         self.frozen = [n for n, p in full.named_parameters() if not p.requires_grad]
+        self.tp_sharding = tensor_sharding(full, cfg.tp)
+        # every stage's expert tensors, split over the ep ranks on their first dimension (for the manifest)
+        self.split_experts = sorted(n for n, style in expert_plan(full).items() if style == "grouped_gemm") if cfg.ep > 1 else []
         self.layout = stage_layouts(full.config.num_hidden_layers, cfg.pp)[self.pp_rank]
         stage = CausalLMStage(full, self.layout).to(self.device)
         del full
         if cfg.tp > 1:
             apply_tensor_parallel(stage, self.mesh["tp"])
+        self.expert_names: list[str] = []
+        if cfg.ep > 1:
+            self.expert_names = apply_expert_parallel(stage, self.mesh["ep"], self.mesh["tp"])
+        self.experts = {id(stage.get_parameter(n)) for n in self.expert_names}
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(stage, cfg.recompute_granularity)
         return stage
@@ -147,7 +163,7 @@ class MegatronTrainer(BaseTrainer):
     def get_process_groups(self) -> dict[str, Any]:
         if self.mesh is None:
             return {}
-        return {name: self.mesh[name].get_group() for name in ("pp", "dp", "tp")}
+        return {name: self.mesh[name].get_group() for name in ("pp", "dp", "tp", "ep", "edp")}
 
     def core_model(self) -> torch.nn.Module:
         return self.model
@@ -172,10 +188,10 @@ class MegatronTrainer(BaseTrainer):
 
     def get_state_components(self) -> list[StateComponent]:
         return [
-            # shards identical across a dp group, different across tp and pp: one writer per dp group (DCP
-            # deduplicates the replicas); any other layout reshards on load
-            StateComponent(interop_dcp.NATIVE_KEY, DCPModelOptimizer(self), SharingPattern.PER_GROUP, process_group_name="dp",
-                           on_world_size_change=WorldSizePolicy.RESHARD),
+            # shards identical across a dp group (an edp group with experts split), different across tp, pp and
+            # ep: one writer per group (DCP deduplicates the replicas); any other layout reshards on load
+            StateComponent(interop_dcp.NATIVE_KEY, DCPModelOptimizer(self), SharingPattern.PER_GROUP,
+                           process_group_name="edp" if self.cfg.ep > 1 else "dp", on_world_size_change=WorldSizePolicy.RESHARD),
             StateComponent("scheduler", self.scheduler, SharingPattern.REPLICATED, validate_replication=True),
             StateComponent("data", self.data, SharingPattern.GLOBAL),
             StateComponent("trainer", self.state, SharingPattern.GLOBAL),
@@ -191,13 +207,13 @@ class MegatronTrainer(BaseTrainer):
 
     def sharding_metadata(self) -> ShardingMetadata:
         cfg = self.cfg
-        parallel = [n for n, size in (("dp", self.dp), ("tp", cfg.tp), ("pp", cfg.pp)) if size > 1]
+        parallel = [n for n, size in (("dp", self.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)) if size > 1]
         strategy = {(): Strategy.SINGLE, ("dp",): Strategy.DDP, ("tp",): Strategy.TENSOR_PARALLEL,
                     ("pp",): Strategy.PIPELINE_PARALLEL}.get(tuple(parallel), Strategy.HYBRID)
         layers = self.hf_config.num_hidden_layers
         return ShardingMetadata(
-            strategy=strategy, world_size=self.world_size, precision=cfg.dtype, dp=self.dp, tp=cfg.tp, pp=cfg.pp,
-            tensors=tensor_sharding(layers, cfg.tp),
+            strategy=strategy, world_size=self.world_size, precision=cfg.dtype, dp=self.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+            tensors=self.tp_sharding, expert_tensors=self.split_experts,
             pp_stage_of_layer={f"model.layers.{i}": s.stage for s in stage_layouts(layers, cfg.pp) for i in s.layers},
         )
 
@@ -237,29 +253,37 @@ class MegatronTrainer(BaseTrainer):
         return self._global_loss(local)
 
     def _all_reduce_gradients(self) -> None:
-        """Data parallelism: every replica steps on the mean of the replicas' gradients."""
+        """Data parallelism: every replica steps on the mean of the replicas' gradients. An expert's gradient
+        already sums its ep group's tokens (the all-to-all's backward brought them): it is summed over the
+        ranks holding the same expert (edp, and tp whose ranks ran disjoint token slices) and divided by dp."""
         if self.dp == 1:
             return
-        group = self.mesh["dp"].get_group()
+        groups = {False: [self.mesh["dp"].get_group()],
+                  True: [self.mesh[n].get_group() for n, size in (("edp", self.dp // self.cfg.ep), ("tp", self.cfg.tp)) if size > 1]}
         for p in self.model.parameters():
             if p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(grad, group=group)
+                for group in groups[id(p) in self.experts]:
+                    dist.all_reduce(grad, group=group)
                 grad.div_(self.dp)
 
     def clip_gradients(self) -> None:
         """Megatron's clip_grad: the norm over every stage and tensor-parallel shard, each element counted once
-        (a replicated norm weight on tp rank 0, data-parallel replicas on dp rank 0), then torch's scaling."""
+        (a replicated norm weight on tp rank 0, data-parallel replicas on dp rank 0, an ep rank's experts on its
+        edp rank 0 and tp rank 0), then torch's scaling."""
         if not self.cfg.max_grad_norm:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.dp_rank == 0:
-            for g, part in zip(grads, local):
-                sharded = any(pl.is_shard() for pl in getattr(g, "placements", ()))
-                if sharded or self.tp_rank == 0:
-                    squares += part.float().pow(2).sum()
+        for p, g, part in zip(params, grads, local):
+            if id(p) in self.experts:
+                counted = self.edp_rank == 0 and self.tp_rank == 0
+            else:
+                counted = self.dp_rank == 0 and (self.tp_rank == 0 or any(pl.is_shard() for pl in getattr(g, "placements", ())))
+            if counted:
+                squares += part.float().pow(2).sum()
         if self.mesh is not None:
             dist.all_reduce(squares)
         coef = torch.clamp(self.cfg.max_grad_norm / (squares.sqrt() + 1e-6), max=1.0)

@@ -1,22 +1,26 @@
-"""A Llama-family causal LM cut into pipeline stages, tensor-parallel with DTensor, as Megatron lays it out.
+"""A decoder-only causal LM laid out as Llama's (Llama, Mistral, Qwen2, and MoE models such as Mixtral or
+Qwen3-MoE) cut into pipeline stages, tensor- and expert-parallel with DTensor, as Megatron lays it out.
 
 A stage keeps the Hugging Face modules and their canonical names (``model.layers.5.mlp.up_proj.weight`` is
 the same name on stage 1 of 2 as in the whole model), so its state dict, its optimizer state and a
 checkpoint of it need no renaming. Tensor parallelism follows Megatron: q/k/v, gate and up column-parallel;
 o and down row-parallel; the embedding and the output layer split over the vocabulary, with the loss taken
-over vocabulary shards (``loss_parallel``) rather than on gathered logits.
+over vocabulary shards (``loss_parallel``) rather than on gathered logits. Expert parallelism is
+transformers' own: the model's ``_ep_plan`` shards every MoE layer's experts over the ``ep`` ranks and its
+all-to-all implementation sends each token to the ranks of the experts it is routed to.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
 from interop.errors import ConfigurationError
 from torch import nn
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")  # what a stage takes
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -54,8 +58,10 @@ class CausalLMStage(nn.Module):
     def __init__(self, hf_model: nn.Module, layout: StageLayout):
         super().__init__()
         config = hf_model.config
-        if config.model_type not in LLAMA_FAMILY:
-            raise ConfigurationError(f"the Megatron-style trainer runs Llama-family models ({', '.join(LLAMA_FAMILY)}), not {config.model_type!r}")
+        missing = [name for name in LAYOUT if _submodule(hf_model, name) is None]
+        if missing:
+            raise ConfigurationError(f"the Megatron-style trainer runs decoder-only models laid out as Llama's ({', '.join(LAYOUT)}); "
+                                     f"{config.model_type!r} has no {', '.join(missing)}")
         if layout.num_stages > 1 and config.tie_word_embeddings:
             raise ConfigurationError("tied input and output embeddings live on the first and last stage; untie them to run pipeline parallel")
         self.config = config
@@ -86,6 +92,31 @@ class CausalLMStage(nn.Module):
         return h
 
 
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def split_linears(model: nn.Module, layers) -> dict[str, str]:
+    """Layer ``i``'s linear layers Megatron splits -> "column" or "row": the attention's q/k/v/o and a dense MLP's
+    gate/up/down, each set only where the layer has all of it (a MoE layer's experts and router are not split
+    over tp: expert-tensor-parallel size 1, Megatron's default with expert parallelism)."""
+    out: dict[str, str] = {}
+    for i in layers:
+        for kind in ("self_attn", "mlp"):
+            names = {f"model.layers.{i}.{n}": style for names, style in ((COLUMN_PARALLEL, "column"), (ROW_PARALLEL, "row"))
+                     for n in names if n.startswith(kind + ".")}
+            present = [n for n in names if isinstance(_submodule(model, n), nn.Linear)]
+            if len(present) == len(names):
+                out.update(names)
+            elif kind == "self_attn":
+                raise ConfigurationError(f"tensor parallelism splits the attention's q/k/v/o projections; layer {i} of "
+                                         f"{model.config.model_type!r} has no {', '.join(n for n in names if n not in present)}")
+    return out
+
+
 def tensor_parallel_plan(stage: CausalLMStage) -> dict:
     """Megatron's split of every linear layer, embedding and output layer of the stage."""
     from torch.distributed.tensor import Replicate, Shard
@@ -94,26 +125,22 @@ def tensor_parallel_plan(stage: CausalLMStage) -> dict:
     plan: dict = {}
     if stage.layout.first:  # vocabulary-parallel embedding: rows split, each rank looks up its own tokens
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for i in stage.layout.layers:
-        for name in COLUMN_PARALLEL:
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ROW_PARALLEL:
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    for name, style in split_linears(stage, stage.layout.layers).items():
+        plan[name] = ColwiseParallel() if style == "column" else RowwiseParallel()
     if stage.layout.last:  # vocabulary-parallel output layer: logits stay split over the vocabulary
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
-def tensor_sharding(num_layers: int, tp: int) -> dict:
+def tensor_sharding(model: nn.Module, tp: int) -> dict:
     """Which weights the plan splits over ``tp`` ranks, and along which axis (for the manifest)."""
     from interop.sharding import TensorSharding
 
     if tp == 1:
         return {}
     out = {"model.embed_tokens.weight": TensorSharding(tp, 0), "lm_head.weight": TensorSharding(tp, 0)}
-    for i in range(num_layers):
-        out.update({f"model.layers.{i}.{name}.weight": TensorSharding(tp, 0) for name in COLUMN_PARALLEL})
-        out.update({f"model.layers.{i}.{name}.weight": TensorSharding(tp, 1) for name in ROW_PARALLEL})
+    for name, style in split_linears(model, range(model.config.num_hidden_layers)).items():
+        out[f"{name}.weight"] = TensorSharding(tp, 0 if style == "column" else 1)
     return out
 
 
@@ -121,11 +148,48 @@ def apply_tensor_parallel(stage: CausalLMStage, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     config, tp = stage.config, tp_mesh.size()
-    for what, n in (("attention heads", config.num_attention_heads), ("key/value heads", config.num_key_value_heads),
-                    ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
+    plan = tensor_parallel_plan(stage)
+    sizes = [("attention heads", config.num_attention_heads), ("key/value heads", config.num_key_value_heads),
+             ("vocabulary", config.vocab_size)]
+    if any(name.endswith("mlp.gate_proj") for name in plan):
+        sizes.append(("MLP width", config.intermediate_size))
+    for what, n in sizes:
         if n % tp:
             raise ConfigurationError(f"tensor parallel size {tp} does not divide the {what} ({n})")
-    parallelize_module(stage, tp_mesh, tensor_parallel_plan(stage))
+    parallelize_module(stage, tp_mesh, plan)
+
+
+def expert_plan(stage: nn.Module) -> dict[str, str]:
+    """The model's own expert-parallel plan (transformers' ``base_model_ep_plan``: which tensors hold experts
+    along their first dimension, which modules dispatch tokens to them) for the layers this stage holds."""
+    plan = getattr(stage.config, "base_model_ep_plan", None) or {}
+    names = dict(stage.named_parameters()) | dict(stage.named_modules())
+    out = {}
+    for pattern, style in plan.items():
+        found = re.compile(r"model\." + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        out.update({name: style for name in names if found.match(name)})
+    return out
+
+
+def apply_expert_parallel(stage: CausalLMStage, ep_mesh, tp_mesh) -> list[str]:
+    """Each ``ep`` rank keeps 1/ep of every MoE layer's experts (DTensors split on their first dimension, so a
+    checkpoint holds them whole under their names) and exchanges tokens with the others by all-to-all
+    (transformers' ``AllToAllEP``; the ranks of a tp group split their shared tokens between them). Returns
+    the expert tensors' names: their gradients are reduced over the ranks holding the same experts."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = expert_plan(stage)
+    experts = [name for name, style in plan.items() if style == "grouped_gemm"]
+    if not experts:
+        raise ConfigurationError(f"--ep {ep_mesh.size()}: {stage.config.model_type!r} has no experts to split "
+                                 "(its config has no expert-parallel plan)")
+    ep = ep_mesh.size()
+    for name in experts:
+        count = stage.get_parameter(name).shape[0]
+        if count % ep:
+            raise ConfigurationError(f"--ep {ep} does not divide the {count} experts of {name}")
+    apply_expert_parallelism(stage, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+    return experts
 
 
 def enable_activation_checkpointing(stage: CausalLMStage, granularity: str) -> None:
