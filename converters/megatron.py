@@ -424,6 +424,10 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     args = head.get("args")
     if args is not None:
         args_d = vars(args) if not isinstance(args, dict) else args
+        if args_d.get("num_experts"):
+            raise ConversionError(f"{first}: a MoE model's legacy per-rank files (--num-experts {args_d['num_experts']}, expert-"
+                                  "parallel rank directories) are not read here; save it with --ckpt-format torch_dist, "
+                                  "which interop reads at any EP x TP x PP")
         files = locate(path, args_d)  # now also checks the grid the arguments describe
         arch = MegatronArch.from_args(args_d, first)
     elif config is not None:  # saved without args (a conversion script's output): the shape from --config
@@ -640,6 +644,9 @@ def write_megatron(
     ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
     beside each rank's file (for any data-parallel size: see :func:`distributed_layout`)."""
     arch, padded, dtype = target_shape(ckpt, tp)
+    if arch.experts:
+        raise ConversionError(f"--to megatron writes legacy per-rank files, not laid out here for a MoE model's {arch.experts} "
+                              "experts; write --to megatron-dist (torch_dist), which megatron-core loads at any EP x TP x PP")
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
     stages = stage_rules(all_rules, arch, pp)

@@ -59,6 +59,11 @@ class MegatronArch:
     def spec(self) -> Family:
         return family_for(self.model_type)
 
+    @property
+    def experts(self) -> int:
+        """Each MoE layer's experts (0: a dense model); carried as Megatron's ``--num-experts``."""
+        return int(dict(self.options).get("num_experts") or 0)
+
     def check_tp(self, tp: int, where: str | None = None) -> None:
         """Megatron splits whole attention heads and whole query groups over tensor-parallel ranks."""
         problems = [f"{n} {v}" for n, v in (("attention heads", self.heads), ("query groups", self.groups), ("ffn size", self.ffn)) if v % tp]
@@ -155,8 +160,13 @@ class MegatronArch:
             norm = a.get("normalization", "LayerNorm")
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
             model_type = a.get("hf_model_type")
+            experts = int(a.get("num_experts") or 0)
+            if experts:
+                _check_moe(a, where)
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
-                if rope and swiglu and norm == "RMSNorm":
+                if experts and rope and swiglu and norm == "RMSNorm" and not a.get("qk_layernorm"):
+                    model_type = "mixtral"
+                elif rope and swiglu and norm == "RMSNorm":
                     model_type = "qwen3" if a.get("qk_layernorm") else (
                         "qwen2" if a.get("add_qkv_bias") and not a.get("add_bias_linear", True) else "llama")
                 elif not rope and not swiglu and norm == "LayerNorm":
@@ -167,6 +177,9 @@ class MegatronArch:
                         f"and swiglu={swiglu} is neither Llama-like nor GPT-2-like; no Hugging Face name map fits it"
                     )
             fam = family_for(model_type)
+            if bool(experts) != bool(fam.experts):
+                raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
+                                      f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
             for flag in ("qk_layernorm", "apply_layernorm_1p"):  # structure the family's map must agree with
                 if bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
                     raise ConversionError(
@@ -176,7 +189,8 @@ class MegatronArch:
             return cls(
                 family=fam.name, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,
                 head_dim=a.get("kv_channels") or a["hidden_size"] // heads,
-                ffn=a.get("ffn_hidden_size") or 4 * a["hidden_size"], vocab=a.get("vocab_size") or padded,
+                ffn=(experts and a.get("moe_ffn_hidden_size")) or a.get("ffn_hidden_size") or 4 * a["hidden_size"],
+                vocab=a.get("vocab_size") or padded,
                 tied=not a.get("untie_embeddings_and_output_weights", False), gated=fam.gated, norm=norm,
                 eps=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)), max_positions=a.get("max_position_embeddings") or a.get("seq_length"),
                 linear_bias=bool(a.get("add_bias_linear", True)), qkv_bias=qkv_bias,
@@ -206,8 +220,32 @@ class MegatronArch:
             "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": None, "hf_model_type": self.model_type,
             **fam.megatron_args, **dict(self.options),
         }
+        if self.experts:  # megatron-core's SequentialMLP experts of the family's width, routed as the model routes
+            args.update(moe_ffn_hidden_size=self.ffn, moe_grouped_gemm=False, moe_router_score_function="softmax",
+                        moe_router_pre_softmax=False, moe_layer_freq=1, expert_model_parallel_size=1)
         args.update(extra)
         return args
+
+
+# megatron-core MoE options whose weights or routing the Mixtral map does not express: refused, never half-read
+_MOE_UNMAPPED = {
+    "moe_grouped_gemm": (False, "grouped-GEMM experts (weight1/weight2 per rank)"),
+    "moe_use_legacy_grouped_gemm": (False, "grouped-GEMM experts"),
+    "moe_shared_expert_intermediate_size": (None, "shared experts"),
+    "moe_router_score_function": ("softmax", "a router score function other than softmax"),
+    "moe_router_pre_softmax": (False, "softmax before the top-k"),
+    "moe_router_enable_expert_bias": (False, "a router expert bias"),
+    "moe_router_num_groups": (None, "group-limited routing"),
+    "moe_layer_freq": (1, "dense layers among the MoE layers"),
+}
+
+
+def _check_moe(a: dict[str, Any], where: str) -> None:
+    for arg, (plain, what) in _MOE_UNMAPPED.items():
+        value = a.get(arg, plain)
+        if value is not None and value != plain:
+            raise ConversionError(f"{where}: this MoE run has {what} (--{arg.replace('_', '-')} {value}); the Megatron MoE "
+                                  "map reads SequentialMLP experts with softmax top-k routing only")
 
 
 SHAPE_KEYS = {  # the sizes the arguments decide, whatever a recorded config says

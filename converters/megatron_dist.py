@@ -48,7 +48,7 @@ from .megatron import (
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
-from .megatron_map import LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,15 @@ NATIVE_KEY = "megatron_dist"  # the native component of our checkpoint around a 
 
 
 def stacked_name(megatron: str) -> str:
-    """``decoder.layers.<i>.x`` -> ``decoder.layers.x`` (torch_dist stacks the layers on dimension 0)."""
+    """``decoder.layers.<i>.x`` -> ``decoder.layers.x`` (torch_dist stacks the layers on dimension 0), and an
+    expert's ``decoder.layers.<i>.mlp.experts.local_experts.<e>.x`` -> ``decoder.layers.mlp.experts.experts.x``
+    (the experts on dimension 1, whatever the expert-parallel size)."""
     if not megatron.startswith(LAYER_PREFIX):
         return megatron
-    return LAYER_PREFIX + megatron[len(LAYER_PREFIX):].split(".", 1)[1]
+    rest = megatron[len(LAYER_PREFIX):].split(".", 1)[1]
+    if rest.startswith(EXPERTS):
+        rest = "mlp.experts.experts." + rest[len(EXPERTS):].split(".", 1)[1]
+    return LAYER_PREFIX + rest
 
 
 # --- where a checkpoint is ----------------------------------------------------------------------------------
@@ -130,20 +135,21 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
     def full_shape(rule: Rule) -> tuple[int, ...]:
         key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in stored)
-        shape = reader.spec(key).shape
-        return tuple(shape[1:] if layer_of(rule.megatron) is not None else shape)
+        return tuple(reader.spec(key).shape[len(stack_index(rule.megatron)):])
 
     def stored_full(rule: Rule, key: str) -> torch.Tensor:
-        spec, layer = reader.spec(key), layer_of(rule.megatron)
-        if layer is None:
+        spec, index = reader.spec(key), stack_index(rule.megatron)
+        if not index:
             return reader.read(key)
-        if spec.shape[0] != arch.num_layers:
-            raise CorruptCheckpointError(directory, f"{key} stacks {spec.shape[0]} layers; args say {arch.num_layers}")
-        return reader.read(key, (layer,) + (0,) * (len(spec.shape) - 1), (1, *spec.shape[1:]))[0]
+        for what, held, expected in list(zip(("layers", "experts"), spec.shape, (arch.num_layers, arch.experts)))[:len(index)]:
+            if held != expected:
+                raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
+        n = len(index)
+        return reader.read(key, index + (0,) * (len(spec.shape) - n), (1,) * n + tuple(spec.shape[n:])).reshape(spec.shape[n:])
 
     def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
         spec = reader.spec(key)
-        shape = tuple(spec.shape[1:]) if layer_of(rule.megatron) is not None else tuple(spec.shape)
+        shape = tuple(spec.shape[len(stack_index(rule.megatron)):])
         if rule.split == VOCAB and shape[0] > arch.vocab:
             padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
         return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype,
@@ -194,11 +200,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         extra[PADDING] = padding
     if common.get(SCHEDULER) is not None:
         extra[SCHEDULER] = common[SCHEDULER]
-    layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"))}
+    layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+                                                      ("ep", "expert_model_parallel_size"))}
     rng = _rng_states(reader, layout["tp"], layout["pp"])
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
-        source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
+        source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"] * layout["ep"]),
                 "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step,
                 **({"master_dtype": "float32"} if has_master else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
@@ -242,7 +249,7 @@ def _optimizer(reader, saved: dict[str, Any], all_rules, names, state_keys: list
         name = names[rule.megatron]
         for skey in state_keys:
             tensors.setdefault(skey, {}).update(state_lazy(rule, skey))
-        shape = reader.spec(name).shape[1:] if layer_of(rule.megatron) is not None else reader.spec(name).shape
+        shape = reader.spec(name).shape[len(stack_index(rule.megatron)):]
         members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
     decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
     param_groups = [{**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": m} for g, m in zip(decay_first, members)]
@@ -275,12 +282,20 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
         return None
     meta = first.fuse([torch.empty(s.shape, dtype=dtype or s.dtype, device="meta") for s in specs])
     full_shape = (padded, *meta.shape[1:]) if first.split == VOCAB else tuple(meta.shape)
-    per_layer = layer_of(first.megatron) is not None
+    index = stack_index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
+    stacked: tuple[int, ...] = ()
+    if len(index) == 1:
+        stacked = (len(rules_),)
+    elif index:
+        experts = len({stack_index(r.megatron)[1] for r in rules_})
+        stacked = (len(rules_) // experts, experts)
 
     def load() -> torch.Tensor:
-        return torch.stack([_full(r, source, padded, fill_for, dtype) for r in rules_]) if per_layer else _full(first, source, padded, fill_for, dtype)
+        if not stacked:
+            return _full(first, source, padded, fill_for, dtype)
+        return torch.stack([_full(r, source, padded, fill_for, dtype) for r in rules_]).reshape(*stacked, *full_shape)
 
-    shape = (len(rules_), *full_shape) if per_layer else full_shape
+    shape = (*stacked, *full_shape)
     return LazyTensor(TensorSpec(shape, meta.dtype), load, origin=stacked_name(first.megatron))
 
 
@@ -298,12 +313,20 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
+    if arch.experts and flat:
+        raise ConversionError("the dp_reshardable layout's buckets are not laid out for MoE experts here; use "
+                              "--dist-optim-layout fully_reshardable")
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
         by_key.setdefault(stacked_name(rule.megatron), []).append(rule)
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
+    if arch.experts and opt is not None:  # its load would fail on the param groups: weights only, said so
+        ckpt.notes.append("optimizer state not written: megatron-core keeps a MoE model's expert parameters in param groups "
+                          "of their own, which this writer does not lay out; Megatron-LM starts a fresh optimizer from "
+                          "these weights (--no-load-optim)")
+        opt = None
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
         state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), dtype)
@@ -321,9 +344,14 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         for key, rs in by_key.items():
             name = DIST_MASTER if distributed_optimizer else MASTER
             state[f"{OPTIM_PREFIX}{name}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
-    for module in LAYER_LINEARS:  # megatron-core's linears keep an extra state per layer (None without FP8), stored
-        for i in range(arch.num_layers):  # as torch_dist stores every sharded object: a list of its replicas' data
-            state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{arch.num_layers}"] = [None]
+    layers = arch.num_layers
+    for module in LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2]:  # megatron-core's linears keep an extra
+        for i in range(layers):  # state per layer (None without FP8), stored as torch_dist stores every sharded object:
+            state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{layers}"] = [None]  # a list of its replicas' data
+    for module in ("linear_fc1", "linear_fc2") if arch.experts else ():  # and an expert's per layer and expert
+        for i in range(layers):
+            for e in range(arch.experts):
+                state[f"{LAYER_PREFIX}mlp.experts.experts.{module}._extra_state/shard_{i}.{e}_{layers}.{arch.experts}"] = [None]
     step = int(ckpt.step or 0)
     args = argparse.Namespace(**arch.to_args(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,

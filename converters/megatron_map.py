@@ -122,10 +122,11 @@ def _layer_order(layer: tuple[Param, ...], te_names: bool) -> list[Param]:
     just before its linear's weight."""
     if not te_names:
         return list(layer)
-    fused = [p for p in layer if p.norm_of]
+    linears = {_linear_of(p) for p in layer if p.megatron.endswith(".weight")}
+    fused = [p for p in layer if p.norm_of in linears]
     out: list[Param] = []
     for p in layer:
-        if p.norm_of:
+        if p.norm_of in linears:
             continue
         if p.megatron.endswith(".weight"):
             out.extend(n for n in fused if n.norm_of == _linear_of(p))
@@ -159,6 +160,11 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
                 names.reverse()
             fuse, unfuse = fusers[p.fuse]
             out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:])))
+        for e in range(arch.experts):
+            for p in fam.experts:
+                if _exists(p, arch):
+                    fuse, unfuse = fusers[p.fuse]
+                    out.append(Rule(f"{m}{p.megatron.format(e=e)}", tuple(f"{h}{x.format(e=e)}" for x in p.hf), p.split, i, fuse, unfuse))
     for p in norm_params:
         out.append(Rule(f"decoder.final_layernorm.{p}", (f"{fam.final_norm}.{p}",), REPLICATED, LAST, _one, _as_list))
     if not arch.tied:
@@ -242,6 +248,20 @@ def layer_of(name: str) -> int | None:
     if not name.startswith(LAYER_PREFIX):
         return None
     return int(name[len(LAYER_PREFIX):].split(".", 1)[0])
+
+
+EXPERTS = "mlp.experts.local_experts."  # megatron-core's SequentialMLP: decoder.layers.<i>.mlp.experts.local_experts.<e>.
+
+
+def stack_index(name: str) -> tuple[int, ...]:
+    """Where a tensor lies in torch_dist's stacking: () outside the layers, (layer,), or (layer, expert)."""
+    layer = layer_of(name)
+    if layer is None:
+        return ()
+    rest = name[len(LAYER_PREFIX):].split(".", 1)[1]
+    if rest.startswith(EXPERTS):
+        return layer, int(rest[len(EXPERTS):].split(".", 1)[0])
+    return (layer,)
 
 
 def stage_rules(all_rules: list[Rule], arch: MegatronArch, pp: int) -> list[list[Rule]]:

@@ -172,6 +172,7 @@ register(
         "checkpoint saved by an interop trainer (single process or DDP)",
         interop_ckpt.is_interop_checkpoint,
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
+        module_names=True,  # the trainer's model component is the module's state dict (a MoE's fused experts)
     )
 )
 register(

@@ -74,6 +74,7 @@ def test_checkpoint_holds_every_expert_once(runs):
             torch.testing.assert_close(found[name], t, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{layout} {n}: {m}")
     _, ckpt = read(str(runs["ep2"][0] / "checkpoint-2"))
     stored = set(ckpt.model)
+    assert stored == set(read(str(runs["base"][0] / "checkpoint-2"))[1].model)  # both read under the files' names
     assert {f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for i in (0, 1) for e in range(4) for w in ("w1", "w2", "w3")} <= stored
     assert set(ckpt.optimizer.tensors["exp_avg"]) == stored
 

@@ -59,6 +59,7 @@ class Family:
     output: str
     layer_prefix: str  # "model.layers.{i}."
     layer: tuple[Param, ...]
+    experts: tuple[Param, ...] = ()  # a MoE layer's tensors of each expert ("{e}" in both names), after ``layer``'s
     position_embedding: str | None = None  # learned absolute positions; None: rotary
     norm: str = "RMSNorm"
     eps_attr: str = "rms_norm_eps"  # the config's attribute for the norm's epsilon
@@ -84,7 +85,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import gemma, gpt2, llama, phi3, qwen3  # noqa: F401 - each registers its families
+    from . import gemma, gpt2, llama, mixtral, phi3, qwen3  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
