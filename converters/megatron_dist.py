@@ -56,6 +56,7 @@ METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
+CHAINED = "chained_"  # megatron-core's ChainedOptimizer: chained_<i>.optimizer.state.<key>.<name> for its i-th optimizer
 MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
 DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimizer.state.param.<model key> (fp32)
 FULLY_RESHARDABLE = "fully_reshardable"
@@ -178,22 +179,30 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         has_master = True
         for rule in all_rules:
             model.update(lazy_flat(rule, "param", "master"))
-        optimizer = _optimizer(reader, {"param_groups": buckets.param_groups(reader, directory)}, all_rules, names,
+        optimizer = _optimizer(reader, [({"param_groups": buckets.param_groups(reader, directory)}, all_rules)], names,
                                ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"), common_path)
     else:
+        parts = _chained_parts(common.get("optimizer") or {}, all_rules, common_path)
+        prefixed = len(parts) > 1 and any(k.startswith(CHAINED) for k in stored)  # megatron-core's, unless told not to
+
+        def optim_key(rule: Rule, what: str) -> str:
+            part = next(i for i, (_, rs) in enumerate(parts) if rule in rs) if prefixed else None
+            return (f"{CHAINED}{part}." if part is not None else "") + f"{OPTIM_PREFIX}{what}.{names[rule.megatron]}"
+
         master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
-        masters = {r.megatron: f"{OPTIM_PREFIX}{master_key}.{names[r.megatron]}" for r in all_rules}
+        masters = {r.megatron: optim_key(r, master_key) for r in all_rules}
         has_master = all(k in stored for k in masters.values())
         for rule in all_rules:
             model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
         master_keys = {MASTER, DIST_MASTER} if sharding_type == FULLY_RESHARDABLE else {MASTER}
-        state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in stored if k.startswith(OPTIM_PREFIX)} - master_keys)
+        unprefixed = [k.split(".", 1)[1] if k.startswith(CHAINED) else k for k in stored]
+        state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in unprefixed if k.startswith(OPTIM_PREFIX)} - master_keys)
 
         def state_lazy(rule: Rule, skey: str) -> dict[str, LazyTensor]:
-            key = f"{OPTIM_PREFIX}{skey}.{names[rule.megatron]}"
+            key = optim_key(rule, skey)
             return lazy_for(rule, key, f"optim:{skey}") if key in stored else {}
 
-        optimizer = _optimizer(reader, common.get("optimizer") or {}, all_rules, names, state_keys, state_lazy, common_path)
+        optimizer = _optimizer(reader, parts, names, state_keys, state_lazy, common_path)
     step = int(common.get("iteration") or 0)
     extra: dict[str, Any] = {}
     if any(bool(t.any()) for t in padding.values()):
@@ -232,34 +241,56 @@ def _rng_states(reader: DCPReader, tp: int, pp: int) -> list[dict[str, Any]] | N
     return out
 
 
-def _optimizer(reader, saved: dict[str, Any], all_rules, names, state_keys: list[str],
+def is_expert(rule: Rule) -> bool:
+    return len(stack_index(rule.megatron)) == 2
+
+
+def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[tuple[dict[str, Any], list[Rule]]]:
+    """The optimizer's state dicts and the parameters each holds. A MoE model's is megatron-core's
+    ChainedOptimizer: ``{0: dense optimizer's, 1: expert optimizer's}`` (get_megatron_optimizer keeps expert
+    parameters in an optimizer of their own); any other one optimizer for every parameter."""
+    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
+        split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
+        if sorted(saved) != [0, 1] or not split[1]:
+            raise CorruptCheckpointError(common_path, f"optimizer chains {len(saved)} optimizers; megatron-core chains a "
+                                         "MoE model's dense and expert optimizers (2), and a dense model's none")
+        return [(saved[0], split[0]), (saved[1], split[1])]
+    return [(saved, all_rules)]
+
+
+def _optimizer(reader, parts: list[tuple[dict[str, Any], list[Rule]]], names, state_keys: list[str],
                state_lazy: Callable[[Rule, str], dict[str, LazyTensor]], common_path: str) -> OptimizerState | None:
-    """Adam's state by Hugging Face name: ``state_lazy(rule, key)`` gives a rule's tensors of one state key,
-    ``saved`` holds the param groups (and the step) as megatron-core's optimizer saved them."""
+    """Adam's state by Hugging Face name: ``state_lazy(rule, key)`` gives a rule's tensors of one state key; each
+    part holds the param groups (and the step) of one of megatron-core's optimizers and the rules it holds."""
     if not state_keys:
         return None
-    if isinstance(saved.get("optimizer"), dict) and "param_groups" not in saved:
-        saved = saved["optimizer"]  # Float16OptimizerWithFloat16Params: the torch optimizer's dict one level down
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != 2:
-        raise CorruptCheckpointError(common_path, "optimizer state without Megatron's two param groups (decay, no decay) in common.pt")
     tensors: dict[str, dict[str, LazyTensor]] = {}
-    members: list[list[str]] = [[], []]
-    for rule in all_rules:
-        name = names[rule.megatron]
-        for skey in state_keys:
-            tensors.setdefault(skey, {}).update(state_lazy(rule, skey))
-        shape = reader.spec(name).shape[len(stack_index(rule.megatron)):]
-        members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
-    decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
-    param_groups = [{**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": m} for g, m in zip(decay_first, members)]
+    param_groups: list[dict[str, Any]] = []
+    step = None
+    for saved, part_rules in parts:
+        if isinstance(saved.get("optimizer"), dict) and "param_groups" not in saved:
+            saved = saved["optimizer"]  # Float16OptimizerWithFloat16Params: the torch optimizer's dict one level down
+        groups = saved.get("param_groups")
+        members: list[list[str]] = [[], []]
+        for rule in part_rules:
+            for skey in state_keys:
+                tensors.setdefault(skey, {}).update(state_lazy(rule, skey))
+            shape = reader.spec(names[rule.megatron]).shape[len(stack_index(rule.megatron)):]
+            members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
+        held = [m for m in members if m]  # megatron-core makes a group only for parameters it has
+        if not isinstance(groups, list) or len(groups) != len(held):
+            raise CorruptCheckpointError(common_path, f"optimizer state without megatron-core's {len(held)} param groups "
+                                         f"({' and '.join(k for k, m in zip(('decay', 'no decay'), members) if m)}) in common.pt")
+        decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
+        param_groups += [{**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": m} for g, m in zip(decay_first, held)]
+        part_step = (saved.get("state") or {}).get("common_step")
+        if part_step is None and groups and all("step" in g for g in groups):  # the distributed optimizer keeps it per group
+            part_step = groups[0]["step"]
+        step = part_step if step is None else step
     scalars = {}
-    step = (saved.get("state") or {}).get("common_step")
-    if step is None and groups and all("step" in g for g in groups):  # the distributed optimizer keeps it per group
-        step = groups[0]["step"]
     if step is not None:
         entry = scalar_entry(step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
-        scalars["step"] = {n: entry for n in (n for m in members for n in m)}
+        scalars["step"] = {n: entry for g in param_groups for n in g["params"]}
     return OptimizerState("AdamW", param_groups, tensors, scalars)
 
 
@@ -322,11 +353,17 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         by_key.setdefault(stacked_name(rule.megatron), []).append(rule)
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
-    if arch.experts and opt is not None:  # its load would fail on the param groups: weights only, said so
-        ckpt.notes.append("optimizer state not written: megatron-core keeps a MoE model's expert parameters in param groups "
-                          "of their own, which this writer does not lay out; Megatron-LM starts a fresh optimizer from "
-                          "these weights (--no-load-optim)")
-        opt = None
+    if arch.experts and opt is not None and distributed_optimizer:
+        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
+                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
+                              "layout, which Megatron-LM loads into either)")
+    # a MoE model's optimizer is megatron-core's ChainedOptimizer: the dense parameters' (0) and the experts' (1),
+    # each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
+    chained = bool(arch.experts) and opt is not None
+
+    def prefix(rule: Rule) -> str:
+        return f"{CHAINED}{int(is_expert(rule))}." if chained else ""
+
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
         state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), dtype)
@@ -339,11 +376,12 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         for key, rs in by_key.items():
             t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
             if t is not None:
-                state[f"{OPTIM_PREFIX}{skey}.{key}"] = t
+                state[f"{prefix(rs[0])}{OPTIM_PREFIX}{skey}.{key}"] = t
     if (mixed or distributed_optimizer) and opt is not None and not flat:  # the fp32 main params, from the fp32 weights
         for key, rs in by_key.items():
             name = DIST_MASTER if distributed_optimizer else MASTER
-            state[f"{OPTIM_PREFIX}{name}.{key}"] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
+            state[f"{prefix(rs[0])}{OPTIM_PREFIX}{name}.{key}"] = _stacked(
+                rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
     layers = arch.num_layers
     for module in LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2]:  # megatron-core's linears keep an extra
         for i in range(layers):  # state per layer (None without FP8), stored as torch_dist stores every sharded object:
@@ -380,6 +418,11 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                 state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding))
             else:
                 common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": distributed_optimizer}
+        elif chained:
+            expert_groups = _expert_groups(inner["param_groups"][0], [r for r in all_rules if is_expert(r)], state)
+            # each its own dicts: torch.save keeps shared objects shared, and megatron-core's load fills each part's state
+            parts = [inner, {"state": dict(inner["state"]), "param_groups": expert_groups}]
+            common["optimizer"] = {i: {"optimizer": part} if mixed else part for i, part in enumerate(parts)}
         else:
             # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under "optimizer"
             common["optimizer"] = {"optimizer": inner} if mixed else inner
@@ -401,6 +444,18 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                             {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING, RNG}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
+
+
+def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The expert optimizer's param groups as megatron-core's _get_param_groups makes them: the decay group for its
+    matrices, a no-decay one only if an expert has biases or norms; the dense groups' hyper-parameters."""
+    def shape(rule: Rule) -> tuple[int, ...]:
+        return tuple(state[stacked_name(rule.megatron)].spec.shape[2:])
+
+    groups = [{**decay, "is_expert_parallel": True}]
+    if any(is_no_decay(r.megatron, shape(r)) for r in expert_rules):
+        groups.append({**decay, "weight_decay": 0.0, "wd_mult": 0.0, "is_expert_parallel": True})
+    return groups
 
 
 def _bucket_entries(arch, tp: int, pp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,

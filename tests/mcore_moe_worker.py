@@ -1,17 +1,23 @@
-"""megatron-core's own MoE GPT model loads a torch_dist checkpoint we wrote and writes its logits, which the test
-compares with transformers' on the source.
+"""megatron-core's own MoE GPT model on a torch_dist checkpoint we wrote.
 
-    torchrun --nproc_per_node N tests/mcore_moe_worker.py CKPT_DIR [SAVE_DIR]  (CKPT_DIR/ids.pt in, CKPT_DIR/mcore_logits.pt out)
-
-With SAVE_DIR, megatron-core then saves the model itself (``dist_checkpointing.save`` of its sharded state dict at
-this EP x TP, with the arguments as a Megatron-LM run of its own has them: no ``hf_model_type``).
+    torchrun --nproc_per_node N tests/mcore_moe_worker.py logits CKPT [SAVE]
+        load CKPT's weights, write the logits on CKPT/ids.pt to CKPT/mcore_logits.pt (the test compares them with
+        transformers' on the source); with SAVE, megatron-core then saves the model itself
+    torchrun --nproc_per_node N tests/mcore_moe_worker.py train-save CKPT SAVE
+        load CKPT's weights, one AdamW step through megatron-core's optimizers, save model and optimizer to SAVE
+        as Megatron-LM does, then the uninterrupted run's next steps (SAVE/losses.json)
+    torchrun --nproc_per_node N tests/mcore_moe_worker.py load-train CKPT OUT
+        load CKPT's weights and optimizer, train the same next steps (OUT/losses.json)
 
 The model is built as Megatron-LM builds it from the checkpoint's arguments (megatron.training is not on PyPI):
 the local spec with SequentialMLP experts (``--num-experts``, no grouped GEMM), experts over MCORE_EP ranks and
-tensor parallelism over the rest (``--expert-model-parallel-size``, ``--tensor-model-parallel-size``), loaded
-with ``dist_checkpointing.load`` of the model's own sharded state dict, every key present. On CPU: the
-all-gather token dispatcher (the all-to-all one opens CUDA streams when built), and megatron-core 0.16.1's
-router names ``te_general_gemm`` only when Transformer Engine imports (set to None here, its own fallback).
+tensor parallelism over the rest, loaded with ``dist_checkpointing.load`` of its own sharded state dict (strict).
+The optimizer is what megatron-core's ``get_megatron_optimizer`` makes of a MoE model: a ChainedOptimizer of the
+dense parameters' optimizer and the expert parameters' (its ``_get_param_groups`` split on
+``is_expert_parallel``), each megatron-core's FP32Optimizer around torch's AdamW. Saves take Megatron-LM's
+arguments of its own run (no ``hf_model_type``). On CPU: the all-gather token dispatcher (the all-to-all one
+opens CUDA streams when built), and megatron-core 0.16.1's router names ``te_general_gemm`` only when
+Transformer Engine imports (set to None here, its own fallback).
 """
 
 from __future__ import annotations
@@ -27,19 +33,85 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.mcore_family_worker import transformer_config  # noqa: E402
-from tests.mcore_worker import cpu_patches  # noqa: E402
+from tests.mcore_worker import LR, STEPS, cpu_patches, distributed_optimizer_patches, train_step  # noqa: E402
+
+
+def iteration_dir(directory: str) -> str:
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
+        return os.path.join(directory, f"iter_{int(f.read()):07d}")
+
+
+def build(args, tp: int, ep: int):
+    from dataclasses import replace
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = replace(
+        transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    )
+    return GPTModel(
+        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
+
+
+def chained_optimizer(model):
+    """get_megatron_optimizer's structure for a MoE model: dense and expert parameters in optimizers of their own."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
+    groups = _get_param_groups([model], config, None)
+    for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
+        g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
+
+    def init_state_fn(opt, config=None):  # megatron.core.optimizer's for Adam: zero moments to load into
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    parts = [[g for g in groups if bool(g["is_expert_parallel"]) == expert] for expert in (False, True)]
+    return ChainedOptimizer([FP32Optimizer(torch.optim.AdamW(p, lr=LR, betas=(0.9, 0.95), eps=1e-8), config, init_state_fn)
+                             for p in parts if p])
+
+
+def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:
+    """The arguments of a Megatron-LM run of its own (no Hugging Face model type or config)."""
+    own = {k: v for k, v in vars(args).items() if k not in ("hf_model_type", "hf_config")}
+    own.update(expert_model_parallel_size=ep, tensor_model_parallel_size=tp, world_size=tp * ep, iteration=iteration)
+    return argparse.Namespace(**own)
+
+
+def save(model, optimizer, args, directory: str, iteration: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(directory, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    sharded = model.sharded_state_dict()
+    state = {"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(sharded)
+    dist_checkpointing.save(state, path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
 
 
 def main() -> None:
-    from dataclasses import replace
-
     from megatron.core import dist_checkpointing, parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron.core.transformer.moe import moe_utils
 
-    directory = sys.argv[1]
+    scenario, directory = sys.argv[1], sys.argv[2]
+    out = sys.argv[3] if len(sys.argv) > 3 else None
     dist.init_process_group("gloo")
     cpu_patches()
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -47,43 +119,45 @@ def main() -> None:
     ep = int(os.environ.get("MCORE_EP", "1"))
     tp = dist.get_world_size() // ep
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
-    with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
-        iteration_dir = os.path.join(directory, f"iter_{int(f.read()):07d}")
-    args = dist_checkpointing.load_common_state_dict(iteration_dir)["args"]
-    config = replace(
-        transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-    )
-    model = GPTModel(
-        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False), vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-    )
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iteration_dir)
+    source = iteration_dir(directory)
+    args = dist_checkpointing.load_common_state_dict(source)["args"]
+    torch.manual_seed(0)
+    model = build(args, tp, ep)
+    optimizer = None
+    if scenario != "logits":
+        distributed_optimizer_patches()  # ChainedOptimizer's step takes the grad norm with a CUDA buffer
+        optimizer = chained_optimizer(model)
+    sharded = model.sharded_state_dict()
+    request = {"model": sharded}
+    if scenario == "load-train":
+        request["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+    loaded = dist_checkpointing.load(request, source)
     model.load_state_dict(loaded["model"], strict=True)
-    model.eval()
-    ids = torch.load(os.path.join(directory, "ids.pt"))
-    b, s = ids.shape
-    with torch.no_grad():
-        out = model(ids, torch.arange(s).expand(b, s), attention_mask=torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1))
-    logits = gather_from_tensor_model_parallel_region(out)[..., : args.vocab_size]
+    if scenario == "load-train":
+        optimizer.load_state_dict(loaded["optimizer"])
     experts = [n for n, _ in model.named_parameters() if ".local_experts." in n]
-    if len(sys.argv) > 2:
-        save = os.path.join(sys.argv[2], "iter_0000001")
-        if dist.get_rank() == 0:
-            os.makedirs(save)
-        dist.barrier()
-        own = {k: v for k, v in vars(args).items() if k not in ("hf_model_type", "hf_config")}
-        own.update(expert_model_parallel_size=ep, tensor_model_parallel_size=tp, world_size=tp * ep)
-        own = argparse.Namespace(**own)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": own, "checkpoint_version": 3.0, "iteration": 1}, save)
-        if dist.get_rank() == 0:
-            with open(os.path.join(sys.argv[2], "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write("1")
-    if dist.get_rank() == 0:
-        torch.save(logits, os.path.join(directory, "mcore_logits.pt"))
     print(json.dumps({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}), flush=True)
+    if scenario == "logits":
+        model.eval()
+        ids = torch.load(os.path.join(directory, "ids.pt"))
+        b, s = ids.shape
+        with torch.no_grad():
+            logits = model(ids, torch.arange(s).expand(b, s), attention_mask=torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1))
+        logits = gather_from_tensor_model_parallel_region(logits)[..., : args.vocab_size]
+        if dist.get_rank() == 0:
+            torch.save(logits, os.path.join(directory, "mcore_logits.pt"))
+        if out is not None:
+            save(model, None, own_args(args, tp, ep, 1), out, 1)
+    else:
+        model.train()
+        losses = []
+        if scenario == "train-save":
+            train_step(model, optimizer, 0)
+            save(model, optimizer, own_args(args, tp, ep, 1), out, 1)
+        losses += [train_step(model, optimizer, step) for step in range(1, STEPS)]
+        if dist.get_rank() == 0:
+            with open(os.path.join(out, "losses.json"), "w") as f:
+                json.dump(losses, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -2,7 +2,8 @@
 stacks them (``decoder.layers.mlp.experts.experts.linear_fc1.weight``: [layers, experts, ...]), loaded by
 megatron-core's own MoE GPT model at EP2 and at TP2 on gloo with transformers' logits, and megatron-core's own save
 of it at EP2 read back exactly. What is not mapped (the legacy per-rank files of a MoE run, grouped-GEMM experts,
-megatron-core's expert optimizer groups) is refused in one line or written with a note, never half-done."""
+the distributed optimizer's expert buffers) is refused in one line, never half-done; megatron-core's MoE
+optimizers (dense and expert, chained) are read and written, and megatron-core resumes from them."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_megatron_core_loads_it_with_transformers_logits(mixtral, tmp_path, ep):
     torch.save(ids, dist / "ids.pt")
     own = tmp_path / "own"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "mcore_moe_worker.py"), str(dist), *([str(own)] if ep == 2 else [])]
+           str(ROOT / "tests" / "mcore_moe_worker.py"), "logits", str(dist), *([str(own)] if ep == 2 else [])]
     env = {**worker_env(), "MCORE_EP": str(ep)}
     done = run_workers(cmd, env, timeout=600)
     ranks = sorted((r["rank"], r["ep_rank"], r["local_experts"]) for r in map(json.loads, (x for x in done.stdout.splitlines() if x.startswith("{"))))
@@ -87,9 +88,8 @@ def test_through_torch_dist_and_back_is_exact(mixtral, tmp_path):
 
 def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
     """The legacy per-rank files of a MoE model are refused both ways in one line, nothing written; grouped-GEMM
-    experts and other routers in a run's arguments are refused; a MoE checkpoint with Adam state converts to
-    torch_dist with its weights and a note that the optimizer (whose expert param groups megatron-core keeps apart)
-    was not written."""
+    experts and other routers in a run's arguments are refused, and so is the distributed optimizer's layout of a
+    MoE model (its expert buffers), with nothing written."""
     _, hf, _ = mixtral
     done = cli("convert", hf, tmp_path / "legacy", "--to", "megatron", "--tp", "2")
     assert done.returncode == 2 and not (tmp_path / "legacy").exists()
@@ -106,7 +106,29 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
 
     trained = BaseTrainer(TrainerConfig(model="mixtral", steps=1, batch_size=2, seq_len=8, save_every=1, output_dir=str(tmp_path / "run")))
     trained.train()
-    done = cli("convert", tmp_path / "run" / "checkpoint-1", tmp_path / "opt", "--to", "megatron-dist")
-    assert done.returncode == 0, done.stderr
-    assert "note: optimizer state not written: megatron-core keeps a MoE model's expert parameters in param groups" in done.stdout
-    assert registry.read(str(tmp_path / "opt"))[1].optimizer is None
+    done = cli("convert", tmp_path / "run" / "checkpoint-1", tmp_path / "opt", "--to", "megatron-dist", "--use-distributed-optimizer")
+    assert done.returncode == 2 and not (tmp_path / "opt").exists()
+    assert "the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not written here" in done.stderr
+
+
+def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path):
+    """megatron-core trains the Mixtral one step at EP2 with its own optimizers for a MoE model (a ChainedOptimizer
+    of the dense and the expert parameters') and saves it; interop reads every expert's Adam moments from it,
+    goes through universal and back to torch_dist; megatron-core loads model and optimizer at EP2 and trains on
+    with the uninterrupted run's losses."""
+    _, _, dist = mixtral
+    own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
+    env = {**worker_env(), "MCORE_EP": "2"}
+    run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
+    assert cli("convert", own, tmp_path / "u", "--to", "universal").returncode == 0
+    u = registry.read(str(tmp_path / "u"))[1]
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in u.optimizer.tensors["exp_avg"]
+    assert [len(g["params"]) for g in u.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
+    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist").returncode == 0
+    report = cli("diff", own, back)
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
+    resumed.mkdir()
+    run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
