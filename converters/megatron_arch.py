@@ -98,6 +98,13 @@ class MegatronArch:
             raise ConversionError(f"{kind}: Megatron's --add-bias-linear gives the attention output projection and the MLP "
                                   f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
+        options = tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args)
+        if fam.experts:
+            if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
+                raise ConversionError(f"{kind} with dense layers among its MoE layers (mlp_only_layers, decoder_sparse_step): "
+                                      "its Megatron map has MoE layers only")
+            if fam.renormalised_attr:  # Megatron's routing order: softmax over every expert first, or over the top-k
+                options += (("moe_router_pre_softmax", not getattr(cfg, fam.renormalised_attr)),)
         return cls(
             family=fam.name, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
             groups=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -105,8 +112,7 @@ class MegatronArch:
             ffn=getattr(cfg, fam.ffn_attr, None) or 4 * cfg.hidden_size, vocab=cfg.vocab_size,
             tied=bool(tied_groups(config)), gated=fam.gated, norm=fam.norm, eps=float(getattr(cfg, fam.eps_attr)),
             max_positions=cfg.max_position_embeddings, linear_bias=mlp_bias,
-            qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent,
-            options=tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args),
+            qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent, options=options,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -134,6 +140,8 @@ class MegatronArch:
                 kw[name] = value
         options = dict(self.options)
         kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None})
+        if fam.renormalised_attr:
+            kw[fam.renormalised_attr] = not options.get("moe_router_pre_softmax", False)
         defaults = transformers.AutoConfig.for_model(self.model_type)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
             if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:
@@ -161,11 +169,9 @@ class MegatronArch:
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
             model_type = a.get("hf_model_type")
             experts = int(a.get("num_experts") or 0)
-            if experts:
-                _check_moe(a, where)
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
-                if experts and rope and swiglu and norm == "RMSNorm" and not a.get("qk_layernorm"):
-                    model_type = "mixtral"
+                if experts and rope and swiglu and norm == "RMSNorm":
+                    model_type = "qwen3_moe" if a.get("qk_layernorm") else "mixtral"
                 elif rope and swiglu and norm == "RMSNorm":
                     model_type = "qwen3" if a.get("qk_layernorm") else (
                         "qwen2" if a.get("add_qkv_bias") and not a.get("add_bias_linear", True) else "llama")
@@ -177,6 +183,8 @@ class MegatronArch:
                         f"and swiglu={swiglu} is neither Llama-like nor GPT-2-like; no Hugging Face name map fits it"
                     )
             fam = family_for(model_type)
+            if experts:
+                _check_moe(a, where, pre_softmax=fam.renormalised_attr is not None)
             if bool(experts) != bool(fam.experts):
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
@@ -196,7 +204,8 @@ class MegatronArch:
                 linear_bias=bool(a.get("add_bias_linear", True)), qkv_bias=qkv_bias,
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
                 rotary_percent=float(a.get("rotary_percent", 1.0)),
-                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args),
+                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args)
+                + ((("moe_router_pre_softmax", bool(a.get("moe_router_pre_softmax"))),) if experts and fam.renormalised_attr else ()),
             )
         except KeyError as exc:
             raise ConversionError(f"{where}: Megatron args lack {exc.args[0]!r}, so the model's shape is unknown") from None
@@ -222,7 +231,8 @@ class MegatronArch:
         }
         if self.experts:  # megatron-core's SequentialMLP experts of the family's width, routed as the model routes
             args.update(moe_ffn_hidden_size=self.ffn, moe_grouped_gemm=False, moe_router_score_function="softmax",
-                        moe_router_pre_softmax=False, moe_layer_freq=1, expert_model_parallel_size=1)
+                        moe_router_pre_softmax=bool(dict(self.options).get("moe_router_pre_softmax")), moe_layer_freq=1,
+                        expert_model_parallel_size=1)
         args.update(extra)
         return args
 
@@ -240,10 +250,11 @@ _MOE_UNMAPPED = {
 }
 
 
-def _check_moe(a: dict[str, Any], where: str) -> None:
+def _check_moe(a: dict[str, Any], where: str, pre_softmax: bool) -> None:
+    """``pre_softmax``: the family's model routes either way (Qwen3-MoE's norm_topk_prob)."""
     for arg, (plain, what) in _MOE_UNMAPPED.items():
         value = a.get(arg, plain)
-        if value is not None and value != plain:
+        if value is not None and value != plain and not (pre_softmax and arg == "moe_router_pre_softmax"):
             raise ConversionError(f"{where}: this MoE run has {what} (--{arg.replace('_', '-')} {value}); the Megatron MoE "
                                   "map reads SequentialMLP experts with softmax top-k routing only")
 

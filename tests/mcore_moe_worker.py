@@ -50,10 +50,11 @@ def build(args, tp: int, ep: int):
     config = replace(
         transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)), moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
     )
     return GPTModel(
-        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False), vocab_size=args.padded_vocab_size,
+        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )

@@ -32,30 +32,52 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    """A tiny Mixtral (4 experts, 2 per token) as save_pretrained writes it, and its torch_dist conversion at TP2."""
-    root = tmp_path_factory.mktemp("mixtral")
-    model, hf = architectures.saved(root, "mixtral")
-    done = cli("convert", hf, root / "dist", "--to", "megatron-dist", "--tp", "2")
-    assert done.returncode == 0, done.stderr
-    return model.eval(), hf, root / "dist"
+def converted(tmp_path_factory):
+    """A tiny MoE model as save_pretrained writes it, and its torch_dist conversion at TP2 (made once per model)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            model, hf = architectures.saved(root, name)
+            done = cli("convert", hf, root / "dist", "--to", "megatron-dist", "--tp", "2")
+            assert done.returncode == 0, done.stderr
+            made[name] = model.eval(), hf, root / "dist"
+        return made[name]
+    return get
 
 
-def test_the_arguments_are_megatron_lms_moe_flags(mixtral):
-    _, _, dist = mixtral
-    args = vars(load_megatron_file(str(dist / "iter_0000000" / COMMON))["args"])
+@pytest.fixture(scope="module")
+def mixtral(converted):
+    return converted("mixtral")
+
+
+def test_the_arguments_are_megatron_lms_moe_flags(converted):
+    """Mixtral renormalises its top-k weights (Megatron's default order); Qwen3-MoE with norm_topk_prob=False
+    does not: --moe-router-pre-softmax (softmax over every expert, then the top k), and --qk-layernorm."""
+    common = "iter_0000000/" + COMMON
     wanted = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 52, "moe_grouped_gemm": False,
-              "moe_router_score_function": "softmax", "swiglu": True, "tensor_model_parallel_size": 2}
+              "moe_router_score_function": "softmax", "moe_router_pre_softmax": False, "swiglu": True, "tensor_model_parallel_size": 2}
+    args = vars(load_megatron_file(str(converted("mixtral")[2] / common))["args"])
+    assert {k: args.get(k) for k in wanted} == wanted
+    qwen = converted("qwen3_moe")
+    assert qwen[0].config.norm_topk_prob is False
+    args = vars(load_megatron_file(str(qwen[2] / common))["args"])
+    wanted = {**wanted, "moe_ffn_hidden_size": qwen[0].config.moe_intermediate_size, "moe_router_pre_softmax": True, "qk_layernorm": True}
     assert {k: args.get(k) for k in wanted} == wanted
 
 
-@pytest.mark.parametrize("ep", [2, 1], ids=["ep2", "tp2"])
-def test_megatron_core_loads_it_with_transformers_logits(mixtral, tmp_path, ep):
+LOADS = [("mixtral", 2), ("mixtral", 1), ("qwen3_moe", 2)]
+
+
+@pytest.mark.parametrize(("name", "ep"), LOADS, ids=[f"{n}-{'ep2' if ep == 2 else 'tp2'}" for n, ep in LOADS])
+def test_megatron_core_loads_it_with_transformers_logits(converted, tmp_path, name, ep):
     """megatron-core's MoE GPTModel (SequentialMLP experts, local spec) on 2 gloo processes, experts split over
     2 expert-parallel ranks or tensor-parallel 2: every key loaded (strict), each rank holds its share of the
-    experts, logits equal transformers' on the source. At EP2 megatron-core then saves the model itself (the
-    arguments of a Megatron-LM run: no Hugging Face model type), and interop reads every expert back exactly."""
-    model, hf, dist = mixtral
+    experts, logits equal transformers' on the source (Qwen3-MoE: its q/k norms and its pre-softmax routing).
+    At EP2 megatron-core then saves the model itself (the arguments of a Megatron-LM run: no Hugging Face model
+    type), and interop reads every tensor back exactly, the model type worked out from the arguments."""
+    model, hf, dist = converted(name)
     ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
     torch.save(ids, dist / "ids.pt")
     own = tmp_path / "own"
@@ -71,9 +93,10 @@ def test_megatron_core_loads_it_with_transformers_logits(mixtral, tmp_path, ep):
     torch.testing.assert_close(torch.load(dist / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
     if ep == 2:
         fmt, ckpt = registry.read(str(own))
-        assert (fmt.name, ckpt.source["ep"], ckpt.config["model_type"]) == ("megatron-dist", 2, "mixtral")
+        assert (fmt.name, ckpt.source["ep"], ckpt.config["model_type"]) == ("megatron-dist", 2, name)
         report = cli("diff", hf, own)
-        assert report.returncode == 0 and "41 compared, 41 exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+        n = len(model.state_dict()) + (4 * 3 - 2) * 2  # the files hold each layer's experts one tensor each
+        assert report.returncode == 0 and f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
 
 
 def test_through_torch_dist_and_back_is_exact(mixtral, tmp_path):

@@ -60,6 +60,9 @@ class Family:
     layer_prefix: str  # "model.layers.{i}."
     layer: tuple[Param, ...]
     experts: tuple[Param, ...] = ()  # a MoE layer's tensors of each expert ("{e}" in both names), after ``layer``'s
+    # the config attribute saying whether the top-k routing weights are renormalised (Qwen3-MoE's norm_topk_prob);
+    # None: always (Mixtral). Megatron's --moe-router-pre-softmax is its negation (softmax over all, then top-k)
+    renormalised_attr: str | None = None
     position_embedding: str | None = None  # learned absolute positions; None: rotary
     norm: str = "RMSNorm"
     eps_attr: str = "rms_norm_eps"  # the config's attribute for the norm's epsilon
@@ -85,7 +88,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import gemma, gpt2, llama, mixtral, phi3, qwen3  # noqa: F401 - each registers its families
+    from . import gemma, gpt2, llama, mixtral, phi3, qwen3, qwen3_moe  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
