@@ -171,7 +171,8 @@ class MegatronArch:
             experts = int(a.get("num_experts") or 0)
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
                 if experts and rope and swiglu and norm == "RMSNorm":
-                    model_type = "qwen3_moe" if a.get("qk_layernorm") else "mixtral"
+                    model_type = ("qwen3_moe" if a.get("qk_layernorm") else
+                                  "qwen2_moe" if a.get("moe_shared_expert_intermediate_size") else "mixtral")
                 elif rope and swiglu and norm == "RMSNorm":
                     model_type = "qwen3" if a.get("qk_layernorm") else (
                         "qwen2" if a.get("add_qkv_bias") and not a.get("add_bias_linear", True) else "llama")
@@ -184,11 +185,11 @@ class MegatronArch:
                     )
             fam = family_for(model_type)
             if experts:
-                _check_moe(a, where, pre_softmax=fam.renormalised_attr is not None)
+                _check_moe(a, where, fam)
             if bool(experts) != bool(fam.experts):
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
-            for flag in ("qk_layernorm", "apply_layernorm_1p"):  # structure the family's map must agree with
+            for flag in ("qk_layernorm", "apply_layernorm_1p", "moe_shared_expert_gate"):  # structure the family's map must agree with
                 if bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
                     raise ConversionError(
                         f"{where}: the run {'used' if a.get(flag) else 'did not use'} --{flag.replace('_', '-')}, which a "
@@ -250,11 +251,12 @@ _MOE_UNMAPPED = {
 }
 
 
-def _check_moe(a: dict[str, Any], where: str, pre_softmax: bool) -> None:
-    """``pre_softmax``: the family's model routes either way (Qwen3-MoE's norm_topk_prob)."""
+def _check_moe(a: dict[str, Any], where: str, fam: Family) -> None:
+    """What the family's model has it maps (either routing order where its config says which, shared experts)."""
+    mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None, "moe_shared_expert_intermediate_size": fam.shared_experts}
     for arg, (plain, what) in _MOE_UNMAPPED.items():
         value = a.get(arg, plain)
-        if value is not None and value != plain and not (pre_softmax and arg == "moe_router_pre_softmax"):
+        if value is not None and value != plain and not mapped.get(arg):
             raise ConversionError(f"{where}: this MoE run has {what} (--{arg.replace('_', '-')} {value}); the Megatron MoE "
                                   "map reads SequentialMLP experts with softmax top-k routing only")
 

@@ -62,6 +62,7 @@ DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimize
 FULLY_RESHARDABLE = "fully_reshardable"
 RNG_STATE = "rng_state"  # Megatron-LM's per TP x PP rank object: rng_state/shard_<p>.<t>_<PP>.<TP>
 LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")  # a MoE layer's shared experts
 
 
 NATIVE_KEY = "megatron_dist"  # the native component of our checkpoint around a torch_dist iteration directory
@@ -383,7 +384,8 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             state[f"{prefix(rs[0])}{OPTIM_PREFIX}{name}.{key}"] = _stacked(
                 rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
     layers = arch.num_layers
-    for module in LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2]:  # megatron-core's linears keep an extra
+    linears = LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2] + SHARED_LINEARS * arch.spec.shared_experts
+    for module in linears:  # megatron-core's linears keep an extra
         for i in range(layers):  # state per layer (None without FP8), stored as torch_dist stores every sharded object:
             state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{layers}"] = [None]  # a list of its replicas' data
     for module in ("linear_fc1", "linear_fc2") if arch.experts else ():  # and an expert's per layer and expert

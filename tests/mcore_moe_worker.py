@@ -51,6 +51,8 @@ def build(args, tp: int, ep: int):
         transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)), moe_router_load_balancing_type="none",
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         moe_aux_loss_coeff=0.0,
     )
     return GPTModel(
@@ -137,7 +139,8 @@ def main() -> None:
     if scenario == "load-train":
         optimizer.load_state_dict(loaded["optimizer"])
     experts = [n for n, _ in model.named_parameters() if ".local_experts." in n]
-    print(json.dumps({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}), flush=True)
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.json"), "w") as f:  # each rank its own file: prints interleave
+        json.dump({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}, f)
     if scenario == "logits":
         model.eval()
         ids = torch.load(os.path.join(directory, "ids.pt"))

@@ -65,16 +65,24 @@ def test_the_arguments_are_megatron_lms_moe_flags(converted):
     args = vars(load_megatron_file(str(qwen[2] / common))["args"])
     wanted = {**wanted, "moe_ffn_hidden_size": qwen[0].config.moe_intermediate_size, "moe_router_pre_softmax": True, "qk_layernorm": True}
     assert {k: args.get(k) for k in wanted} == wanted
+    qwen2 = converted("qwen2_moe")  # a shared expert scaled by a sigmoid gate, q/k/v biases
+    args = vars(load_megatron_file(str(qwen2[2] / common))["args"])
+    wanted = {**{k: v for k, v in wanted.items() if k != "qk_layernorm"}, "moe_shared_expert_intermediate_size": qwen2[0].config.shared_expert_intermediate_size,
+              "moe_shared_expert_gate": True, "add_qkv_bias": True, "add_bias_linear": False}
+    assert {k: args.get(k) for k in wanted} == wanted
 
 
-LOADS = [("mixtral", 2), ("mixtral", 1), ("qwen3_moe", 2)]
+# the Mixtral at EP2 and Qwen2-MoE (shared expert) by default; TP2 and Qwen3-MoE under -m slow
+LOADS = [("mixtral", 2), pytest.param("mixtral", 1, marks=pytest.mark.slow), pytest.param("qwen3_moe", 2, marks=pytest.mark.slow),
+         ("qwen2_moe", 2)]
 
 
-@pytest.mark.parametrize(("name", "ep"), LOADS, ids=[f"{n}-{'ep2' if ep == 2 else 'tp2'}" for n, ep in LOADS])
+@pytest.mark.parametrize(("name", "ep"), LOADS, ids=["mixtral-ep2", "mixtral-tp2", "qwen3_moe-ep2", "qwen2_moe-ep2"])
 def test_megatron_core_loads_it_with_transformers_logits(converted, tmp_path, name, ep):
     """megatron-core's MoE GPTModel (SequentialMLP experts, local spec) on 2 gloo processes, experts split over
     2 expert-parallel ranks or tensor-parallel 2: every key loaded (strict), each rank holds its share of the
-    experts, logits equal transformers' on the source (Qwen3-MoE: its q/k norms and its pre-softmax routing).
+    experts, logits equal transformers' on the source (Qwen3-MoE: its q/k norms and its pre-softmax routing;
+    Qwen2-MoE: its gated shared expert and q/k/v biases).
     At EP2 megatron-core then saves the model itself (the arguments of a Megatron-LM run: no Hugging Face model
     type), and interop reads every tensor back exactly, the model type worked out from the arguments."""
     model, hf, dist = converted(name)
@@ -84,8 +92,8 @@ def test_megatron_core_loads_it_with_transformers_logits(converted, tmp_path, na
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "mcore_moe_worker.py"), "logits", str(dist), *([str(own)] if ep == 2 else [])]
     env = {**worker_env(), "MCORE_EP": str(ep)}
-    done = run_workers(cmd, env, timeout=600)
-    ranks = sorted((r["rank"], r["ep_rank"], r["local_experts"]) for r in map(json.loads, (x for x in done.stdout.splitlines() if x.startswith("{"))))
+    run_workers(cmd, env, timeout=600)
+    ranks = sorted((r["rank"], r["ep_rank"], r["local_experts"]) for r in (json.loads((dist / f"rank{i}.json").read_text()) for i in range(2)))
     # each rank's expert tensors: 2 layers x (fc1, fc2) x the experts it holds
     assert ranks == ([(0, 0, 8), (1, 1, 8)] if ep == 2 else [(0, 0, 16), (1, 0, 16)])
     with torch.no_grad():
@@ -111,7 +119,7 @@ def test_through_torch_dist_and_back_is_exact(mixtral, tmp_path):
 
 def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
     """The legacy per-rank files of a MoE model are refused both ways in one line, nothing written; grouped-GEMM
-    experts and other routers in a run's arguments are refused, and so is the distributed optimizer's layout of a
+    experts on a model without them, and other routers in a run's arguments are refused, and so is the distributed optimizer's layout of a
     MoE model (its expert buffers), with nothing written."""
     _, hf, _ = mixtral
     done = cli("convert", hf, tmp_path / "legacy", "--to", "megatron", "--tp", "2")

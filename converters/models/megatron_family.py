@@ -63,6 +63,11 @@ class Family:
     # the config attribute saying whether the top-k routing weights are renormalised (Qwen3-MoE's norm_topk_prob);
     # None: always (Mixtral). Megatron's --moe-router-pre-softmax is its negation (softmax over all, then top-k)
     renormalised_attr: str | None = None
+
+    @property
+    def shared_experts(self) -> bool:
+        """Whether its MoE layers have megatron-core's shared experts (``mlp.shared_experts``)."""
+        return any(p.megatron.startswith("mlp.shared_experts.") for p in self.layer)
     position_embedding: str | None = None  # learned absolute positions; None: rotary
     norm: str = "RMSNorm"
     eps_attr: str = "rms_norm_eps"  # the config's attribute for the norm's epsilon
@@ -88,7 +93,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import gemma, gpt2, llama, mixtral, phi3, qwen3, qwen3_moe  # noqa: F401 - each registers its families
+    from . import gemma, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
