@@ -144,7 +144,9 @@ def locate(path: str, args: dict[str, Any] | None = None) -> LegacyFiles:
         if not m:
             continue
         if m.group(3) is not None:
-            raise ConversionError(f"{os.path.join(iteration_dir, d)}: expert-parallel checkpoints are not supported")
+            raise ConversionError(f"{os.path.join(iteration_dir, d)}: an expert-parallel rank directory (a MoE model's legacy "
+                                  "per-rank files) is not read here; save it with --ckpt-format torch_dist, which interop "
+                                  "reads at any EP x TP x PP")
         has_pp = has_pp or m.group(2) is not None
         ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iteration_dir, d, FILE)
     if not ranks:

@@ -7,6 +7,7 @@ optimizers (dense and expert, chained) are read and written, and megatron-core r
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -132,6 +133,23 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
                               ("moe_shared_expert_intermediate_size", 64, "shared experts")):
         with pytest.raises(ConversionError, match=rf"common.pt: this MoE run has {what}.*\(--{flag.replace('_', '-')} {value}\); the Megatron MoE map reads"):
             MegatronArch.from_args({**args, flag: value}, "common.pt")
+
+    # Megatron-LM's legacy files of a MoE run: one directory per expert-parallel rank, or (EP1) --num-experts in args
+    legacy = tmp_path / "mcore-legacy" / "iter_0000001"
+    for rank_dir in ("mp_rank_00_000_000", "mp_rank_00_000_001"):
+        (legacy / rank_dir).mkdir(parents=True)
+        torch.save({"args": argparse.Namespace(**args), "iteration": 1}, legacy / rank_dir / "model_optim_rng.pt")
+    (legacy.parent / "latest_checkpointed_iteration.txt").write_text("1")
+    done = cli("convert", legacy.parent, tmp_path / "x", "--to", "universal")
+    assert done.returncode == 2 and "mp_rank_00_000_000: an expert-parallel rank directory (a MoE model's legacy per-rank files) is " \
+        "not read here; save it with --ckpt-format torch_dist" in done.stderr, done.stderr
+    (legacy / "mp_rank_00_000_001" / "model_optim_rng.pt").unlink()
+    (legacy / "mp_rank_00_000_001").rmdir()
+    (legacy / "mp_rank_00_000_000").rename(legacy / "mp_rank_00")
+    done = cli("convert", legacy.parent, tmp_path / "x", "--to", "universal")
+    assert done.returncode == 2 and "a MoE model's legacy per-rank files (--num-experts 4, expert-parallel rank directories) are not " \
+        "read here" in done.stderr, done.stderr
+    assert not (tmp_path / "x").exists()
 
     from trainers.base import BaseTrainer, TrainerConfig
 
