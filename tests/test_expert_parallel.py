@@ -115,6 +115,15 @@ def test_resume_tp2xep2_at_ep2(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_and_expert_parallel(runs, tmp_path):
+    """PP2 x EP2 on 4 processes (each stage's experts split over its own ep group, 1F1B): one process's losses."""
+    summary, _ = megatron_run(4, *RUN, *MOE, "--pp", "2", "--ep", "2", "--microbatches", "2", "--output-dir", str(tmp_path / "r"))
+    assert summary["losses"] == pytest.approx(runs["base"][1], rel=1e-5)
+    sharding = json.loads((tmp_path / "r" / "checkpoint-4" / "manifest.json").read_text())["sharding"]
+    assert (sharding["pp"], sharding["ep"], sharding["dp"]) == (2, 2, 2)
+
+
+@pytest.mark.slow
 def test_resume_ep2_at_ep4(runs, tmp_path):
     """EP2 -> EP4 (one expert per rank, 4 processes)."""
     directory, losses = runs["ep2"]
