@@ -248,6 +248,9 @@ _MOE_UNMAPPED = {
     "moe_router_enable_expert_bias": (False, "a router expert bias"),
     "moe_router_num_groups": (None, "group-limited routing"),
     "moe_layer_freq": (1, "dense layers among the MoE layers"),
+    "moe_router_topk_scaling_factor": (None, "scaled top-k weights"),
+    "moe_expert_capacity_factor": (None, "an expert capacity (dropped tokens)"),
+    "moe_router_load_balancing_type": ("aux_loss", "another load-balancing router"),
 }
 
 
@@ -256,6 +259,10 @@ def _check_moe(a: dict[str, Any], where: str, fam: Family) -> None:
     mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None, "moe_shared_expert_intermediate_size": fam.shared_experts}
     for arg, (plain, what) in _MOE_UNMAPPED.items():
         value = a.get(arg, plain)
+        if arg == "moe_layer_freq" and isinstance(value, (list, tuple)) and set(value) == {1}:
+            continue  # every layer MoE, spelled as a pattern
+        if arg == "moe_router_load_balancing_type" and value in ("none", "seq_aux_loss"):
+            continue  # a training loss only: the routing is the same
         if value is not None and value != plain and not mapped.get(arg):
             raise ConversionError(f"{where}: this MoE run has {what} (--{arg.replace('_', '-')} {value}); the Megatron MoE "
                                   "map reads SequentialMLP experts with softmax top-k routing only")

@@ -187,7 +187,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         prefixed = len(parts) > 1 and any(k.startswith(CHAINED) for k in stored)  # megatron-core's, unless told not to
 
         def optim_key(rule: Rule, what: str) -> str:
-            part = next(i for i, (_, rs) in enumerate(parts) if rule in rs) if prefixed else None
+            part = int(is_expert(rule)) if prefixed else None  # the parts: dense (0), experts (1)
             return (f"{CHAINED}{part}." if part is not None else "") + f"{OPTIM_PREFIX}{what}.{names[rule.megatron]}"
 
         master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
@@ -215,7 +215,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     rng = _rng_states(reader, layout["tp"], layout["pp"])
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
-        source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"] * layout["ep"]),
+        source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step,
                 **({"master_dtype": "float32"} if has_master else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
@@ -251,6 +251,9 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
     ChainedOptimizer: ``{0: dense optimizer's, 1: expert optimizer's}`` (get_megatron_optimizer keeps expert
     parameters in an optimizer of their own); any other one optimizer for every parameter."""
     if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
+        if any(isinstance(part, dict) and part.get("param_state_sharding_type") for part in saved.values()):
+            raise ConversionError(f"{common_path}: a MoE model's distributed optimizer (its expert optimizer's layout) is not "
+                                  "read here; save with megatron-core's own optimizer layout (without --use-distributed-optimizer)")
         split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
         if sorted(saved) != [0, 1] or not split[1]:
             raise CorruptCheckpointError(common_path, f"optimizer chains {len(saved)} optimizers; megatron-core chains a "
@@ -351,7 +354,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
-        by_key.setdefault(stacked_name(rule.megatron), []).append(rule)
+        by_key.setdefault(_stored_key(rule, transformer_impl), []).append(rule)
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
     if arch.experts and opt is not None and distributed_optimizer:
@@ -446,6 +449,15 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                             {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING, RNG}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
+
+
+def _stored_key(rule: Rule, transformer_impl: str) -> str:
+    """A rule's torch_dist key. A MoE layer's pre-MLP norm is its own module in both of megatron-core's specs: TE's
+    saves it as ``pre_mlp_layernorm.weight``, the local spec under TE's dense name (its sharded_state_dict_keys_map:
+    ``mlp.linear_fc1.layer_norm_weight``)."""
+    if transformer_impl == "local" and rule.aliases and rule.megatron.endswith(".pre_mlp_layernorm.weight"):
+        return stacked_name(rule.aliases[0])
+    return stacked_name(rule.megatron)
 
 
 def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[str, Any]) -> list[dict[str, Any]]:

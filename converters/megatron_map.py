@@ -150,13 +150,14 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     out.append(Rule("embedding.word_embeddings.weight", (fam.embedding,), VOCAB, FIRST, _one, _as_list))
     if fam.position_embedding:
         out.append(Rule("embedding.position_embeddings.weight", (fam.position_embedding,), REPLICATED, FIRST, _one, _as_list))
+    fused_into = {_linear_of(p) for p in fam.layer if p.megatron.endswith(".weight")}
     for i in range(arch.num_layers):
         m, h = f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i)
         for p in _layer_order(fam.layer, te_names):
             if not _exists(p, arch):
                 continue
             names = [f"{m}{p.megatron}"] + ([f"{m}{_te_name(p)}"] if p.norm_of else [])
-            if p.norm_of and te_names:
+            if p.norm_of and te_names and p.norm_of in fused_into:  # TE fuses it into its linear; a MoE layer has none
                 names.reverse()
             fuse, unfuse = fusers[p.fuse]
             out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:])))

@@ -124,6 +124,25 @@ def test_pipeline_and_expert_parallel(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stage_without_moe_layers(tmp_path):
+    """PP2 x EP2 on a Qwen2-MoE whose first two of four layers are dense (mlp_only_layers): the first stage has no
+    experts to split and runs as it is; the losses are one process's."""
+    import transformers
+
+    from tests import architectures
+
+    name, cls, kwargs = architectures.ARCHITECTURES["qwen2_moe"]
+    config = transformers.AutoConfig.for_model(name, architectures=[cls], **{**kwargs, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]})
+    torch.manual_seed(0)
+    getattr(transformers, cls)(config).save_pretrained(tmp_path / "hf")
+    sizes = {"steps": 3, "batch_size": 4, "seq_len": 16}
+    expected = BaseTrainer(TrainerConfig(**sizes, init_from=str(tmp_path / "hf"), output_dir=str(tmp_path / "base"))).train()
+    summary, _ = megatron_run(4, "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--init-from", str(tmp_path / "hf"),
+                              "--pp", "2", "--ep", "2", "--microbatches", "2", "--output-dir", str(tmp_path / "r"))
+    assert summary["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_resume_ep2_at_ep4(runs, tmp_path):
     """EP2 -> EP4 (one expert per rank, 4 processes)."""
     directory, losses = runs["ep2"]
@@ -134,12 +153,16 @@ def test_resume_ep2_at_ep4(runs, tmp_path):
 def test_expert_parallel_errors(tmp_path):
     with pytest.raises(ConfigurationError, match=r"--ep 2 does not divide the data-parallel size 1 \(world 1 over tp x pp = 1 x 1\)"):
         MegatronTrainer(MegatronTrainerConfig(**SIZES, model="mixtral", ep=2, output_dir=str(tmp_path)))
+    from tests import architectures
     from trainers.base import build_model
     from trainers.megatron_model import CausalLMStage, apply_expert_parallel, stage_layouts
 
     def stage(model: str) -> CausalLMStage:
         return CausalLMStage(build_model(TrainerConfig(model=model)), stage_layouts(2, 1)[0])
 
+    # a layer without a mask is causal only under sdpa: GPT-OSS's eager attention (and its sliding windows) refused
+    with pytest.raises(ConfigurationError, match=r"'gpt_oss' has attention implementation 'eager' \(eager attention sees every token"):
+        CausalLMStage(architectures.build("gpt_oss"), stage_layouts(2, 1)[0])
     three = types.SimpleNamespace(size=lambda: 3)
     with pytest.raises(ConfigurationError, match=r"--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts.gate_up_proj"):
         apply_expert_parallel(stage("mixtral"), three, None)

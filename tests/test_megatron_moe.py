@@ -34,14 +34,15 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A tiny MoE model as save_pretrained writes it, and its torch_dist conversion at TP2 (made once per model)."""
+    """A tiny MoE model as save_pretrained writes it, and its torch_dist conversion at TP2 for megatron-core's local
+    spec, the one that runs on CPU (made once per model)."""
     made = {}
 
     def get(name: str):
         if name not in made:
             root = tmp_path_factory.mktemp(name)
             model, hf = architectures.saved(root, name)
-            done = cli("convert", hf, root / "dist", "--to", "megatron-dist", "--tp", "2")
+            done = cli("convert", hf, root / "dist", "--to", "megatron-dist", "--tp", "2", "--transformer-impl", "local")
             assert done.returncode == 0, done.stderr
             made[name] = model.eval(), hf, root / "dist"
         return made[name]
@@ -109,9 +110,17 @@ def test_megatron_core_loads_it_with_transformers_logits(converted, tmp_path, na
 
 
 def test_through_torch_dist_and_back_is_exact(mixtral, tmp_path):
-    """HF -> megatron-dist (TP2, PP2) -> HF: every expert and the router bit-exact, from_pretrained's logits equal."""
-    model, hf, _ = mixtral
+    """HF -> megatron-dist (TP2, PP2) -> HF: every expert and the router bit-exact, from_pretrained's logits equal.
+    The pre-MLP norm of a MoE layer is its own module: named as Transformer Engine's MoE spec saves it by default
+    (pre_mlp_layernorm), as the local spec's key map does with --transformer-impl local."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, hf, local = mixtral
     assert cli("convert", hf, tmp_path / "d", "--to", "megatron-dist", "--tp", "2", "--pp", "2").returncode == 0
+    for where, norm in ((tmp_path / "d", "decoder.layers.pre_mlp_layernorm.weight"), (local, "decoder.layers.mlp.linear_fc1.layer_norm_weight")):
+        keys = set(FileSystemReader(str(where / "iter_0000000")).read_metadata().state_dict_metadata)
+        other = ({"decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight"} - {norm}).pop()
+        assert norm in keys and other not in keys
     assert cli("convert", tmp_path / "d", tmp_path / "back", "--to", "hf").returncode == 0
     back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
     theirs = model.state_dict()
@@ -133,6 +142,13 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
                               ("moe_shared_expert_intermediate_size", 64, "shared experts")):
         with pytest.raises(ConversionError, match=rf"common.pt: this MoE run has {what}.*\(--{flag.replace('_', '-')} {value}\); the Megatron MoE map reads"):
             MegatronArch.from_args({**args, flag: value}, "common.pt")
+
+    # a MoE run saved with megatron-core's distributed optimizer: each chained part names its layout; refused on read
+    from converters.megatron_dist import _chained_parts
+
+    with pytest.raises(ConversionError, match="common.pt: a MoE model's distributed optimizer .* is not read here"):
+        _chained_parts({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "fully_reshardable"}},
+                       [], "common.pt")
 
     # Megatron-LM's legacy files of a MoE run: one directory per expert-parallel rank, or (EP1) --num-experts in args
     legacy = tmp_path / "mcore-legacy" / "iter_0000001"
@@ -174,7 +190,7 @@ def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path):
     u = registry.read(str(tmp_path / "u"))[1]
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in u.optimizer.tensors["exp_avg"]
     assert [len(g["params"]) for g in u.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
-    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist").returncode == 0
+    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local").returncode == 0
     report = cli("diff", own, back)
     assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
     resumed.mkdir()

@@ -62,6 +62,10 @@ class CausalLMStage(nn.Module):
         if missing:
             raise ConfigurationError(f"the Megatron-style trainer runs decoder-only models laid out as Llama's ({', '.join(LAYOUT)}); "
                                      f"{config.model_type!r} has no {', '.join(missing)}")
+        unsupported = _attention_beyond_causal(config)
+        if unsupported:
+            raise ConfigurationError(f"the Megatron-style trainer's stages run full causal attention with no mask (sdpa's "
+                                     f"is_causal); {config.model_type!r} has {unsupported}")
         if layout.num_stages > 1 and config.tie_word_embeddings:
             raise ConfigurationError("tied input and output embeddings live on the first and last stage; untie them to run pipeline parallel")
         self.config = config
@@ -90,6 +94,18 @@ class CausalLMStage(nn.Module):
         if self.layout.last:
             h = self.lm_head(self.model.norm(h))
         return h
+
+
+def _attention_beyond_causal(config) -> str | None:
+    """What a layer called without a mask would get wrong: eager attention applies no causal mask of its own,
+    and sliding windows and soft-capping need what the model's forward adds around its layers."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"attention implementation {impl!r} (eager attention sees every token without a mask)"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return "sliding-window layers"
+    capped = [a for a in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(config, a, None)]
+    return f"logit soft-capping ({', '.join(capped)})" if capped else None
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:
