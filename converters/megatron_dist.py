@@ -143,10 +143,10 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         spec, index = reader.spec(key), stack_index(rule.megatron)
         if not index:
             return reader.read(key)
-        for what, held, expected in list(zip(("layers", "experts"), spec.shape, (arch.num_layers, arch.experts)))[:len(index)]:
+        n = len(index)
+        for what, held, expected in zip(("layers", "experts")[:n], spec.shape, (arch.num_layers, arch.experts)):
             if held != expected:
                 raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
-        n = len(index)
         return reader.read(key, index + (0,) * (len(spec.shape) - n), (1,) * n + tuple(spec.shape[n:])).reshape(spec.shape[n:])
 
     def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
@@ -251,7 +251,9 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
     ChainedOptimizer: ``{0: dense optimizer's, 1: expert optimizer's}`` (get_megatron_optimizer keeps expert
     parameters in an optimizer of their own); any other one optimizer for every parameter."""
     if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
-        if any(isinstance(part, dict) and part.get("param_state_sharding_type") for part in saved.values()):
+        if not all(isinstance(part, dict) for part in saved.values()):
+            raise CorruptCheckpointError(common_path, "optimizer chains parts that are not megatron-core's optimizer state dicts")
+        if any(part.get("param_state_sharding_type") for part in saved.values()):
             raise ConversionError(f"{common_path}: a MoE model's distributed optimizer (its expert optimizer's layout) is not "
                                   "read here; save with megatron-core's own optimizer layout (without --use-distributed-optimizer)")
         split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
@@ -348,19 +350,16 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
-    if arch.experts and flat:
-        raise ConversionError("the dp_reshardable layout's buckets are not laid out for MoE experts here; use "
-                              "--dist-optim-layout fully_reshardable")
+    if arch.experts and distributed_optimizer and (flat or ckpt.optimizer is not None):  # flat: buckets even without Adam
+        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
+                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
+                              "layout, which Megatron-LM loads into either)")
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
         by_key.setdefault(_stored_key(rule, transformer_impl), []).append(rule)
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
-    if arch.experts and opt is not None and distributed_optimizer:
-        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
-                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
-                              "layout, which Megatron-LM loads into either)")
     # a MoE model's optimizer is megatron-core's ChainedOptimizer: the dense parameters' (0) and the experts' (1),
     # each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
     chained = bool(arch.experts) and opt is not None

@@ -122,7 +122,7 @@ def _layer_order(layer: tuple[Param, ...], te_names: bool) -> list[Param]:
     just before its linear's weight."""
     if not te_names:
         return list(layer)
-    linears = {_linear_of(p) for p in layer if p.megatron.endswith(".weight")}
+    linears = _linears(layer)
     fused = [p for p in layer if p.norm_of in linears]
     out: list[Param] = []
     for p in layer:
@@ -138,6 +138,12 @@ def _linear_of(param: Param) -> str:
     return param.megatron.rpartition(".")[0]
 
 
+def _linears(layer: tuple[Param, ...]) -> set[str]:
+    """The modules of a layer with a weight: what Transformer Engine can fuse a norm into (a MoE layer has no
+    ``mlp.linear_fc1``, so its pre-MLP norm stays a module of its own)."""
+    return {_linear_of(p) for p in layer if p.megatron.endswith(".weight")}
+
+
 def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     """Every tensor of the model in Megatron's order, from its family's table. ``te_names``: norms named as
     Transformer Engine's fused layers hold them (``linear_qkv.layer_norm_weight``, Megatron-LM's default);
@@ -150,7 +156,7 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     out.append(Rule("embedding.word_embeddings.weight", (fam.embedding,), VOCAB, FIRST, _one, _as_list))
     if fam.position_embedding:
         out.append(Rule("embedding.position_embeddings.weight", (fam.position_embedding,), REPLICATED, FIRST, _one, _as_list))
-    fused_into = {_linear_of(p) for p in fam.layer if p.megatron.endswith(".weight")}
+    fused_into = _linears(fam.layer)
     for i in range(arch.num_layers):
         m, h = f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i)
         for p in _layer_order(fam.layer, te_names):

@@ -33,7 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.mcore_family_worker import transformer_config  # noqa: E402
-from tests.mcore_worker import LR, STEPS, cpu_patches, distributed_optimizer_patches, train_step  # noqa: E402
+from tests.mcore_worker import (  # noqa: E402
+    STEPS, adam, cpu_patches, distributed_optimizer_patches, init_state_fn, megatron_param_groups, train_step,
+)
 
 
 def iteration_dir(directory: str) -> str:
@@ -64,24 +66,11 @@ def build(args, tp: int, ep: int):
 
 def chained_optimizer(model):
     """get_megatron_optimizer's structure for a MoE model: dense and expert parameters in optimizers of their own."""
-    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
-    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
-    groups = _get_param_groups([model], config, None)
-    for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
-        g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
-
-    def init_state_fn(opt, config=None):  # megatron.core.optimizer's for Adam: zero moments to load into
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state[p]:
-                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
-
+    config, groups = megatron_param_groups(model)
     parts = [[g for g in groups if bool(g["is_expert_parallel"]) == expert] for expert in (False, True)]
-    return ChainedOptimizer([FP32Optimizer(torch.optim.AdamW(p, lr=LR, betas=(0.9, 0.95), eps=1e-8), config, init_state_fn)
-                             for p in parts if p])
+    return ChainedOptimizer([FP32Optimizer(adam(p), config, init_state_fn) for p in parts if p])
 
 
 def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:

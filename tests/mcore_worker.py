@@ -192,31 +192,44 @@ def train_step(model, optimizer, step: int) -> float | None:
     return loss
 
 
-def megatron_optimizer(model):
-    """megatron-core's own non-distributed fp32 optimizer (its parameter groups, its state layout)."""
+def megatron_param_groups(model):
+    """megatron-core's optimizer config and parameter groups for this model, with the hyper-parameters
+    Megatron's OptimizerParamScheduler sets at every step."""
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
-    from megatron.core.optimizer.optimizer import FP32Optimizer
 
     config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
                              bf16=BF16)
     groups = _get_param_groups([model], config, None)
-    for g in groups:  # what Megatron's OptimizerParamScheduler sets at every step
+    for g in groups:
         g["weight_decay"] = config.weight_decay * g.get("wd_mult", 1.0)
-    adam = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    return config, groups
 
-    def init_state_fn(opt, config=None):  # megatron.core.optimizer's for Adam: zero moments to load into
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state[p]:
-                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
+def adam(groups) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+
+
+def init_state_fn(opt, config=None):
+    """megatron.core.optimizer's for Adam: zero moments to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not opt.state[p]:
+                opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def megatron_optimizer(model):
+    """megatron-core's own non-distributed fp32 optimizer (its parameter groups, its state layout)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    config, groups = megatron_param_groups(model)
+    adam_ = adam(groups)
     if BF16:
         from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
         distributed_optimizer_patches()  # the same CUDA tensor-type checks
-        return Float16OptimizerWithFloat16Params(adam, config, None, init_state_fn)
-    return FP32Optimizer(adam, config, init_state_fn)
+        return Float16OptimizerWithFloat16Params(adam_, config, None, init_state_fn)
+    return FP32Optimizer(adam_, config, init_state_fn)
 
 
 def distributed_optimizer(model):

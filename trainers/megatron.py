@@ -137,9 +137,9 @@ class MegatronTrainer(BaseTrainer):
         if cfg.tp > 1:
             apply_tensor_parallel(stage, self.mesh["tp"])
         self.expert_names: list[str] = []
-        if cfg.ep > 1 and (not self.split_experts or any(n.startswith(f"model.layers.{i}.") for n in self.split_experts
-                                                         for i in self.layout.layers)):
-            # a stage without MoE layers (dense first layers, --pp) has nothing to split; a model without any is refused
+        held = [n for n in self.split_experts if int(n.split(".")[2]) in self.layout.layers]  # model.layers.<i>....
+        # a stage without MoE layers (dense first layers, --pp) has nothing to split; a model without any is refused there
+        if cfg.ep > 1 and (held or not self.split_experts):
             self.expert_names = apply_expert_parallel(stage, self.mesh["ep"], self.mesh["tp"])
         self.experts = {id(stage.get_parameter(n)) for n in self.expert_names}
         if cfg.activation_checkpointing:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from .llama import ATTENTION, INPUT_NORM, TOP
 from .megatron_family import CAT, COLS, GATED, REPLICATED, Family, Param, norm, register
 
-# no linear_fc1 in the layer to fuse it into: the pre-MLP norm is its own module, which megatron-core's local spec
-# saves under Transformer Engine's dense name (mlp.linear_fc1.layer_norm_weight, its sharded-state key map)
+# no linear_fc1 in the layer to fuse it into: the pre-MLP norm is its own module, pre_mlp_layernorm in Transformer
+# Engine's MoE spec; megatron-core's local spec saves it in torch_dist under TE's dense name (megatron_dist._stored_key)
 PRE_MOE_NORM = norm("pre_mlp_layernorm", "post_attention_layernorm", norm_of="mlp.linear_fc1")
 ROUTER = (Param("mlp.router.weight", ("block_sparse_moe.gate.weight",), REPLICATED),)
 EXPERT = (  # "{e}": the expert's index
