@@ -98,7 +98,7 @@ class Manifest:
             )
         _validate(data, path)
         recorded = data.get(SELF_DIGEST)
-        if recorded is not None and _self_digest(data) != recorded:
+        if recorded is not None and _self_digest(data, path) != recorded:
             raise CorruptCheckpointError(path, "the manifest's content does not match its own digest (altered or corrupted)")
         data = {k: v for k, v in data.items() if k != SELF_DIGEST}
         data["tensors"] = {k: TensorRecord(**v) for k, v in data.get("tensors", {}).items()}
@@ -112,9 +112,9 @@ class Manifest:
 SELF_DIGEST = "digest"
 
 
-def _self_digest(data: dict[str, Any]) -> str:
+def _self_digest(data: dict[str, Any], where: str = "") -> str:
     body = {k: v for k, v in data.items() if k != SELF_DIGEST}
-    algo = digests.parse(data[SELF_DIGEST])[0] if isinstance(data.get(SELF_DIGEST), str) else digests.ALGO
+    algo = digests.parse(data[SELF_DIGEST], where)[0] if isinstance(data.get(SELF_DIGEST), str) else digests.ALGO
     return digests.of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode(), algo)
 
 

@@ -419,6 +419,18 @@ def test_untouched_checkpoint_verifies(base, capsys, which):
     assert code == 0, out + err
 
 
+def test_malformed_manifest_self_digest_names_the_manifest(base, tmp_path, capsys):
+    """A flipped byte can land in the manifest's digest of itself, leaving it malformed (what the random flips
+    found once in a while): verify names manifest.json, exit 1."""
+    copy = tmp_path / "uni1"
+    shutil.copytree(base / "uni1", copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    data["digest"] = data["digest"][:20] + "`" + data["digest"][21:]
+    (copy / "manifest.json").write_text(json.dumps(data))
+    code, out, err = run_cli(capsys, "verify", copy)
+    assert code == 1 and f"{copy / 'manifest.json'}" in out + err and "malformed digest" in out + err, out + err
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("engine,stage", [("deepspeed", 2), ("accelerate", None), ("hf_trainer", None)])
 def test_untouched_engine_checkpoint_verifies(engine_ckpt, capsys, engine, stage):
