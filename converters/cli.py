@@ -345,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
     g.add_argument("--world-size", type=_positive_int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
-    g.add_argument("--ep-size", type=_positive_int, help="expert-parallel ranks of a model with DeepSpeed MoE layers "
-                   "(deepspeed.moe ep_size; default: the source's)")
+    g.add_argument("--ep-size", "--expert-model-parallel-size", dest="ep_size", type=_positive_int,
+                   help="expert-parallel ranks of a MoE model: deepspeed.moe's ep_size, Megatron's "
+                        "--expert-model-parallel-size (megatron: one mp_rank_*_EEE directory each; default: the source's)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
     g.add_argument("--param-groups", choices=("source", "single", "decay"),

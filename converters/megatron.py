@@ -20,7 +20,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -35,8 +35,8 @@ from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
-    COLS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows, rules,
-    split, stage_rules, tied_output_rule,
+    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows,
+    rules, split, stack_index, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
@@ -98,7 +98,9 @@ class LegacyFiles:
     iteration: int | None  # None for "release"
     tp: int
     pp: int
-    paths: dict[tuple[int, int], str]  # (tp rank, pp rank) -> model_optim_rng.pt
+    paths: dict[tuple[int, int], str]  # (tp rank, pp rank) -> model_optim_rng.pt (expert-parallel rank 0's)
+    ep: int = 1
+    all_paths: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (tp, pp, ep rank) -> its file
 
 
 def _read_tracker(root: str) -> str:
@@ -121,11 +123,19 @@ def is_megatron_legacy(path: str) -> bool:
     return _is_iteration_dir(path)
 
 
-def locate(path: str, args: dict[str, Any] | None = None) -> LegacyFiles:
+def _rank_dir(t: int, p: int, e: int, named: tuple[bool, bool]) -> str:
+    """Megatron-LM's get_checkpoint_name: ``mp_rank_TT``, ``_PPP`` with pipeline parallelism, ``_EEE`` with expert
+    parallelism."""
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if named[0] else "") + (f"_{e:03d}" if named[1] else "")
+
+
+def locate(path: str, args: dict[str, Any] | None = None, check: bool = True) -> LegacyFiles:
     """The iteration directory ``path`` means (the root's latest, or the directory itself), and its rank files.
 
-    Every TP x PP rank must be present: the sizes come from the directory names, and from ``args`` when given,
-    so a rank directory that is missing at either end of the grid is named."""
+    Every TP x PP x EP rank must be present: the sizes come from the directory names, and from ``args`` when
+    given, so a rank directory that is missing at either end of the grid is named. Two numbers in a name are
+    ``TT_PPP`` or, with expert parallelism and one stage, ``TT_EEE``: only the arguments tell them apart.
+    ``check=False``: only rank 0's file is needed (to read the arguments from)."""
     root = None
     if os.path.isfile(os.path.join(path, TRACKER)):
         root = path
@@ -137,34 +147,39 @@ def locate(path: str, args: dict[str, Any] | None = None) -> LegacyFiles:
     name = os.path.basename(os.path.normpath(iteration_dir))
     found = ITER_DIR.match(name)
     iteration = int(found.group(1)) if found else None
-    ranks: dict[tuple[int, int], str] = {}
-    has_pp = False
+    a = args or {}
+    ep_arg, pp_arg = (int(a.get(k) or 1) for k in ("expert_model_parallel_size", "pipeline_model_parallel_size"))
+    ranks: dict[tuple[int, int, int], str] = {}
+    named: set[tuple[bool, bool]] = set()
     for d in sorted(os.listdir(iteration_dir)):
         m = RANK_DIR.match(d)
         if not m:
             continue
-        if m.group(3) is not None:
-            raise ConversionError(f"{os.path.join(iteration_dir, d)}: an expert-parallel rank directory (a MoE model's legacy "
-                                  "per-rank files) is not read here; save it with --ckpt-format torch_dist, which interop "
-                                  "reads at any EP x TP x PP")
-        has_pp = has_pp or m.group(2) is not None
-        ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iteration_dir, d, FILE)
+        nums = [int(g) for g in m.groups() if g is not None]
+        if len(nums) == 3:
+            key, how = (nums[0], nums[1], nums[2]), (True, True)
+        elif len(nums) == 2 and ep_arg > 1 and pp_arg == 1:
+            key, how = (nums[0], 0, nums[1]), (False, True)
+        else:
+            key, how = (nums[0], nums[1] if len(nums) == 2 else 0, 0), (len(nums) == 2, False)
+        named.add(how)
+        ranks[key] = os.path.join(iteration_dir, d, FILE)
     if not ranks:
         raise MissingFileError(iteration_dir, "holds no mp_rank_* directories: not a Megatron checkpoint iteration")
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
-    if args:
-        tp = max(tp, int(args.get("tensor_model_parallel_size") or 1))
-        pp = max(pp, int(args.get("pipeline_model_parallel_size") or 1))
-    for t in range(tp):
-        for p in range(pp):
-            d = f"mp_rank_{t:02d}" + (f"_{p:03d}" if has_pp or pp > 1 else "")
-            path_tp = os.path.join(iteration_dir, d, FILE)
-            if (t, p) not in ranks or not os.path.isfile(path_tp):
-                raise MissingFileError(
-                    os.path.join(iteration_dir, d), f"missing: a checkpoint with TP {tp} x PP {pp} has one directory per rank"
-                )
-    return LegacyFiles(root, iteration_dir, iteration, tp, pp, ranks)
+    if len(named) > 1:
+        raise CorruptCheckpointError(iteration_dir, "holds rank directories named for different layouts "
+                                     f"({sorted(_rank_dir(0, 0, 0, n) for n in named)}): files of two runs")
+    how = named.pop()
+    tp, pp, ep = (max(k[i] for k in ranks) + 1 for i in range(3))
+    tp = max(tp, int(a.get("tensor_model_parallel_size") or 1))
+    pp, ep = max(pp, pp_arg), max(ep, ep_arg)
+    grid = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)] if check else [(0, 0, 0)]
+    for t, p, e in grid:
+        if (t, p, e) not in ranks or not os.path.isfile(ranks[(t, p, e)]):
+            sizes = f"TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
+            raise MissingFileError(os.path.join(iteration_dir, _rank_dir(t, p, e, how)),
+                                   f"missing: a checkpoint with {sizes} has one directory per rank")
+    return LegacyFiles(root, iteration_dir, iteration, tp, pp, {(t, p): f for (t, p, e), f in ranks.items() if e == 0}, ep, ranks)
 
 
 # --- reading --------------------------------------------------------------------------------------------------
@@ -255,21 +270,38 @@ class _RankModel:
     tensors: dict[str, torch.Tensor]
 
 
-def _rank_models(files: LegacyFiles, states: dict[tuple[int, int], dict], canon: dict[str, Rule]) -> dict[tuple[int, int], _RankModel]:
-    """Every rank's model with global layer indices: stage p's chunk v starts where the layers before it end
-    (with virtual stages, chunk v of every stage comes before chunk v + 1 of any)."""
-    chunks = {key: _model_chunks(s, files.paths[key]) for key, s in states.items()}
-    vpp = len(chunks[(0, 0)])
-    sizes = [[_layers_in(chunks[(0, p)][v]) for p in range(files.pp)] for v in range(vpp)]
+def _expert_at(name: str) -> tuple[int, int] | None:
+    """(layer, local expert) of a tensor in a SequentialMLP expert, None outside the experts."""
+    index = stack_index(name)
+    return index if len(index) == 2 else None
+
+
+def _with_expert(name: str, expert: int) -> str:
+    """``...local_experts.<e>.x`` with another expert index (an expert-parallel rank numbers its own from 0)."""
+    head, _, rest = name.partition(EXPERTS)
+    return f"{head}{EXPERTS}{expert}.{rest.split('.', 1)[1]}"
+
+
+def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], canon: dict[str, Rule],
+                 experts: int) -> dict[tuple[int, int, int], _RankModel]:
+    """Every (TP, PP, EP) rank's model with global layer and expert indices: stage p's chunk v starts where the
+    layers before it end (with virtual stages, chunk v of every stage comes before chunk v + 1 of any), expert
+    rank e's local expert j is expert e x (experts / EP) + j. An expert rank other than 0 contributes its experts
+    only (its dense tensors are the same replica's)."""
+    chunks = {key: _model_chunks(s, files.all_paths[key]) for key, s in states.items()}
+    vpp = len(chunks[(0, 0, 0)])
+    sizes = [[_layers_in(chunks[(0, p, 0)][v]) for p in range(files.pp)] for v in range(vpp)]
     offsets, total = {}, 0
     for v in range(vpp):
         for p in range(files.pp):
             offsets[(p, v)] = total
             total += sizes[v][p]
+    per = experts // files.ep if experts else 0
     out = {}
-    for (t, p), cs in chunks.items():
+    for (t, p, e), cs in chunks.items():
+        path = files.all_paths[(t, p, e)]
         if len(cs) != vpp:
-            raise CorruptCheckpointError(files.paths[(t, p)], f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
+            raise CorruptCheckpointError(path, f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
         names, tensors = [], {}
         for v, chunk in enumerate(cs):
             for key, value in chunk.items():
@@ -278,17 +310,63 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int], dict], canon:
                 name = key
                 if key.startswith(LAYER_PREFIX):
                     name = local_name(key, -offsets[(p, v)])
+                at = _expert_at(name)
+                if at is None and e > 0:
+                    continue
+                if at is not None:
+                    if at[1] >= per:
+                        raise CorruptCheckpointError(path, f"layer {at[0]} holds local expert {at[1]}, but {experts} experts "
+                                                     f"over {files.ep} expert-parallel ranks give each {per}: an expert would "
+                                                     "be duplicated or dropped")
+                    name = _with_expert(name, e * per + at[1])
                 rule = canon.get(name)
                 if rule is None:
                     if name == "output_layer.weight":  # tied: the last stage's copy of the embedding
                         continue
                     raise ConversionError(
-                        f"{files.paths[(t, p)]}: tensor {key!r} has no Hugging Face name (Megatron-LM from before megatron-core?)"
+                        f"{path}: tensor {key!r} has no Hugging Face name (Megatron-LM from before megatron-core?)"
                     )
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
-        out[(t, p)] = _RankModel(names, tensors)
+        out[(t, p, e)] = _RankModel(names, tensors)
     return out
+
+
+def _check_experts(arch: MegatronArch, files: LegacyFiles, args: dict[str, Any], where: str) -> None:
+    """A MoE model's experts split evenly over the expert-parallel ranks, and over tensor-parallel ranks as the
+    dense layers are (Megatron-LM's default expert tensor-parallel size: the TP size)."""
+    if files.ep > 1 and not arch.experts:
+        raise CorruptCheckpointError(where, f"expert-parallel rank directories (EP {files.ep}) of a model without experts")
+    if not arch.experts:
+        return
+    if arch.experts % files.ep:
+        raise CorruptCheckpointError(where, f"{arch.experts} experts do not split over {files.ep} expert-parallel ranks")
+    etp = args.get("expert_tensor_parallel_size")
+    if etp not in (None, files.tp):
+        raise ConversionError(f"{where}: experts split over expert tensor-parallel size {etp}, the dense layers over TP "
+                              f"{files.tp}; legacy files are read with the two equal (Megatron-LM's default)")
+
+
+def _merge_expert_ranks(files: LegacyFiles, ranks3: dict, optim3: dict) -> tuple[dict, dict]:
+    """Each (TP, PP) rank's model and optimizer with the experts of every expert-parallel rank: the expert groups
+    of rank e > 0 (its only groups) extend the last groups of rank 0's."""
+    ranks, optim = {}, {}
+    for (t, p, e) in sorted(ranks3):
+        rm, (per_name, groups, master) = ranks3[(t, p, e)], optim3[(t, p, e)]
+        if e == 0:
+            ranks[(t, p)] = _RankModel(list(rm.names), dict(rm.tensors))
+            optim[(t, p)] = (dict(per_name), [{**g, "params": list(g["params"])} for g in groups], dict(master))
+            continue
+        ranks[(t, p)].names.extend(rm.names)
+        ranks[(t, p)].tensors.update(rm.tensors)
+        into = optim[(t, p)]
+        into[0].update(per_name)
+        into[2].update(master)
+        if len(groups) > len(into[1]):
+            raise CorruptCheckpointError(files.all_paths[(t, p, e)], f"{len(groups)} expert optimizer groups; expert rank 0 has fewer")
+        for g, mine in zip(into[1][len(into[1]) - len(groups):], groups):
+            g["params"].extend(mine["params"])
+    return ranks, optim
 
 
 def is_no_decay(name: str, shape: tuple[int, ...]) -> bool:
@@ -317,10 +395,34 @@ def _group_members(groups: list[dict[str, Any]], rank: _RankModel, path: str) ->
 
 
 def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, torch.Tensor]]:
-    """One rank's optimizer: per Megatron name its state entries, the param groups, and fp32 master weights."""
+    """One rank's optimizer: per Megatron name its state entries, the param groups, and fp32 master weights.
+    A MoE model's is megatron-core's ChainedOptimizer, whose legacy state dict is a list: the dense parameters'
+    optimizer, then the experts' (each numbering its own parameters); an expert-parallel rank other than 0 gives its
+    experts' part only."""
     opt = state.get("optimizer")
     if opt is None:
         return {}, [], {}
+    if not isinstance(opt, (list, tuple)):
+        return _one_optimizer(opt, rank, path)
+    experts = [n for n in rank.names if _expert_at(n) is not None]
+    dense = [n for n in rank.names if _expert_at(n) is None]
+    if len(opt) != 2 or not experts:
+        raise CorruptCheckpointError(path, f"optimizer chains {len(opt)} optimizers; megatron-core chains a MoE model's "
+                                     "dense and expert optimizers (2), and a dense model's none")
+    per_name: dict[str, dict[str, Any]] = {}
+    groups: list[dict] = []
+    master: dict[str, torch.Tensor] = {}
+    for part, names in zip(opt, (dense, experts)):
+        if not names:
+            continue  # an expert-parallel rank other than 0: its dense optimizer is rank 0's replica
+        got = _one_optimizer(part, _RankModel(names, {n: rank.tensors[n] for n in names}), path)
+        per_name.update(got[0])
+        groups += got[1]
+        master.update(got[2])
+    return per_name, groups, master
+
+
+def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, torch.Tensor]]:
     master: dict[str, torch.Tensor] = {}
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
     if not isinstance(inner, dict) or "param_groups" not in inner:
@@ -419,29 +521,37 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
 
 def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = True,
                   config: dict[str, Any] | None = None) -> LogicalCheckpoint:
-    files = locate(path)
+    files = locate(path, check=False)  # rank 0's file says how to read the others' names
     manifest, owner = owning_checkpoint(files.iteration_dir, NATIVE_KEY, verify_digests)  # ours: checked first
     first = files.paths[(0, 0)]
     head = load_megatron_file(first, trust_pickle)
     args = head.get("args")
     if args is not None:
         args_d = vars(args) if not isinstance(args, dict) else args
-        if args_d.get("num_experts"):
-            raise ConversionError(f"{first}: a MoE model's legacy per-rank files (--num-experts {args_d['num_experts']}, expert-"
-                                  "parallel rank directories) are not read here; save it with --ckpt-format torch_dist, "
-                                  "which interop reads at any EP x TP x PP")
         files = locate(path, args_d)  # now also checks the grid the arguments describe
         arch = MegatronArch.from_args(args_d, first)
     elif config is not None:  # saved without args (a conversion script's output): the shape from --config
+        files = locate(path)
         arch = MegatronArch.from_hf(config)
         args_d = {**arch.to_args(files.tp, files.pp), "hf_config": dict(config)}
     else:
         raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown; pass the model's config "
                                      "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
-    states = {key: (head if key == (0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.paths.items()}
+    _check_experts(arch, files, args_d, first)
+    states3 = {key: (head if key == (0, 0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.all_paths.items()}
     all_rules = rules(arch)
-    ranks = _rank_models(files, states, _canonical(all_rules))
+    ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
+    if arch.experts and any(os.path.isfile(os.path.join(os.path.dirname(p), DISTRIB_OPTIM)) for p in files.all_paths.values()):
+        raise ConversionError(f"{first}: a MoE run's distributed optimizer (distrib_optim.pt of its dense and expert buffers) is "
+                              "not read here; save it without --use-distributed-optimizer, or with --ckpt-format torch_dist")
+    optim3 = {
+        key: _distributed_optimizer(states3[key], ranks3[key], files.all_paths[key], trust_pickle)
+        if os.path.isfile(os.path.join(os.path.dirname(files.all_paths[key]), DISTRIB_OPTIM))
+        else _rank_optimizer(states3[key], ranks3[key], files.all_paths[key])
+        for key in ranks3
+    }
+    ranks, optim = _merge_expert_ranks(files, ranks3, optim3)
     padded = int(args_d.get("padded_vocab_size") or padded_vocab(arch.vocab, files.tp))
     _check_vocab(files, ranks, padded)
 
@@ -450,12 +560,6 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if missing:
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
 
-    optim = {
-        key: _distributed_optimizer(states[key], ranks[key], files.paths[key], trust_pickle)
-        if os.path.isfile(os.path.join(os.path.dirname(files.paths[key]), DISTRIB_OPTIM))
-        else _rank_optimizer(states[key], ranks[key], files.paths[key])
-        for key in ranks
-    }
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
     model_dtype = next(iter(ranks[(0, 0)].tensors.values())).dtype
     cache = MergedCache()
@@ -493,12 +597,12 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if head.get("opt_param_scheduler") is not None:
         extra[SCHEDULER] = head["opt_param_scheduler"]
     rank_state = {}
-    rng = _rng_states(files, states)
+    rng = _rng_states(files, states3)
     if rng is not None:
         rank_state["rng"] = rng
     source = {
-        "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp,
-        "dtype": dtype_name(model_dtype), "iteration": step,
+        "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp * files.ep,
+        "dtype": dtype_name(model_dtype), "iteration": step, **({"ep": files.ep} if arch.experts else {}),
     }
     if has_master:
         source["master_dtype"] = "float32"
@@ -574,16 +678,18 @@ def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -
     return OptimizerState("AdamW", named, tensors, scalars)
 
 
-def _rng_states(files: LegacyFiles, states: dict[tuple[int, int], dict]) -> list[dict[str, Any]] | None:
-    """Each rank's generators in our RNG layout, when every file holds one state (one data-parallel replica's)."""
+def _rng_states(files: LegacyFiles, states: dict[tuple[int, int, int], dict]) -> list[dict[str, Any]] | None:
+    """Each rank's generators in our RNG layout, when every file holds one state (one data-parallel replica's), in
+    Megatron's rank order (t + TP x e + TP x EP x p: its default order, expert ranks within the data-parallel ones)."""
     out = []
     for p in range(files.pp):
-        for t in range(files.tp):
-            rng = states[(t, p)].get("rng_state")
-            entry = our_rng(rng[0]) if isinstance(rng, list) and len(rng) == 1 else None
-            if entry is None:
-                return None
-            out.append(entry)
+        for e in range(files.ep):
+            for t in range(files.tp):
+                rng = states[(t, p, e)].get("rng_state")
+                entry = our_rng(rng[0]) if isinstance(rng, list) and len(rng) == 1 else None
+                if entry is None:
+                    return None
+                out.append(entry)
     return out
 
 
@@ -636,19 +742,40 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     return arch, padded_vocab(arch.vocab, tp), dtype
 
 
+def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | None) -> int:
+    """The expert-parallel size a Megatron target is written for (1 when not given, said in a note when it decides
+    the optimizer's layout): megatron-core gives experts an optimizer of their own (a ChainedOptimizer) only when
+    EP > 1, so the run that loads the optimizer must have this size."""
+    if not arch.experts:
+        if ep not in (None, 1):
+            raise ConversionError(f"--ep-size {ep}: a {arch.model_type} model has no experts to split")
+        return 1
+    if ep is None:
+        ep = 1
+        if ckpt.optimizer is not None:
+            ckpt.notes.append("--ep-size 1: neither given nor recorded by the source; the optimizer is laid out as megatron-core's "
+                              "at expert-parallel size 1 (one optimizer; EP > 1 chains the experts' own): pass --ep-size to choose")
+    if arch.experts % ep:
+        raise ConversionError(f"{arch.experts} experts do not split over {ep} expert-parallel ranks (--ep-size {ep})")
+    return ep
+
+
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
-    progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False,
+    progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False, ep: int | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
     source's other components beside the rank folders. Holds one pipeline stage in memory at a time.
     ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
-    beside each rank's file (for any data-parallel size: see :func:`distributed_layout`)."""
+    beside each rank's file (for any data-parallel size: see :func:`distributed_layout`). A MoE model's experts
+    split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts."""
     arch, padded, dtype = target_shape(ckpt, tp)
-    if arch.experts:
-        raise ConversionError(f"--to megatron writes legacy per-rank files, not laid out here for a MoE model's {arch.experts} "
-                              "experts; write --to megatron-dist (torch_dist), which megatron-core loads at any EP x TP x PP")
+    ep = expert_parallel_size(ckpt, arch, ep)
+    if arch.experts and distributed_optimizer:
+        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
+                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
+                              "layout, which Megatron-LM loads into either)")
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
     stages = stage_rules(all_rules, arch, pp)
@@ -658,9 +785,10 @@ def write_megatron(
     opt = ckpt.optimizer
     args = argparse.Namespace(**arch.to_args(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp,
-        data_parallel_size=1, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
+        ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp * ep,
+        data_parallel_size=ep, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
         hf_config=dict(ckpt.config), seed=DEFAULT_SEED, no_save_rng=False,
+        **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if arch.experts else {}),
     ))
     if distributed_optimizer and (te_names or (arch.tied and pp > 1)):
         # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused
@@ -676,17 +804,18 @@ def write_megatron(
         log.warning("%s", ckpt.notes[-1])
     padding = component_state(ckpt, PADDING) or {}
     scheduler = component_state(ckpt, SCHEDULER)
-    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
+    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)
     ckpt.notes.extend(rng_notes)
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
         for p, stage in enumerate(stages):
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
             stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
-            for t in range(tp):
+            for t, e in ((t, e) for t in range(tp) for e in range(ep)):
                 with_optim = opt is not None and not distributed_optimizer
-                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng[(t, p)])
-                d = os.path.join(iteration_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+                experts = _ExpertShare(e, arch.experts // ep) if ep > 1 else None
+                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng[(t, p, e)], experts)
+                d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
                 os.makedirs(d)
                 if distributed_optimizer and opt is not None:
                     state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt)
@@ -698,7 +827,7 @@ def write_megatron(
         durable_write(os.path.join(out, TRACKER), str(step).encode())
         return Written(at=os.path.basename(iteration_dir))
 
-    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp, tp=tp, pp=pp,
+    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp * ep, tp=tp, pp=pp, ep=ep,
                                 precision=dtype_name(dtype), master_precision="float32" if mixed else None)
     # Megatron's files hold the scheduler, the vocabulary padding and every rank's RNG: not carried again
     write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "legacy torch"},
@@ -790,25 +919,60 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
     return _StageWrite(models, masters, states, names, no_decay)
 
 
+@dataclass(frozen=True)
+class _ExpertShare:
+    """The experts one expert-parallel rank holds: ``per`` of them from ``rank`` x ``per``, numbered from 0 in its file."""
+
+    rank: int
+    per: int
+
+    def local(self, name: str) -> str | None:
+        """The name in this rank's file; None for another rank's expert."""
+        at = _expert_at(name)
+        if at is None:
+            return name
+        first = self.rank * self.per
+        return _with_expert(name, at[1] - first) if first <= at[1] < first + self.per else None
+
+
 def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
-               rng: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": stage.model[t]}
+               rng: dict[str, Any], experts: _ExpertShare | None = None) -> dict[str, Any]:
+    """One rank's model_optim_rng.pt. A MoE model's optimizer is megatron-core's ChainedOptimizer, saved as a list:
+    the dense parameters' optimizer and this expert rank's experts' (each numbering its parameters from 0)."""
+    model = stage.model[t]
+    if experts is not None:
+        model = OrderedDict((experts.local(k), v) for k, v in model.items() if experts.local(k) is not None)
+    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": model}
     if with_optim:
-        decay = [i for i, nd in enumerate(stage.no_decay) if not nd]
-        none = [i for i, nd in enumerate(stage.no_decay) if nd]
-        order = decay + none
-        ids = {stage.names[i]: pid for pid, i in enumerate(order)}
-        per_id = {ids[n]: stage.state[t][n] for n in stage.names if n in stage.state[t]}
-        groups = [{**hyper[0], "params": list(range(len(decay)))}, {**hyper[1], "params": list(range(len(decay), len(order)))}]
-        inner = {"state": dict(sorted(per_id.items())), "param_groups": groups}
-        if mixed:
-            state["optimizer"] = {
-                "optimizer": inner,
-                "fp32_from_fp16_params": [[stage.master[t][i] for i in decay], [stage.master[t][i] for i in none]],
-            }
+        if experts is None:
+            state["optimizer"] = _optimizer_part(stage, t, list(range(len(stage.names))), hyper, mixed)
         else:
-            state["optimizer"] = inner
+            dense = [i for i, n in enumerate(stage.names) if _expert_at(n) is None]
+            mine = [i for i, n in enumerate(stage.names) if _expert_at(n) is not None and experts.local(n) is not None]
+            expert_hyper = [{**h, "is_expert_parallel": True} for h in hyper]
+            state["optimizer"] = [_optimizer_part(stage, t, dense, hyper, mixed),
+                                  _optimizer_part(stage, t, mine, expert_hyper, mixed, skip_empty=True)]
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler
     state["rng_state"] = [rng]  # one data-parallel replica's (Megatron-LM without --data-parallel-random-init)
     return state
+
+
+def _optimizer_part(stage: _StageWrite, t: int, members: list[int], hyper, mixed: bool, skip_empty: bool = False) -> dict[str, Any]:
+    """One Megatron optimizer's state dict over the stage's parameters ``members`` (indices): torch's, numbered decay
+    group first, or mixed precision's around it. ``skip_empty``: no group for a kind of parameter it does not hold
+    (megatron-core's expert optimizer has a no-decay group only when an expert has a bias)."""
+    decay = [i for i in members if not stage.no_decay[i]]
+    none = [i for i in members if stage.no_decay[i]]
+    kinds = [(h, ids) for h, ids in zip(hyper, (decay, none)) if ids or not skip_empty]
+    order = [i for _, ids in kinds for i in ids]
+    ids = {stage.names[i]: pid for pid, i in enumerate(order)}
+    per_id = {ids[stage.names[i]]: stage.state[t][stage.names[i]] for i in order if stage.names[i] in stage.state[t]}
+    groups, start = [], 0
+    for h, members_ in kinds:
+        groups.append({**h, "params": list(range(start, start + len(members_)))})
+        start += len(members_)
+    inner = {"state": dict(sorted(per_id.items())), "param_groups": groups}
+    if not mixed:
+        return inner
+    return {"optimizer": inner, "fp32_from_fp16_params": [[stage.master[t][i] for i in ids_] for _, ids_ in kinds]}

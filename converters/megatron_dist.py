@@ -43,7 +43,7 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
-    is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
+    expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
@@ -337,7 +337,8 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
 
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
-                        distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine") -> None:
+                        distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine",
+                        ep: int | None = None) -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time.
@@ -350,6 +351,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
+    ep = expert_parallel_size(ckpt, arch, ep)
     if arch.experts and distributed_optimizer and (flat or ckpt.optimizer is not None):  # flat: buckets even without Adam
         raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
                               "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
@@ -360,9 +362,9 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         by_key.setdefault(_stored_key(rule, transformer_impl), []).append(rule)
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
-    # a MoE model's optimizer is megatron-core's ChainedOptimizer: the dense parameters' (0) and the experts' (1),
-    # each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
-    chained = bool(arch.experts) and opt is not None
+    # a MoE model's optimizer at EP > 1 is megatron-core's ChainedOptimizer: the dense parameters' (0) and the
+    # experts' (1), each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
+    chained = ep > 1 and opt is not None
 
     def prefix(rule: Rule) -> str:
         return f"{CHAINED}{int(is_expert(rule))}." if chained else ""
@@ -397,14 +399,15 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     step = int(ckpt.step or 0)
     args = argparse.Namespace(**arch.to_args(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        ckpt_format="torch_dist", transformer_impl=transformer_impl, world_size=tp * pp,
-        data_parallel_size=1, use_distributed_optimizer=bool(distributed_optimizer),
+        ckpt_format="torch_dist", transformer_impl=transformer_impl, world_size=tp * pp * ep,
+        data_parallel_size=ep, use_distributed_optimizer=bool(distributed_optimizer),
+        **({"expert_model_parallel_size": ep} if arch.experts else {}),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
     ))
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
     ckpt.notes.extend(rng_notes)
-    for (t, p), entry in rng.items():  # Megatron-LM's get_rng_state: ShardedObject('rng_state', [state], (PP, TP), (p, t))
+    for (t, p, _), entry in rng.items():  # Megatron-LM's get_rng_state: ShardedObject('rng_state', [state], (PP, TP), (p, t))
         state[f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"] = buckets.sharded_object([entry])
     common: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
     if opt is not None:
@@ -443,7 +446,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         durable_write(os.path.join(out, TRACKER), str(step).encode())
         return Written(at=os.path.basename(directory))
 
-    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp, tp=tp, pp=pp, precision=dtype_name(dtype))
+    sharding = ShardingMetadata(strategy=Strategy.HYBRID, world_size=tp * pp * ep, tp=tp, pp=pp, ep=ep, precision=dtype_name(dtype))
     write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "torch_dist"},
                             {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING, RNG}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))

@@ -185,14 +185,14 @@ def tied_output_rule(arch: MegatronArch) -> Rule:
     return Rule("output_layer.weight", (arch.spec.embedding,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
 
 
-LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")
+LINEAR_MODULES = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")  # the attention's, an MLP's or an expert's
 
 
 def extra_state_key(name: str) -> str | None:
     """``<linear>._extra_state`` for a linear layer's weight (Transformer Engine's and the local spec's linears
-    have one; Megatron-LM's state dicts hold it, ``None`` without FP8)."""
+    have one, experts' and shared experts' too; Megatron-LM's state dicts hold it, ``None`` without FP8)."""
     module, _, leaf = name.rpartition(".")
-    if leaf == "weight" and module.endswith(LINEAR_MODULES):
+    if leaf == "weight" and (module.rpartition(".")[2] in LINEAR_MODULES or module == "output_layer"):
         return f"{module}._extra_state"
     return None
 

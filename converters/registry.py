@@ -272,12 +272,19 @@ def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
     return dataclasses.replace(ckpt, source={**ckpt.source, "dtype": dtype}) if dtype else ckpt
 
 
+def _megatron_ep(ckpt: LogicalCheckpoint, o: Options) -> int | None:
+    """The expert-parallel size a Megatron target is for: --ep-size, else the source's (Megatron's or deepspeed.moe's),
+    else None (the writer takes 1 and, for a MoE model with optimizer state, says so)."""
+    value = o.extra.get("ep_size") or ckpt.source.get("ep") or ckpt.source.get("ep_size")
+    return int(value) if value else None
+
+
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
     megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite,
                                       distributed_optimizer=layout, pp=layout_value(ckpt, o, "pp", 1),
-                                      transformer_impl=o.extra.get("transformer_impl") or "transformer_engine")
+                                      transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
@@ -311,13 +318,13 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
                               "distributed optimizer is distrib_optim.pt: --use-distributed-optimizer")
     ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
-                            distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")))
+                            distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")), ep=_megatron_ep(ckpt, o))
 
 
 register(
     Format(
         "megatron",
-        "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt)",
+        "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt)",
         megatron.is_megatron_legacy,
         lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests, o.config),
         _write_megatron,

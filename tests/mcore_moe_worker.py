@@ -9,6 +9,10 @@
     torchrun --nproc_per_node N tests/mcore_moe_worker.py load-train CKPT OUT
         load CKPT's weights and optimizer, train the same next steps (OUT/losses.json)
 
+MCORE_CKPT=torch: the same on Megatron-LM's legacy per-rank files (--ckpt-format torch): each rank loads its own
+``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (model strictly, the ChainedOptimizer's list, the RNG as Megatron-LM's
+load_checkpoint restores it) and saves as its save_checkpoint does (every expert-parallel rank its file).
+
 The model is built as Megatron-LM builds it from the checkpoint's arguments (megatron.training is not on PyPI):
 the local spec with SequentialMLP experts (``--num-experts``, no grouped GEMM), experts over MCORE_EP ranks and
 tensor parallelism over the rest, loaded with ``dist_checkpointing.load`` of its own sharded state dict (strict).
@@ -80,6 +84,32 @@ def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:
     return argparse.Namespace(**own)
 
 
+def legacy_file(directory: str, iteration: int, tp: int, ep: int) -> str:
+    """Megatron-LM's get_checkpoint_name: mp_rank_TT, _PPP with pipeline stages (none here), _EEE with expert ranks."""
+    from megatron.core import parallel_state as ps
+
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
+    return os.path.join(directory, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
+
+
+def save_legacy(model, optimizer, args, directory: str, iteration: int, tp: int, ep: int) -> None:
+    """Megatron-LM's save_checkpoint with --ckpt-format torch: each (TP, EP) rank's state (every rank here is its
+    expert data-parallel group's rank 0), the optimizer's state_dict (a ChainedOptimizer's: a list)."""
+    import random
+
+    import numpy as np
+
+    file = legacy_file(directory, iteration, tp, ep)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model.state_dict_for_save_checkpoint(),
+                "optimizer": optimizer.state_dict(), "rng_state": [rng]}, file)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
 def save(model, optimizer, args, directory: str, iteration: int) -> None:
     from megatron.core import dist_checkpointing
 
@@ -112,21 +142,37 @@ def main() -> None:
     tp = dist.get_world_size() // ep
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     source = iteration_dir(directory)
-    args = dist_checkpointing.load_common_state_dict(source)["args"]
+    legacy = os.environ.get("MCORE_CKPT") == "torch"
+    if legacy:
+        from converters.megatron import load_megatron_file
+        from tests.mcore_worker import megatron_lm_restore_rng
+
+        state = load_megatron_file(legacy_file(directory, int(os.path.basename(source)[5:]), tp, ep))
+        args = state["args"]
+    else:
+        args = dist_checkpointing.load_common_state_dict(source)["args"]
     torch.manual_seed(0)
     model = build(args, tp, ep)
     optimizer = None
     if scenario != "logits":
         distributed_optimizer_patches()  # ChainedOptimizer's step takes the grad norm with a CUDA buffer
         optimizer = chained_optimizer(model)
-    sharded = model.sharded_state_dict()
-    request = {"model": sharded}
-    if scenario == "load-train":
-        request["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
-    loaded = dist_checkpointing.load(request, source)
-    model.load_state_dict(loaded["model"], strict=True)
-    if scenario == "load-train":
-        optimizer.load_state_dict(loaded["optimizer"])
+    if legacy:
+        megatron_lm_restore_rng(state["rng_state"], args.seed)
+        result = model.load_state_dict(state["model"], strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        if scenario == "load-train":
+            assert isinstance(state["optimizer"], list) == (ep > 1), type(state["optimizer"])  # a ChainedOptimizer of two at EP > 1
+            optimizer.load_state_dict(state["optimizer"])
+    else:
+        sharded = model.sharded_state_dict()
+        request = {"model": sharded}
+        if scenario == "load-train":
+            request["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+        loaded = dist_checkpointing.load(request, source)
+        model.load_state_dict(loaded["model"], strict=True)
+        if scenario == "load-train":
+            optimizer.load_state_dict(loaded["optimizer"])
     experts = [n for n, _ in model.named_parameters() if ".local_experts." in n]
     with open(os.path.join(directory, f"rank{dist.get_rank()}.json"), "w") as f:  # each rank its own file: prints interleave
         json.dump({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}, f)
@@ -146,7 +192,10 @@ def main() -> None:
         losses = []
         if scenario == "train-save":
             train_step(model, optimizer, 0)
-            save(model, optimizer, own_args(args, tp, ep, 1), out, 1)
+            if legacy:
+                save_legacy(model, optimizer, own_args(args, tp, ep, 1), out, 1, tp, ep)
+            else:
+                save(model, optimizer, own_args(args, tp, ep, 1), out, 1)
         losses += [train_step(model, optimizer, step) for step in range(1, STEPS)]
         if dist.get_rank() == 0:
             with open(os.path.join(out, "losses.json"), "w") as f:

@@ -3,12 +3,16 @@ stacks them (``decoder.layers.mlp.experts.experts.linear_fc1.weight``: [layers, 
 megatron-core's own MoE GPT model at EP2 and at TP2 on gloo with transformers' logits, and megatron-core's own save
 of it at EP2 read back exactly. What is not mapped (the legacy per-rank files of a MoE run, grouped-GEMM experts,
 the distributed optimizer's expert buffers) is refused in one line, never half-done; megatron-core's MoE
-optimizers (dense and expert, chained) are read and written, and megatron-core resumes from them."""
+optimizers (dense and expert, chained) are read and written, and megatron-core resumes from them.
+
+Megatron-LM's legacy per-rank files of a MoE run (``mp_rank_TT[_PPP]_EEE``: each expert-parallel rank's file holds
+the dense layers and its experts numbered from 0, and at EP > 1 a ChainedOptimizer's list of the dense and expert
+optimizers) are read and written at any EP x TP x PP, judged the same way."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -128,15 +132,18 @@ def test_through_torch_dist_and_back_is_exact(mixtral, tmp_path):
 
 
 def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
-    """The legacy per-rank files of a MoE model are refused both ways in one line, nothing written; grouped-GEMM
-    experts on a model without them, and other routers in a run's arguments are refused, and so is the distributed optimizer's layout of a
-    MoE model (its expert buffers), with nothing written."""
+    """Grouped-GEMM experts, shared experts on a model without them and other routers in a run's arguments are
+    refused, and so is the distributed optimizer's layout of a MoE model (its expert buffers), with nothing written;
+    experts that do not split over --ep-size, and --ep-size on a dense model, are refused in one line."""
     _, hf, _ = mixtral
-    done = cli("convert", hf, tmp_path / "legacy", "--to", "megatron", "--tp", "2")
+    done = cli("convert", hf, tmp_path / "legacy", "--to", "megatron", "--ep-size", "3")
     assert done.returncode == 2 and not (tmp_path / "legacy").exists()
     assert done.stderr.strip().splitlines()[-1] == (
-        "interop convert: error: --to megatron writes legacy per-rank files, not laid out here for a MoE model's 4 experts; "
-        "write --to megatron-dist (torch_dist), which megatron-core loads at any EP x TP x PP")
+        "interop convert: error: 4 experts do not split over 3 expert-parallel ranks (--ep-size 3)")
+    _, llama = architectures.saved(tmp_path / "llama", "llama")
+    done = cli("convert", llama, tmp_path / "dense", "--to", "megatron-dist", "--ep-size", "2")
+    assert done.returncode == 2 and not (tmp_path / "dense").exists()
+    assert done.stderr.strip().splitlines()[-1] == "interop convert: error: --ep-size 2: a llama model has no experts to split"
     args = vars(load_megatron_file(str(mixtral[2] / "iter_0000000" / COMMON))["args"])
     for flag, value, what in (("moe_grouped_gemm", True, "grouped-GEMM experts"), ("moe_router_score_function", "sigmoid", "a router score function"),
                               ("moe_shared_expert_intermediate_size", 64, "shared experts")):
@@ -149,23 +156,6 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
     with pytest.raises(ConversionError, match="common.pt: a MoE model's distributed optimizer .* is not read here"):
         _chained_parts({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "fully_reshardable"}},
                        [], "common.pt")
-
-    # Megatron-LM's legacy files of a MoE run: one directory per expert-parallel rank, or (EP1) --num-experts in args
-    legacy = tmp_path / "mcore-legacy" / "iter_0000001"
-    for rank_dir in ("mp_rank_00_000_000", "mp_rank_00_000_001"):
-        (legacy / rank_dir).mkdir(parents=True)
-        torch.save({"args": argparse.Namespace(**args), "iteration": 1}, legacy / rank_dir / "model_optim_rng.pt")
-    (legacy.parent / "latest_checkpointed_iteration.txt").write_text("1")
-    done = cli("convert", legacy.parent, tmp_path / "x", "--to", "universal")
-    assert done.returncode == 2 and "mp_rank_00_000_000: an expert-parallel rank directory (a MoE model's legacy per-rank files) is " \
-        "not read here; save it with --ckpt-format torch_dist" in done.stderr, done.stderr
-    (legacy / "mp_rank_00_000_001" / "model_optim_rng.pt").unlink()
-    (legacy / "mp_rank_00_000_001").rmdir()
-    (legacy / "mp_rank_00_000_000").rename(legacy / "mp_rank_00")
-    done = cli("convert", legacy.parent, tmp_path / "x", "--to", "universal")
-    assert done.returncode == 2 and "a MoE model's legacy per-rank files (--num-experts 4, expert-parallel rank directories) are not " \
-        "read here" in done.stderr, done.stderr
-    assert not (tmp_path / "x").exists()
 
     from trainers.base import BaseTrainer, TrainerConfig
 
@@ -197,3 +187,131 @@ def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path):
     run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
     expected = json.loads((own / "losses.json").read_text())
     assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+
+# --- Megatron-LM's legacy per-rank files of a MoE run ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def legacy(converted, tmp_path_factory):
+    """A tiny MoE model as Megatron-LM's legacy files at EP2 for megatron-core's local spec (made once per model)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(f"legacy-{name}")
+            done = cli("convert", converted(name)[1], root / "leg", "--to", "megatron", "--ep-size", "2", "--transformer-impl", "local")
+            assert done.returncode == 0, done.stderr
+            made[name] = root / "leg"
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def legacy_ep2(legacy):
+    return legacy("mixtral")
+
+
+def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch") -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           str(ROOT / "tests" / "mcore_moe_worker.py"), scenario, str(ckpt), *([str(out)] if out else [])]
+    run_workers(cmd, {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt}, timeout=600)
+
+
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+def test_legacy_moe_files_load_in_megatron_core_at_ep2(converted, legacy, name):
+    """One directory per expert-parallel rank as Megatron-LM's get_checkpoint_name names them, each file the dense
+    layers and that rank's experts numbered from 0; megatron-core at EP2 loads each rank's own file strictly (and its
+    RNG: the expert-parallel tracker stream of each EP rank is checked against megatron-core's own seeding), logits
+    equal transformers' (Qwen2-MoE: its gated shared expert and q/k/v biases)."""
+    model, leg = converted(name)[0], legacy(name)
+    iteration = leg / "iter_0000000"
+    assert sorted(p.name for p in iteration.iterdir() if p.is_dir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    down = next(k for k in model.state_dict() if k.startswith("model.layers.1.") and k.endswith("experts.down_proj"))
+    for e in range(2):
+        state = load_megatron_file(str(iteration / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt"))
+        assert (state["args"].expert_model_parallel_size, state["args"].num_experts) == (2, 4)
+        held = {k.split("local_experts.")[1].split(".")[0] for k in state["model"] if "local_experts." in k}
+        assert held == {"0", "1"}
+        torch.testing.assert_close(state["model"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
+                                   model.state_dict()[down][2 * e + 1], rtol=0, atol=0)
+    ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+    torch.save(ids, leg / "ids.pt")
+    mcore_moe("logits", leg)
+    ranks = sorted((r["rank"], r["ep_rank"], r["local_experts"]) for r in (json.loads((leg / f"rank{i}.json").read_text()) for i in range(2)))
+    assert ranks == [(0, 0, 8), (1, 1, 8)]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(leg / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
+
+
+def test_legacy_moe_files_at_tp2_pp2_ep2_round_trip_exactly(mixtral, tmp_path):
+    """Eight rank files (mp_rank_TT_PPP_EEE): each tensor-parallel piece of each stage's dense layers and of its
+    expert rank's experts; read back, every weight is the source's bit for bit."""
+    model, hf, _ = mixtral
+    out = tmp_path / "m"
+    assert cli("convert", hf, out, "--to", "megatron", "--tp", "2", "--pp", "2", "--ep-size", "2").returncode == 0
+    assert len([p for p in (out / "iter_0000000").iterdir() if p.name.startswith("mp_rank_")]) == 8
+    state = load_megatron_file(str(out / "iter_0000000" / "mp_rank_01_001_001" / "model_optim_rng.pt"))
+    assert state["model"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].shape == (36, 26)  # fc2's columns split
+    assert cli("convert", out, tmp_path / "back", "--to", "hf").returncode == 0
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back")
+    theirs = model.state_dict()
+    assert {k: bool(torch.equal(t, theirs[k])) for k, t in back.state_dict().items()} == {k: True for k in theirs}
+
+
+def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_path):
+    """megatron-core trains a step at EP2 and saves as Megatron-LM does with --ckpt-format torch (each EP rank its
+    file, the ChainedOptimizer's list); interop reads every expert and its Adam moments, through universal and back
+    to legacy files at EP2 every tensor is the same, and megatron-core resumes model and optimizer with the
+    uninterrupted run's losses. At EP1 megatron-core has one optimizer over every parameter: written so, it loads
+    model and optimizer strictly, and its first loss is the uninterrupted run's."""
+    own, u = tmp_path / "own", tmp_path / "u"
+    mcore_moe("train-save", legacy_ep2, own)
+    assert cli("convert", own, u, "--to", "universal").returncode == 0
+    ckpt = registry.read(str(u))[1]
+    assert (ckpt.source["format"], ckpt.source["ep"]) == ("megatron", 2)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ckpt.optimizer.tensors["exp_avg"]
+    assert [len(g["params"]) for g in ckpt.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
+    back = tmp_path / "back"
+    assert cli("convert", u, back, "--to", "megatron", "--transformer-impl", "local").returncode == 0
+    report = cli("diff", own, back)
+    n = 2 * (41 + 41)  # model and both moments of every tensor
+    assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+    mcore_moe("load-train", back, back)
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+    one = tmp_path / "ep1"
+    assert cli("convert", u, one, "--to", "megatron", "--ep-size", "1", "--transformer-impl", "local").returncode == 0
+    assert [p.name for p in (one / "iter_0000001").iterdir() if p.is_dir()] == ["mp_rank_00"]
+    report = cli("diff", own, one)
+    assert f"{n} compared, {n} exact" in report.stdout, report.stdout
+    mcore_moe("load-train", one, one, ep=1, ranks=1)
+    assert json.loads((one / "losses.json").read_text())[0] == expected[0]
+
+
+def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
+    """A missing expert-parallel rank, an expert the layout would duplicate, and experts split over another
+    expert tensor-parallel size are each one line naming the file, with nothing written."""
+    import shutil
+
+    def refused(src, match: str) -> None:
+        done = cli("convert", src, tmp_path / "x", "--to", "universal")
+        assert done.returncode == 2 and not (tmp_path / "x").exists(), done.stderr
+        assert re.search(match, done.stderr.strip().splitlines()[-1]), done.stderr
+
+    broken = tmp_path / "broken"
+    shutil.copytree(legacy_ep2, broken)
+    (broken / "iter_0000000" / "manifest.json").unlink()  # Megatron-LM's own files: no manifest to check them against
+    rank1 = broken / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(rank1, weights_only=False)
+    rank1.rename(rank1.with_suffix(".bak"))
+    refused(broken, r"mp_rank_00_001: missing: a checkpoint with TP 1 x PP 1 x EP 2 has one directory per rank")
+    moved = {k.replace("local_experts.1.", "local_experts.2."): v for k, v in state["model"].items()}
+    torch.save({**state, "model": moved}, rank1)
+    refused(broken, r"mp_rank_00_001/model_optim_rng.pt: layer 0 holds local expert 2, but 4 experts over 2 expert-parallel "
+            r"ranks give each 2: an expert would be duplicated or dropped")
+    state["args"].expert_tensor_parallel_size = 2
+    for e in range(2):
+        path = broken / "iter_0000000" / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt"
+        torch.save({**torch.load(path, weights_only=False), "args": state["args"]}, path)
+    refused(broken, r"mp_rank_00_000/model_optim_rng.pt: experts split over expert tensor-parallel size 2, the dense layers over TP 1")
