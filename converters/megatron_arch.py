@@ -157,8 +157,9 @@ class MegatronArch:
 
     # --- Megatron-LM arguments ------------------------------------------------------------------------------
     @classmethod
-    def from_args(cls, args: Any, where: str) -> "MegatronArch":
-        """From a checkpoint's ``args`` (a Namespace or its dict); ``where`` names the file for errors."""
+    def from_args(cls, args: Any, where: str, grouped_gemm: bool = False) -> "MegatronArch":
+        """From a checkpoint's ``args`` (a Namespace or its dict); ``where`` names the file for errors.
+        ``grouped_gemm``: the format stores grouped-GEMM experts as SequentialMLP's (torch_dist does)."""
         a = args if isinstance(args, dict) else vars(args)
         try:
             heads = a["num_attention_heads"]
@@ -185,7 +186,7 @@ class MegatronArch:
                     )
             fam = family_for(model_type)
             if experts:
-                _check_moe(a, where, fam)
+                _check_moe(a, where, fam, grouped_gemm)
             if bool(experts) != bool(fam.experts):
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
@@ -240,8 +241,12 @@ class MegatronArch:
 
 # megatron-core MoE options whose weights or routing the Mixtral map does not express: refused, never half-read
 _MOE_UNMAPPED = {
-    "moe_grouped_gemm": (False, "grouped-GEMM experts (weight1/weight2 per rank)"),
-    "moe_use_legacy_grouped_gemm": (False, "grouped-GEMM experts"),
+    # torch_dist stores grouped-GEMM experts under SequentialMLP's keys (megatron-core makes them interchangeable);
+    # legacy files hold GroupedMLP's weight1 / weight2 or TEGroupedMLP's linear_fc1.weight<i>, not mapped
+    "moe_grouped_gemm": (False, "grouped-GEMM experts in legacy files (weight1/weight2 or linear_fc1.weight<i>; "
+                                "--ckpt-format torch_dist stores them as SequentialMLP's, which is read)"),
+    "moe_use_legacy_grouped_gemm": (False, "GroupedMLP experts in legacy files (weight1/weight2; --ckpt-format torch_dist "
+                                           "stores them as SequentialMLP's, which is read)"),
     "moe_shared_expert_intermediate_size": (None, "shared experts"),
     "moe_router_score_function": ("softmax", "a router score function other than softmax"),
     "moe_router_pre_softmax": (False, "softmax before the top-k"),
@@ -254,9 +259,11 @@ _MOE_UNMAPPED = {
 }
 
 
-def _check_moe(a: dict[str, Any], where: str, fam: Family) -> None:
-    """What the family's model has it maps (either routing order where its config says which, shared experts)."""
-    mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None, "moe_shared_expert_intermediate_size": fam.shared_experts}
+def _check_moe(a: dict[str, Any], where: str, fam: Family, grouped_gemm: bool = False) -> None:
+    """What the family's model has it maps (either routing order where its config says which, shared experts;
+    grouped-GEMM experts where the format stores them as SequentialMLP's)."""
+    mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None, "moe_shared_expert_intermediate_size": fam.shared_experts,
+              "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": grouped_gemm}
     for arg, (plain, what) in _MOE_UNMAPPED.items():
         value = a.get(arg, plain)
         if arg == "moe_layer_freq" and isinstance(value, (list, tuple)) and set(value) == {1}:

@@ -121,7 +121,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if args is None:
         raise CorruptCheckpointError(common_path, "holds no 'args': the model's shape is unknown")
     args_d = vars(args) if not isinstance(args, dict) else args
-    arch = MegatronArch.from_args(args_d, common_path)
+    arch = MegatronArch.from_args(args_d, common_path, grouped_gemm=True)  # stored as SequentialMLP's
     reader = DCPReader(directory)
     stored = set(reader.tensor_keys())
     all_rules = rules(arch)

@@ -9,16 +9,17 @@
     torchrun --nproc_per_node N tests/mcore_moe_worker.py load-train CKPT OUT
         load CKPT's weights and optimizer, train the same next steps (OUT/losses.json)
 
-MCORE_CKPT=torch: the same on Megatron-LM's legacy per-rank files (--ckpt-format torch): each rank loads its own
-``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (model strictly, the ChainedOptimizer's list, the RNG as Megatron-LM's
+MCORE_GROUPED=1: GroupedMLP experts (--moe-grouped-gemm on the local spec), the grouped_gemm package's CUDA kernel
+done in torch (grouped_gemm_on_cpu). MCORE_CKPT=torch: the same on Megatron-LM's legacy per-rank files
+(--ckpt-format torch): each rank loads its own ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (model strictly, the ChainedOptimizer's list, the RNG as Megatron-LM's
 load_checkpoint restores it) and saves as its save_checkpoint does (every expert-parallel rank its file).
 
 The model is built as Megatron-LM builds it from the checkpoint's arguments (megatron.training is not on PyPI):
-the local spec with SequentialMLP experts (``--num-experts``, no grouped GEMM), experts over MCORE_EP ranks and
+the local spec with SequentialMLP experts (``--num-experts``; GroupedMLP with MCORE_GROUPED), experts over MCORE_EP ranks and
 tensor parallelism over the rest, loaded with ``dist_checkpointing.load`` of its own sharded state dict (strict).
-The optimizer is what megatron-core's ``get_megatron_optimizer`` makes of a MoE model: a ChainedOptimizer of the
-dense parameters' optimizer and the expert parameters' (its ``_get_param_groups`` split on
-``is_expert_parallel``), each megatron-core's FP32Optimizer around torch's AdamW. Saves take Megatron-LM's
+The optimizer is what megatron-core's ``get_megatron_optimizer`` makes of a MoE model: at EP > 1 a ChainedOptimizer
+of the dense parameters' optimizer and the expert parameters' (its ``_get_param_groups`` split on
+``is_expert_parallel``, which only EP > 1 sets), each megatron-core's FP32Optimizer around torch's AdamW. Saves take Megatron-LM's
 arguments of its own run (no ``hf_model_type``). On CPU: the all-gather token dispatcher (the all-to-all one
 opens CUDA streams when built), and megatron-core 0.16.1's router names ``te_general_gemm`` only when
 Transformer Engine imports (set to None here, its own fallback).
@@ -47,25 +48,55 @@ def iteration_dir(directory: str) -> str:
         return os.path.join(directory, f"iter_{int(f.read()):07d}")
 
 
+def grouped_gemm_on_cpu() -> None:
+    """megatron-core's GroupedMLP (--moe-grouped-gemm on the local spec) calls the grouped_gemm package's CUDA
+    kernel ``gmm(a, b, batch_sizes, trans_b)``: each group of rows of ``a`` times its own ``b[i]``. Here that
+    product in torch, which is all the kernel computes; the layout (weight1 / weight2, their views and the
+    sharded_state_dict's transposes) stays megatron-core's own."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    def gmm(a, b, batch_sizes, trans_b=False):
+        pieces = torch.split(a, batch_sizes.tolist())
+        return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(pieces, b)])
+
+    gg.assert_grouped_gemm_is_available = lambda: None
+    gg.ops = SimpleNamespace(gmm=gmm)
+
+
 def build(args, tp: int, ep: int):
     from dataclasses import replace
 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    grouped = os.environ.get("MCORE_GROUPED") == "1"  # GroupedMLP experts (weight1 / weight2), megatron-core's layout
+    if grouped:
+        grouped_gemm_on_cpu()
     config = replace(
         transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)), moe_router_load_balancing_type="none",
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
-        moe_aux_loss_coeff=0.0,
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
     )
-    return GPTModel(
-        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm), vocab_size=args.padded_vocab_size,
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
+    if grouped:  # GroupedMLP's forward asserts bf16 (its kernel's dtype): the experts alone are told so, weights stay fp32
+        import copy
+
+        from megatron.core.transformer.moe.experts import GroupedMLP
+
+        for module in model.modules():
+            if isinstance(module, GroupedMLP):
+                module.config = copy.copy(module.config)
+                module.config.bf16 = True
+    return model
 
 
 def chained_optimizer(model):
@@ -80,7 +111,8 @@ def chained_optimizer(model):
 def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:
     """The arguments of a Megatron-LM run of its own (no Hugging Face model type or config)."""
     own = {k: v for k, v in vars(args).items() if k not in ("hf_model_type", "hf_config")}
-    own.update(expert_model_parallel_size=ep, tensor_model_parallel_size=tp, world_size=tp * ep, iteration=iteration)
+    own.update(expert_model_parallel_size=ep, tensor_model_parallel_size=tp, world_size=tp * ep, iteration=iteration,
+               moe_grouped_gemm=os.environ.get("MCORE_GROUPED") == "1")
     return argparse.Namespace(**own)
 
 
@@ -173,7 +205,7 @@ def main() -> None:
         model.load_state_dict(loaded["model"], strict=True)
         if scenario == "load-train":
             optimizer.load_state_dict(loaded["optimizer"])
-    experts = [n for n, _ in model.named_parameters() if ".local_experts." in n]
+    experts = [n for n, _ in model.named_parameters() if ".mlp.experts." in n]  # SequentialMLP's per expert, GroupedMLP's 2
     with open(os.path.join(directory, f"rank{dist.get_rank()}.json"), "w") as f:  # each rank its own file: prints interleave
         json.dump({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}, f)
     if scenario == "logits":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -210,10 +211,12 @@ def legacy_ep2(legacy):
     return legacy("mixtral")
 
 
-def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch") -> None:
+def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch", grouped: bool = False) -> None:
+    """tests/mcore_moe_worker.py on ``ranks`` gloo processes at EP ``ep``: Megatron-LM's legacy files (torch) or
+    torch_dist, SequentialMLP or (``grouped``) GroupedMLP experts."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(ROOT / "tests" / "mcore_moe_worker.py"), scenario, str(ckpt), *([str(out)] if out else [])]
-    run_workers(cmd, {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt}, timeout=600)
+    run_workers(cmd, {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt, "MCORE_GROUPED": str(int(grouped))}, timeout=600)
 
 
 @pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
@@ -292,8 +295,6 @@ def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_
 def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
     """A missing expert-parallel rank, an expert the layout would duplicate, and experts split over another
     expert tensor-parallel size are each one line naming the file, with nothing written."""
-    import shutil
-
     def refused(src, match: str) -> None:
         done = cli("convert", src, tmp_path / "x", "--to", "universal")
         assert done.returncode == 2 and not (tmp_path / "x").exists(), done.stderr
@@ -315,3 +316,45 @@ def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
         path = broken / "iter_0000000" / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt"
         torch.save({**torch.load(path, weights_only=False), "args": state["args"]}, path)
     refused(broken, r"mp_rank_00_000/model_optim_rng.pt: experts split over expert tensor-parallel size 2, the dense layers over TP 1")
+
+
+# --- grouped-GEMM experts (--moe-grouped-gemm) in torch_dist ------------------------------------------------------
+def test_grouped_gemm_run_resumes_through_universal(mixtral, tmp_path):
+    """megatron-core's GroupedMLP (``--moe-grouped-gemm``: each rank's experts as two tensors, weight1 / weight2,
+    transposed) saves torch_dist under SequentialMLP's keys, by its own sharded_state_dict. A GroupedMLP run's save
+    after a step of training at EP2, moments included, goes through universal and back, and megatron-core's
+    GroupedMLP resumes with the uninterrupted run's losses. (The grouped_gemm package's CUDA kernel is a grouped
+    matmul, done in torch on CPU: tests/mcore_moe_worker.py.)"""
+    _, _, dist = mixtral
+    own, u, back = tmp_path / "own", tmp_path / "u", tmp_path / "back"
+    mcore_moe("train-save", dist, own, fmt="torch_dist", grouped=True)
+    assert load_megatron_file(str(own / "iter_0000001" / COMMON))["args"].moe_grouped_gemm is True
+    assert cli("convert", own, u, "--to", "universal").returncode == 0
+    assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in registry.read(str(u))[1].optimizer.tensors["exp_avg_sq"]
+    assert cli("convert", u, back, "--to", "megatron-dist", "--transformer-impl", "local").returncode == 0
+    mcore_moe("load-train", back, back, fmt="torch_dist", grouped=True)
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_grouped_gemm_loads_our_torch_dist_and_is_interchangeable_with_sequential(mixtral, tmp_path):
+    """megatron-core's GroupedMLP at EP2 loads a Hugging Face Mixtral's torch_dist with transformers' logits; a
+    GroupedMLP run's save read through interop resumes in SequentialMLP experts with the same losses, and the two
+    runs' saves of the same step agree to float rounding (the grouped matmul sums in another order)."""
+    model, _, dist = mixtral
+    grouped = tmp_path / "grouped"
+    shutil.copytree(dist, grouped)
+    ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+    torch.save(ids, grouped / "ids.pt")
+    mcore_moe("logits", grouped, fmt="torch_dist", grouped=True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(grouped / "mcore_logits.pt"), model(input_ids=ids).logits, rtol=0, atol=1e-5)
+    own, seq, back = tmp_path / "own", tmp_path / "seq", tmp_path / "back"
+    mcore_moe("train-save", dist, own, fmt="torch_dist", grouped=True)
+    mcore_moe("train-save", dist, seq, fmt="torch_dist")
+    report = cli("diff", own, seq, "--atol", "1e-5")
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+    assert cli("convert", own, back, "--to", "megatron-dist", "--transformer-impl", "local").returncode == 0
+    mcore_moe("load-train", back, back, fmt="torch_dist")
+    assert json.loads((back / "losses.json").read_text()) == pytest.approx(json.loads((own / "losses.json").read_text()), rel=1e-6)
