@@ -276,6 +276,28 @@ def _expert_at(name: str) -> tuple[int, int] | None:
     return index if len(index) == 2 else None
 
 
+GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")  # GroupedMLP: a rank's experts in two tensors
+TE_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")  # TEGroupedMLP: weight<i> per local expert
+
+
+def _is_expert(name: str) -> bool:
+    return _expert_at(name) is not None or GROUPED.match(name) is not None
+
+
+def _ungroup(name: str, t: torch.Tensor, first: int, per: int, hidden: int, width: dict[str, int], path: str) -> dict[str, torch.Tensor]:
+    """GroupedMLP's ``weight1`` ([hidden, experts x fc1 rows], read as [experts, hidden, fc1 rows]) or ``weight2``
+    ([experts x fc2 columns, hidden]) as each expert's SequentialMLP tensor (its transpose; the same tensor-parallel
+    piece), experts numbered from ``first``. megatron-core's GroupedMLP.forward views them so. ``width``: an
+    expert's fc1 rows and fc2 columns on this tensor-parallel rank."""
+    prefix, which = GROUPED.match(name).groups()
+    expected = (hidden, per * width["1"]) if which == "1" else (per * width["2"], hidden)
+    if tuple(t.shape) != expected:
+        raise CorruptCheckpointError(path, f"{name} has shape {tuple(t.shape)}; GroupedMLP's weight{which} of {per} experts "
+                                     f"is {expected}")
+    experts = t.view(per, hidden, -1) if which == "1" else t.view(per, -1, hidden)
+    return {f"{prefix}local_experts.{first + j}.linear_fc{which}.weight": experts[j].t() for j in range(per)}
+
+
 def _with_expert(name: str, expert: int) -> str:
     """``...local_experts.<e>.x`` with another expert index (an expert-parallel rank numbers its own from 0)."""
     head, _, rest = name.partition(EXPERTS)
@@ -311,6 +333,13 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 if key.startswith(LAYER_PREFIX):
                     name = local_name(key, -offsets[(p, v)])
                 at = _expert_at(name)
+                if GROUPED.match(name):  # expanded into the experts once the optimizer has numbered it
+                    names.append(name)
+                    tensors[name] = value
+                    continue
+                if TE_GROUPED.search(name):
+                    raise ConversionError(f"{path}: {key!r} is Transformer Engine's grouped-GEMM expert (TEGroupedMLP), whose legacy "
+                                          "layout is not read here; save with --ckpt-format torch_dist, which stores it as SequentialMLP's")
                 if at is None and e > 0:
                     continue
                 if at is not None:
@@ -330,6 +359,36 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 tensors[rule.megatron] = value
         out[(t, p, e)] = _RankModel(names, tensors)
     return out
+
+
+def _ungrouped(rank: _RankModel, optim: tuple, ep_rank: int, per: int, hidden: int, width: dict[str, int],
+               path: str) -> tuple[_RankModel, tuple]:
+    """A rank's model and optimizer with GroupedMLP's weight1 / weight2 as each expert's tensors: the weights, every
+    optimizer state of their shape (Adam's moments), the fp32 masters and the param groups' members."""
+    grouped = [n for n in rank.names if GROUPED.match(n)]
+    if not grouped:
+        return rank, optim
+    per_name, groups, master = optim
+    names, tensors, expanded = [], dict(rank.tensors), {}
+    for n in rank.names:
+        if n not in grouped:
+            names.append(n)
+            continue
+        parts = _ungroup(n, tensors.pop(n), ep_rank * per, per, hidden, width, path)
+        expanded[n] = list(parts)
+        names.extend(parts)
+        tensors.update(parts)
+        shape = tuple(rank.tensors[n].shape)
+        for source, into in ((n in master and {"": master.pop(n)}, master), (per_name.pop(n, None), per_name)):
+            if not source:
+                continue
+            split = {k: (_ungroup(n, v, ep_rank * per, per, hidden, width, path) if isinstance(v, torch.Tensor) and tuple(v.shape) == shape else None)
+                     for k, v in source.items()}
+            for m in parts:
+                entry = {k: (split[k][m] if split[k] is not None else v) for k, v in source.items()}
+                into[m] = entry[""] if into is master else entry
+    groups = [{**g, "params": [m for n in g["params"] for m in expanded.get(n, [n])]} for g in groups]
+    return _RankModel(names, tensors), (per_name, groups, master)
 
 
 def _check_experts(arch: MegatronArch, files: LegacyFiles, args: dict[str, Any], where: str) -> None:
@@ -404,8 +463,8 @@ def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple
         return {}, [], {}
     if not isinstance(opt, (list, tuple)):
         return _one_optimizer(opt, rank, path)
-    experts = [n for n in rank.names if _expert_at(n) is not None]
-    dense = [n for n in rank.names if _expert_at(n) is None]
+    experts = [n for n in rank.names if _is_expert(n)]
+    dense = [n for n in rank.names if not _is_expert(n)]
     if len(opt) != 2 or not experts:
         raise CorruptCheckpointError(path, f"optimizer chains {len(opt)} optimizers; megatron-core chains a MoE model's "
                                      "dense and expert optimizers (2), and a dense model's none")
@@ -529,7 +588,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if args is not None:
         args_d = vars(args) if not isinstance(args, dict) else args
         files = locate(path, args_d)  # now also checks the grid the arguments describe
-        arch = MegatronArch.from_args(args_d, first)
+        arch = MegatronArch.from_args(args_d, first, grouped_gemm=True)  # GroupedMLP's weight1 / weight2 are read
     elif config is not None:  # saved without args (a conversion script's output): the shape from --config
         files = locate(path)
         arch = MegatronArch.from_hf(config)
@@ -551,6 +610,11 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         else _rank_optimizer(states3[key], ranks3[key], files.all_paths[key])
         for key in ranks3
     }
+    if arch.experts:
+        for key in ranks3:
+            width = {"1": arch.ffn * (2 if arch.gated else 1) // files.tp, "2": arch.ffn // files.tp}
+            ranks3[key], optim3[key] = _ungrouped(ranks3[key], optim3[key], key[2], arch.experts // files.ep, arch.hidden,
+                                                  width, files.all_paths[key])
     ranks, optim = _merge_expert_ranks(files, ranks3, optim3)
     padded = int(args_d.get("padded_vocab_size") or padded_vocab(arch.vocab, files.tp))
     _check_vocab(files, ranks, padded)
@@ -776,6 +840,9 @@ def write_megatron(
         raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
                               "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
                               "layout, which Megatron-LM loads into either)")
+    if arch.experts:
+        ckpt.notes.append("experts written as SequentialMLP's (local_experts.<j>); a --moe-grouped-gemm run's legacy load "
+                          "expects GroupedMLP's weight1/weight2: convert --to megatron-dist for it (torch_dist loads into either)")
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
     stages = stage_rules(all_rules, arch, pp)

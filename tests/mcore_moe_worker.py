@@ -12,7 +12,8 @@
 MCORE_GROUPED=1: GroupedMLP experts (--moe-grouped-gemm on the local spec), the grouped_gemm package's CUDA kernel
 done in torch (grouped_gemm_on_cpu). MCORE_CKPT=torch: the same on Megatron-LM's legacy per-rank files
 (--ckpt-format torch): each rank loads its own ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (model strictly, the ChainedOptimizer's list, the RNG as Megatron-LM's
-load_checkpoint restores it) and saves as its save_checkpoint does (every expert-parallel rank its file).
+load_checkpoint restores it) and saves as its save_checkpoint does (every expert-parallel rank its file);
+MCORE_SAVE=torch|torch_dist saves in another format than it loads; both: legacy files to SAVE, torch_dist to SAVE_dist.
 
 The model is built as Megatron-LM builds it from the checkpoint's arguments (megatron.training is not on PyPI):
 the local spec with SequentialMLP experts (``--num-experts``; GroupedMLP with MCORE_GROUPED), experts over MCORE_EP ranks and
@@ -175,6 +176,7 @@ def main() -> None:
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     source = iteration_dir(directory)
     legacy = os.environ.get("MCORE_CKPT") == "torch"
+    save_as = os.environ.get("MCORE_SAVE", os.environ.get("MCORE_CKPT", "torch_dist"))  # torch, torch_dist or both
     if legacy:
         from converters.megatron import load_megatron_file
         from tests.mcore_worker import megatron_lm_restore_rng
@@ -224,10 +226,10 @@ def main() -> None:
         losses = []
         if scenario == "train-save":
             train_step(model, optimizer, 0)
-            if legacy:
+            if save_as in ("torch", "both"):
                 save_legacy(model, optimizer, own_args(args, tp, ep, 1), out, 1, tp, ep)
-            else:
-                save(model, optimizer, own_args(args, tp, ep, 1), out, 1)
+            if save_as in ("torch_dist", "both"):
+                save(model, optimizer, own_args(args, tp, ep, 1), out + ("_dist" if save_as == "both" else ""), 1)
         losses += [train_step(model, optimizer, step) for step in range(1, STEPS)]
         if dist.get_rank() == 0:
             with open(os.path.join(out, "losses.json"), "w") as f:

@@ -211,12 +211,15 @@ def legacy_ep2(legacy):
     return legacy("mixtral")
 
 
-def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch", grouped: bool = False) -> None:
+def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch", grouped: bool = False,
+              save: str | None = None) -> None:
     """tests/mcore_moe_worker.py on ``ranks`` gloo processes at EP ``ep``: Megatron-LM's legacy files (torch) or
-    torch_dist, SequentialMLP or (``grouped``) GroupedMLP experts."""
+    torch_dist, SequentialMLP or (``grouped``) GroupedMLP experts; ``save``: the format it saves in (torch,
+    torch_dist or both), default the one it loads."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(ROOT / "tests" / "mcore_moe_worker.py"), scenario, str(ckpt), *([str(out)] if out else [])]
-    run_workers(cmd, {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt, "MCORE_GROUPED": str(int(grouped))}, timeout=600)
+    env = {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt, "MCORE_GROUPED": str(int(grouped)), "MCORE_SAVE": save or fmt}
+    run_workers(cmd, env, timeout=600)
 
 
 @pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
@@ -265,8 +268,7 @@ def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_
     """megatron-core trains a step at EP2 and saves as Megatron-LM does with --ckpt-format torch (each EP rank its
     file, the ChainedOptimizer's list); interop reads every expert and its Adam moments, through universal and back
     to legacy files at EP2 every tensor is the same, and megatron-core resumes model and optimizer with the
-    uninterrupted run's losses. At EP1 megatron-core has one optimizer over every parameter: written so, it loads
-    model and optimizer strictly, and its first loss is the uninterrupted run's."""
+    uninterrupted run's losses."""
     own, u = tmp_path / "own", tmp_path / "u"
     mcore_moe("train-save", legacy_ep2, own)
     assert cli("convert", own, u, "--to", "universal").returncode == 0
@@ -283,6 +285,17 @@ def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_
     expected = json.loads((own / "losses.json").read_text())
     assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
 
+
+@pytest.mark.slow
+def test_megatron_core_loads_a_moe_run_at_ep1_from_legacy_files(legacy_ep2, tmp_path):
+    """At EP1 megatron-core marks no parameter expert-parallel and keeps one optimizer over every parameter: a
+    legacy EP2 run's state written for EP1 so loads strictly (model and optimizer), with every tensor the run's,
+    and its first loss is the uninterrupted run's."""
+    own, u = tmp_path / "own", tmp_path / "u"
+    mcore_moe("train-save", legacy_ep2, own)
+    assert cli("convert", own, u, "--to", "universal").returncode == 0
+    expected = json.loads((own / "losses.json").read_text())
+    n = 2 * (41 + 41)  # model and both moments of every tensor
     one = tmp_path / "ep1"
     assert cli("convert", u, one, "--to", "megatron", "--ep-size", "1", "--transformer-impl", "local").returncode == 0
     assert [p.name for p in (one / "iter_0000001").iterdir() if p.is_dir()] == ["mp_rank_00"]
@@ -293,8 +306,8 @@ def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_
 
 
 def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
-    """A missing expert-parallel rank, an expert the layout would duplicate, and experts split over another
-    expert tensor-parallel size are each one line naming the file, with nothing written."""
+    """A missing expert-parallel rank, an expert the layout would duplicate, experts split over another expert
+    tensor-parallel size and Transformer Engine's grouped experts are each one line naming the file, nothing written."""
     def refused(src, match: str) -> None:
         done = cli("convert", src, tmp_path / "x", "--to", "universal")
         assert done.returncode == 2 and not (tmp_path / "x").exists(), done.stderr
@@ -316,9 +329,19 @@ def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
         path = broken / "iter_0000000" / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt"
         torch.save({**torch.load(path, weights_only=False), "args": state["args"]}, path)
     refused(broken, r"mp_rank_00_000/model_optim_rng.pt: experts split over expert tensor-parallel size 2, the dense layers over TP 1")
+    # Transformer Engine's grouped experts (TEGroupedMLP: linear_fc1.weight<i> per local expert) in legacy files
+    state["args"].expert_tensor_parallel_size = None
+    torch.save(state, rank1)
+    rank0 = broken / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt"
+    first = torch.load(rank0, weights_only=False)
+    te = {k.replace("experts.local_experts.0.linear_fc1.weight", "experts.linear_fc1.weight0"): v for k, v in first["model"].items()}
+    torch.save({**first, "args": state["args"], "model": te}, rank0)
+    refused(broken, r"mp_rank_00_000/model_optim_rng.pt: 'decoder.layers.0.mlp.experts.linear_fc1.weight0' is Transformer "
+            r"Engine's grouped-GEMM expert \(TEGroupedMLP\), whose legacy layout is not read here")
 
 
-# --- grouped-GEMM experts (--moe-grouped-gemm) in torch_dist ------------------------------------------------------
+# --- grouped-GEMM experts (--moe-grouped-gemm) ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_grouped_gemm_run_resumes_through_universal(mixtral, tmp_path):
     """megatron-core's GroupedMLP (``--moe-grouped-gemm``: each rank's experts as two tensors, weight1 / weight2,
     transposed) saves torch_dist under SequentialMLP's keys, by its own sharded_state_dict. A GroupedMLP run's save
@@ -358,3 +381,25 @@ def test_grouped_gemm_loads_our_torch_dist_and_is_interchangeable_with_sequentia
     assert cli("convert", own, back, "--to", "megatron-dist", "--transformer-impl", "local").returncode == 0
     mcore_moe("load-train", back, back, fmt="torch_dist")
     assert json.loads((back / "losses.json").read_text()) == pytest.approx(json.loads((own / "losses.json").read_text()), rel=1e-6)
+
+
+def test_grouped_gemm_legacy_files_are_read(mixtral, tmp_path):
+    """A GroupedMLP run's legacy files: each EP rank's experts as two tensors, weight1 ([hidden, experts x 2 ffn]) and
+    weight2, and their Adam moments, numbered as two parameters per layer. megatron-core trains a step at EP2 and
+    saves both its legacy files and torch_dist (which it lays out per expert itself): read, the two are equal tensor
+    for tensor, moments included. Written back as legacy files (SequentialMLP experts, with a note for grouped-GEMM
+    runs), megatron-core resumes them with the grouped run's losses."""
+    _, _, dist = mixtral
+    own = tmp_path / "own"
+    mcore_moe("train-save", dist, own, fmt="torch_dist", grouped=True, save="both")
+    state = load_megatron_file(str(own / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"))
+    assert state["model"]["decoder.layers.0.mlp.experts.weight1"].shape == (36, 2 * 2 * 52)  # 2 experts x [w1; w3]
+    report = cli("diff", own, str(own) + "_dist")
+    n = 2 * (41 + 41)  # model and both moments of every tensor
+    assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+    back = tmp_path / "back"
+    done = cli("convert", own, back, "--to", "megatron", "--transformer-impl", "local")
+    assert done.returncode == 0 and "note: experts written as SequentialMLP's (local_experts.<j>)" in done.stdout + done.stderr, done.stderr
+    mcore_moe("load-train", back, back)
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
