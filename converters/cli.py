@@ -18,7 +18,7 @@ import os
 from interop import __version__
 from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
-from interop.errors import ConversionError, InteropError, UnknownFormatError, one_line
+from interop.errors import ConfigurationError, ConversionError, InteropError, UnknownFormatError, one_line
 from interop.locking import exclusive
 from interop.logs import quiet_libraries
 from interop.usage import OneLineParser
@@ -30,6 +30,7 @@ from interop.universal import parse_size
 from . import registry
 from .diff import diff_checkpoints, expert_differences
 from . import deepspeed_moe
+from .models import adapters as adapter_models
 from .models import experts
 
 log = logging.getLogger("interop.cli")
@@ -65,7 +66,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -110,6 +111,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"experts:   {moe}")
         for problem in experts.problems(ckpt):
             print(f"  ! {problem}")
+    if adapter_models.has_adapters(ckpt):
+        try:
+            print(f"adapters:  {adapter_models.recognise(ckpt, args.path, getattr(args, 'adapter_config', None)).summary()}")
+        except (ConfigurationError, ConversionError) as exc:
+            print(f"adapters:  peft adapters, not described: {exc}")
     if ckpt.frozen:
         print(f"frozen:    {len(ckpt.frozen)} tensors")
     if ckpt.optimizer is not None:
@@ -215,6 +221,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
     with _parents_of(args.dst), exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time
         src_fmt, ckpt = registry.read(args.src, options)
+        ckpt = _adapters_for(ckpt, args, target, options)
         missing = registry.missing_config(ckpt, target)
         if missing:
             ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
@@ -236,6 +243,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     for note in notes + ([lost] if lost and lost not in notes else []):
         print(f"note: {note}")
     return 0
+
+
+def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: registry.Format, options: registry.Options) -> LogicalCheckpoint:
+    """A source with peft adapters goes to peft's adapter directory, or merged into the base model (--merge-adapters),
+    or as it is to a target that keeps peft's model whole; a Hugging Face model directory cannot hold the adapters
+    apart (from_pretrained would initialise every adapted weight at random), so --to hf alone is refused."""
+    adapters = adapter_models.recognise(ckpt, args.src, args.adapter_config) if adapter_models.has_adapters(ckpt) else None
+    if adapters is None:
+        if target.name == "peft" or args.merge_adapters:
+            raise ConfigurationError(f"{'--to peft' if target.name == 'peft' else '--merge-adapters'}: {args.src} holds no peft adapters")
+        return ckpt
+    options.extra["adapters"] = adapters
+    if args.merge_adapters:
+        return adapter_models.merged(ckpt, adapters)
+    if target.name in ("hf", "hf-trainer"):
+        raise ConfigurationError(
+            f"{args.src} holds peft adapters ({adapters.summary()}): --to {target.name} would write peft's module names "
+            "that from_pretrained does not load; use --to peft (the adapter directory PeftModel.from_pretrained loads) "
+            f"or --to {target.name} --merge-adapters (the base model with the adapters merged in)")
+    return ckpt
 
 
 # --- diff ----------------------------------------------------------------------------------------------
@@ -327,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, help="rows of the tensor table to print (0: all; default 50)")
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
     p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
+    p.add_argument("--adapter-config", metavar="PATH", help="peft's adapter_config.json (or its directory), for adapters without one beside them")
 
     p = add("verify", cmd_verify, "check a committed checkpoint: every file present, sizes and digests match")
     p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
@@ -365,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "fully_reshardable (default; loads at any DP x TP x PP) or dp_reshardable (Megatron-LM's default "
                         "without --dist-ckpt-optim-fully-reshardable: flat buckets, loads at this --tp x --pp and any DP; "
                         "needs --transformer-impl local)")
+    g = p.add_argument_group("peft adapters (a source saved from a peft model)")
+    g.add_argument("--adapter-config", metavar="PATH", help="peft's adapter_config.json (or its directory), when none lies "
+                   "beside the checkpoint")
+    g.add_argument("--merge-adapters", action="store_true", help="merge the adapters into the base model (peft's "
+                   "merge_and_unload) and write the base model")
+    g = p.add_argument_group("Megatron")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
 

@@ -50,12 +50,18 @@ def read_config_file(cfg_path: str) -> dict[str, Any]:
 
 def config_near(start: str, root: str) -> dict[str, Any] | None:
     """The model's ``config.json`` kept beside an engine checkpoint (HF Trainer and accelerate users keep it
-    in the directory above the engine's): in ``start`` or a directory above it, up to ``root``, the directory
-    the user named, never above it."""
+    in the directory above the engine's)."""
+    found = file_near(start, root, CONFIG)
+    return read_config(os.path.dirname(found)) if found else None
+
+
+def file_near(start: str, root: str, name: str) -> str | None:
+    """The file ``name`` in ``start`` or a directory above it, up to ``root``, the directory the user named,
+    never above it."""
     current, top = os.path.realpath(start), os.path.realpath(root)
     while True:
-        if os.path.isfile(os.path.join(current, CONFIG)):
-            return read_config(current)
+        if os.path.isfile(os.path.join(current, name)):
+            return os.path.join(current, name)
         if current == top or not current.startswith(top.rstrip(os.sep) + os.sep):
             return None
         current = os.path.dirname(current)

@@ -332,6 +332,26 @@ register(
         takes_dtype=True,
     )
 )
+def _write_peft(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+    from .models import adapters
+
+    found = o.extra.get("adapters")
+    if found is None:
+        raise ConfigurationError("--to peft: the source holds no peft adapters")
+    adapters.write_peft(ckpt, found, dst, o.overwrite)
+
+
+register(
+    Format(
+        "peft",
+        "peft adapter directory (adapter_config.json, adapter_model.safetensors): a LoRA run's adapters, exported",
+        lambda p: False,  # written only: a base model and an adapter directory are read as the base model's (not yet)
+        None,
+        _write_peft,
+        keeps=frozenset(),
+        loads_with="PeftModel.from_pretrained(<the base model>, '{dst}')",
+    )
+)
 register(  # before "hf": a Trainer checkpoint directory is also a model directory
     Format(
         "hf-trainer",

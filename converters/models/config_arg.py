@@ -46,7 +46,13 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) -> None:
-    """Give ``ckpt`` the config ``--config`` named, after checking it describes the checkpoint's model."""
+    """Give ``ckpt`` the config ``--config`` named, after checking it describes the checkpoint's model (a peft
+    model's checkpoint is checked against peft's model of it when its adapters are used: adapters.recognise)."""
+    from .adapters import has_adapters
+
+    if has_adapters(ckpt):
+        ckpt.config = dict(config)
+        return
     try:
         expected = expected_shapes(config)
     except Exception as exc:  # noqa: BLE001 - transformers refuses configs it cannot build; say which

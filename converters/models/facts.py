@@ -49,7 +49,15 @@ def _key(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, default=str)
 
 
-def _build(config: dict[str, Any]) -> torch.nn.Module:
+def fresh_model(config: dict[str, Any]) -> torch.nn.Module:
+    """A new model of ``config`` on the current default device (not the shared meta model: the caller may change it,
+    as peft's get_peft_model does)."""
+    return _build(config, device=None)
+
+
+def _build(config: dict[str, Any], device: str | None = "meta") -> torch.nn.Module:
+    import contextlib
+
     import transformers
 
     model_type = config.get("model_type")
@@ -63,7 +71,7 @@ def _build(config: dict[str, Any]) -> torch.nn.Module:
     errors = []
     for cls in candidates:
         try:
-            with torch.device("meta"):
+            with torch.device(device) if device else contextlib.nullcontext():
                 return cls.from_config(cfg) if cls.__name__.startswith("Auto") else cls._from_config(cfg)
         except Exception as exc:  # noqa: BLE001 - the next head may fit
             errors.append(f"{cls.__name__}: {_first(exc)}")
