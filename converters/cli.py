@@ -114,8 +114,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if adapter_models.has_adapters(ckpt):
         try:
             print(f"adapters:  {adapter_models.recognise(ckpt, args.path, getattr(args, 'adapter_config', None)).summary()}")
-        except (ConfigurationError, ConversionError) as exc:
-            print(f"adapters:  peft adapters, not described: {exc}")
+        except InteropError as exc:
+            print(f"adapters:  peft adapters, not described: {one_line(exc)}")
     if ckpt.frozen:
         print(f"frozen:    {len(ckpt.frozen)} tensors")
     if ckpt.optimizer is not None:
@@ -255,6 +255,9 @@ def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: reg
             raise ConfigurationError(f"{'--to peft' if target.name == 'peft' else '--merge-adapters'}: {args.src} holds no peft adapters")
         return ckpt
     options.extra["adapters"] = adapters
+    if args.merge_adapters and target.name == "peft":
+        raise ConfigurationError("--merge-adapters writes the base model with the adapters merged in; --to peft writes the "
+                                 "adapters apart: choose one")
     if args.merge_adapters:
         return adapter_models.merged(ckpt, adapters)
     if target.name in ("hf", "hf-trainer"):

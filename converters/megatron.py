@@ -291,7 +291,7 @@ def _ungroup(name: str, t: torch.Tensor, first: int, per: int, hidden: int, widt
     expert's fc1 rows and fc2 columns on this tensor-parallel rank."""
     prefix, which = GROUPED.match(name).groups()
     expected = (hidden, per * width["1"]) if which == "1" else (per * width["2"], hidden)
-    if tuple(t.shape) != expected:
+    if tuple(t.shape) != expected or not t.is_contiguous():
         raise CorruptCheckpointError(path, f"{name} has shape {tuple(t.shape)}; GroupedMLP's weight{which} of {per} experts "
                                      f"is {expected}")
     experts = t.view(per, hidden, -1) if which == "1" else t.view(per, -1, hidden)
@@ -343,7 +343,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 if at is None and e > 0:
                     continue
                 if at is not None:
-                    if at[1] >= per:
+                    if not 0 <= at[1] < per:
                         raise CorruptCheckpointError(path, f"layer {at[0]} holds local expert {at[1]}, but {experts} experts "
                                                      f"over {files.ep} expert-parallel ranks give each {per}: an expert would "
                                                      "be duplicated or dropped")
@@ -355,6 +355,8 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     raise ConversionError(
                         f"{path}: tensor {key!r} has no Hugging Face name (Megatron-LM from before megatron-core?)"
                     )
+                if rule.megatron in tensors:
+                    raise CorruptCheckpointError(path, f"holds {rule.megatron} twice (as {key!r} too)")
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
         out[(t, p, e)] = _RankModel(names, tensors)
@@ -416,6 +418,12 @@ def _merge_expert_ranks(files: LegacyFiles, ranks3: dict, optim3: dict) -> tuple
             ranks[(t, p)] = _RankModel(list(rm.names), dict(rm.tensors))
             optim[(t, p)] = (dict(per_name), [{**g, "params": list(g["params"])} for g in groups], dict(master))
             continue
+        twice = set(rm.names) & set(ranks[(t, p)].tensors)
+        if twice:
+            raise CorruptCheckpointError(files.all_paths[(t, p, e)], f"holds {sorted(twice)[0]}, which another expert rank holds")
+        if bool(per_name) != bool(optim[(t, p)][0]):
+            raise CorruptCheckpointError(files.all_paths[(t, p, e)], "has optimizer state where expert rank 0's file has none, "
+                                         "or none where it has")
         ranks[(t, p)].names.extend(rm.names)
         ranks[(t, p)].tensors.update(rm.tensors)
         into = optim[(t, p)]

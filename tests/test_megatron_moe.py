@@ -324,6 +324,11 @@ def test_broken_legacy_moe_files_are_refused(legacy_ep2, tmp_path):
     torch.save({**state, "model": moved}, rank1)
     refused(broken, r"mp_rank_00_001/model_optim_rng.pt: layer 0 holds local expert 2, but 4 experts over 2 expert-parallel "
             r"ranks give each 2: an expert would be duplicated or dropped")
+    for index in ("-1", "01"):  # another rank's expert by a negative index; expert 1 twice, spelled two ways
+        planted = {k.replace("local_experts.1.", f"local_experts.{index}."): v for k, v in state["model"].items()}
+        torch.save({**state, "model": {**state["model"], **planted}}, rank1)
+        refused(broken, r"mp_rank_00_001/model_optim_rng.pt: " + ("layer 0 holds local expert -1" if index == "-1" else
+                                                                   r"holds decoder.layers.0.mlp.experts.local_experts.3.\S+ twice"))
     state["args"].expert_tensor_parallel_size = 2
     for e in range(2):
         path = broken / "iter_0000000" / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt"

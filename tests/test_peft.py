@@ -145,3 +145,57 @@ def test_what_cannot_be_done_is_refused_in_one_line(lora_runs, cli, tmp_path):
 
     done = cli("convert", root / "base", tmp_path / "z", "--to", "peft")
     assert done.returncode == 2 and "--to peft: " in done.stderr and "holds no peft adapters" in done.stderr
+
+
+def test_a_tied_head_is_one_tensor_to_peft_too(tmp_path):
+    """A base model with a tied head (Llama with tie_word_embeddings): engines save the embedding once, so peft's
+    model's lm_head is the embedding the checkpoint holds; recognised, and merged exactly as peft merges it."""
+    from converters.models import adapters
+    from interop.logical import LogicalCheckpoint
+    from interop.tensors import LazyTensor
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "run")  # the adapter config beside the engine's files
+    held = {k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items() if k != "base_model.model.lm_head.weight"}
+    ckpt = LogicalCheckpoint(model=held)
+    found = adapters.recognise(ckpt, str(tmp_path / "run"), None)
+    assert found.summary() == "LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors"
+    merged = adapters.merged(ckpt, found)
+    theirs = model.merge_and_unload().state_dict()
+    assert {k: bool(torch.equal(merged.model[k].load(), t)) for k, t in theirs.items()} == {k: True for k in theirs}
+
+
+def test_embedding_adapters_and_modules_to_save_are_exported_as_peft_saves_them(tmp_path):
+    """LoRA on the embedding (lora_embedding_A/B, parameters without a trailing '.weight') and a fully trained head
+    (modules_to_save): the exported adapter state is peft's own get_peft_model_state_dict of the model, key for key,
+    and PeftModel.from_pretrained of the written directory gives the model's logits."""
+    from peft.utils import get_peft_model_state_dict
+
+    from converters.models import adapters
+    from interop.logical import LogicalCheckpoint
+    from interop.tensors import LazyTensor
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"], init_lora_weights=False))
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the trained head differs from the base's
+    model.save_pretrained(tmp_path / "run")
+    ckpt = LogicalCheckpoint(model={k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items()})
+    found = adapters.recognise(ckpt, str(tmp_path / "run"), None)
+    ours, theirs = adapters.adapter_state(ckpt, found), get_peft_model_state_dict(model)
+    assert sorted(ours) == sorted(theirs) and any("lora_embedding_A" in k for k in ours) and any("lm_head" in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    adapters.write_peft(ckpt, found, str(tmp_path / "out"), overwrite=False)
+    ids = (torch.arange(18).reshape(2, 9) * 7) % 96
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=0)

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # peft's tuner layers hold the base weight as base_layer and the adapter's as lora_* (LoRA, DoRA's magnitude)
-_MARKS = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
-_ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)\.")
+_MARKS = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
+_ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
 
 
 @dataclass
@@ -59,7 +59,8 @@ def has_adapters(ckpt: LogicalCheckpoint) -> bool:
 
 def find_config(src: str, explicit: str | None) -> dict[str, Any] | None:
     """The adapter config: ``--adapter-config`` (the file or its directory), else peft's ``adapter_config.json``
-    in the checkpoint's directory or one above it (HF Trainer's checkpoint-N keeps it beside global_stepN)."""
+    in the directory named (HF Trainer's checkpoint-N keeps it beside global_stepN, a DeepSpeed user's
+    ``model.save_pretrained(out)`` beside ``latest``)."""
     from ..hf import file_near
 
     if explicit:
@@ -107,13 +108,17 @@ def peft_config(config: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in config.items() if k in known})
 
 
-def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str) -> torch.nn.Module:
+def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str, adapter: str = "default") -> torch.nn.Module:
     """``get_peft_model`` of the base model built from its config: on the meta device for names, on the CPU to merge."""
     from peft import get_peft_model
 
     with torch.device(device):
         base = facts.fresh_model(base_config)
-    return get_peft_model(base, peft_config(config), autocast_adapter_dtype=False)
+    try:
+        return get_peft_model(base, peft_config(config), adapter_name=adapter, autocast_adapter_dtype=False)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # peft's own refusals (targets the model lacks, ...)
+        raise ConfigurationError(f"peft cannot apply this adapter config to the {base_config.get('model_type')} base model: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def recognise(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) -> Adapters | None:
@@ -127,10 +132,14 @@ def recognise(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) ->
             f"{ADAPTER_CONFIG} lies beside it: pass peft's adapter config with --adapter-config (rank, alpha and target "
             "modules are not guessed)")
     base_config = _base_config(ckpt, config)
-    model = _peft_model(base_config, config, "meta")
+    names = [n for n in ckpt.model if _ADAPTER.search(n)]
+    adapter = {_ADAPTER.search(n).group(2) for n in names}
+    if len(adapter) != 1:
+        raise ConversionError(f"{src}: {len(adapter)} adapters ({sorted(adapter)}); one adapter at a time is exported")
+    adapter_name = adapter.pop()
+    model = _peft_model(base_config, config, "meta", adapter_name)
     expected = dict(model.state_dict(keep_vars=True))
-    held = set(ckpt.model) | {t for t, _ in ckpt.tied}
-    missing = [n for n in expected if n not in held and not _is_tied(n, ckpt)]
+    missing = [n for n in expected if n not in ckpt.model and not _tied_to_held(n, expected, ckpt)]
     extra = sorted(set(ckpt.model) - set(expected))
     if missing or extra:
         first = f"lacks {missing[0]!r} ({len(missing)} in all)" if missing else f"holds {extra[0]!r}, which it has no place for"
@@ -140,33 +149,40 @@ def recognise(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) ->
         if name in ckpt.model and tuple(ckpt.model[name].spec.shape) != tuple(param.shape):
             raise ConversionError(f"{src}: {name} is {list(ckpt.model[name].spec.shape)}; peft's model with this adapter "
                                   f"config has {list(param.shape)} (another rank or base model)")
-    names = [n for n in ckpt.model if _ADAPTER.search(n)]
-    adapter = {_ADAPTER.search(n).group(2) for n in names}
-    if len(adapter) != 1:
-        raise ConversionError(f"{src}: {len(adapter)} adapters ({sorted(adapter)}); one adapter at a time is exported")
-    return Adapters(config, base_config, adapter.pop(), names)
+    return Adapters(config, base_config, adapter_name, names)
 
 
-def _is_tied(name: str, ckpt: LogicalCheckpoint) -> bool:
-    return any(name.endswith(t) or t.endswith(name) for group in ckpt.tied for t in group)
+def _tied_to_held(name: str, expected: dict[str, torch.Tensor], ckpt: LogicalCheckpoint) -> bool:
+    """A tied parameter (the model's one tensor under two names: a tied head) whose other name the checkpoint holds."""
+    return any(other is expected[name] and other_name in ckpt.model for other_name, other in expected.items())
 
 
 def adapter_state(ckpt: LogicalCheckpoint, adapters: Adapters) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under the names peft's save_pretrained gives them (peft's get_peft_model_state_dict)."""
+    """What peft's save_pretrained writes, under its names (peft's get_peft_model_state_dict): the adapters, and
+    what else peft saves with them (modules_to_save, embedding layers). Asked with placeholders first, so only the
+    tensors peft picks are read."""
     from peft.utils import get_peft_model_state_dict
 
-    model = _peft_model(adapters.base_config, adapters.config, "meta")
-    state = {n: ckpt.model[n].load() for n in adapters.tensors}
-    return get_peft_model_state_dict(model, state_dict=state, adapter_name=adapters.adapter)
+    model = _peft_model(adapters.base_config, adapters.config, "meta", adapters.adapter)
+    probe = {n: torch.empty(0, device="meta") for n in ckpt.model}
+    picked = get_peft_model_state_dict(model, state_dict=probe, adapter_name=adapters.adapter)
+    source = {id(t): n for n, t in probe.items()}
+    out = {}
+    for key, t in picked.items():
+        if id(t) not in source:
+            raise ConversionError(f"peft's adapter state holds {key!r}, which is none of the checkpoint's tensors; not exported")
+        out[key] = ckpt.model[source[id(t)]].load()
+    return out
 
 
 def merged(ckpt: LogicalCheckpoint, adapters: Adapters) -> LogicalCheckpoint:
     """The base model with the adapters merged in, by peft's own merge_and_unload, as a checkpoint of the base
     model (module names; frozen base and adapters become one set of weights, no optimizer state)."""
-    model = _peft_model(adapters.base_config, adapters.config, "cpu")
+    model = _peft_model(adapters.base_config, adapters.config, "cpu", adapters.adapter)
     state = {n: t.load() for n, t in ckpt.model.items()}
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not _is_tied(k, ckpt)]
+    expected = dict(model.state_dict(keep_vars=True))
+    missing = [k for k in result.missing_keys if not _tied_to_held(k, expected, ckpt)]
     if missing or result.unexpected_keys:
         raise ConversionError(f"peft's model does not take the checkpoint: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
     base = model.merge_and_unload()
