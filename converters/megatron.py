@@ -376,19 +376,21 @@ def _ungrouped(rank: _RankModel, optim: tuple, ep_rank: int, per: int, hidden: i
         if n not in grouped:
             names.append(n)
             continue
-        parts = _ungroup(n, tensors.pop(n), ep_rank * per, per, hidden, width, path)
+        def split(t: torch.Tensor, n: str = n) -> dict[str, torch.Tensor]:
+            return _ungroup(n, t, ep_rank * per, per, hidden, width, path)
+
+        parts = split(tensors.pop(n))
         expanded[n] = list(parts)
         names.extend(parts)
         tensors.update(parts)
-        shape = tuple(rank.tensors[n].shape)
-        for source, into in ((n in master and {"": master.pop(n)}, master), (per_name.pop(n, None), per_name)):
-            if not source:
-                continue
-            split = {k: (_ungroup(n, v, ep_rank * per, per, hidden, width, path) if isinstance(v, torch.Tensor) and tuple(v.shape) == shape else None)
-                     for k, v in source.items()}
+        if n in master:
+            master.update(split(master.pop(n)))
+        entries = per_name.pop(n, None)
+        if entries:  # Adam's moments are split like the weight; the step is every expert's
+            shape = tuple(rank.tensors[n].shape)
+            pieces = {k: split(v) for k, v in entries.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == shape}
             for m in parts:
-                entry = {k: (split[k][m] if split[k] is not None else v) for k, v in source.items()}
-                into[m] = entry[""] if into is master else entry
+                per_name[m] = {k: pieces[k][m] if k in pieces else v for k, v in entries.items()}
     groups = [{**g, "params": [m for n in g["params"] for m in expanded.get(n, [n])]} for g in groups]
     return _RankModel(names, tensors), (per_name, groups, master)
 
