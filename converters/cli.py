@@ -66,7 +66,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters", "adapter_config")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -111,11 +111,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"experts:   {moe}")
         for problem in experts.problems(ckpt):
             print(f"  ! {problem}")
-    if adapter_models.has_adapters(ckpt):
-        try:
-            print(f"adapters:  {adapter_models.recognise(ckpt, args.path, getattr(args, 'adapter_config', None)).summary()}")
-        except InteropError as exc:
-            print(f"adapters:  peft adapters, not described: {one_line(exc)}")
+    if ckpt.adapter is not None:
+        print(f"adapters:  {adapter_models.summary(ckpt.adapter)}")
     if ckpt.frozen:
         print(f"frozen:    {len(ckpt.frozen)} tensors")
     if ckpt.optimizer is not None:
@@ -221,7 +218,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
     with _parents_of(args.dst), exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time
         src_fmt, ckpt = registry.read(args.src, options)
-        ckpt = _adapters_for(ckpt, args, target, options)
+        if args.adapter:
+            ckpt = adapter_models.with_adapter_dir(ckpt, args.adapter, args.src)
+        ckpt = _adapters_for(ckpt, args, target)
         missing = registry.missing_config(ckpt, target)
         if missing:
             ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
@@ -236,6 +235,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"{files} file(s) (the source's tensors: {human_bytes(total)})")
     if target.loads_with:
         print(f"load it with: {target.loads_with.replace('{dst}', args.dst)}")
+    if ckpt.adapter is not None and target.name == "universal":
+        print(f"its adapters: peft.PeftModel.from_pretrained(<the model>, '{os.path.join(args.dst, 'adapter')}')")
     directory = resolve_checkpoint_dir(args.dst)  # an engine's tag file may lead to the folder with our manifest
     written = os.path.join(directory, MANIFEST)  # what was lost on the way is recorded there too (reader's and writer's)
     notes = read_manifest(directory).notes if os.path.isfile(written) else list(ckpt.notes)
@@ -245,26 +246,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: registry.Format, options: registry.Options) -> LogicalCheckpoint:
+def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: registry.Format) -> LogicalCheckpoint:
     """A source with peft adapters goes to peft's adapter directory, or merged into the base model (--merge-adapters),
-    or as it is to a target that keeps peft's model whole; a Hugging Face model directory cannot hold the adapters
-    apart (from_pretrained would initialise every adapted weight at random), so --to hf alone is refused."""
-    adapters = adapter_models.recognise(ckpt, args.src, args.adapter_config) if adapter_models.has_adapters(ckpt) else None
-    if adapters is None:
+    or whole (base, adapter and the adapter's optimizer state) to a target that keeps a peft model's state; a Hugging
+    Face model directory cannot hold the adapters apart (from_pretrained would initialise every adapted weight at
+    random), so --to hf alone is refused offering both."""
+    if ckpt.adapter is None:
         if target.name == "peft" or args.merge_adapters:
             raise ConfigurationError(f"{'--to peft' if target.name == 'peft' else '--merge-adapters'}: {args.src} holds no peft adapters")
         return ckpt
-    options.extra["adapters"] = adapters
     if args.merge_adapters and target.name == "peft":
         raise ConfigurationError("--merge-adapters writes the base model with the adapters merged in; --to peft writes the "
                                  "adapters apart: choose one")
     if args.merge_adapters:
-        return adapter_models.merged(ckpt, adapters)
-    if target.name in ("hf", "hf-trainer"):
+        return adapter_models.merged(ckpt)
+    if target.name == "hf":
         raise ConfigurationError(
-            f"{args.src} holds peft adapters ({adapters.summary()}): --to {target.name} would write peft's module names "
-            "that from_pretrained does not load; use --to peft (the adapter directory PeftModel.from_pretrained loads) "
-            f"or --to {target.name} --merge-adapters (the base model with the adapters merged in)")
+            f"{args.src} holds peft adapters ({adapter_models.summary(ckpt.adapter)}): --to {target.name} would write peft's "
+            "module names that from_pretrained does not load; use --to peft (the adapter directory PeftModel.from_pretrained "
+            f"loads) or --to {target.name} --merge-adapters (the base model with the adapters merged in)")
     return ckpt
 
 
@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("peft adapters (a source saved from a peft model)")
     g.add_argument("--adapter-config", metavar="PATH", help="peft's adapter_config.json (or its directory), when none lies "
                    "beside the checkpoint")
+    g.add_argument("--adapter", metavar="DIR", help="peft's adapter directory (adapter_config.json, adapter_model.safetensors) "
+                   "to put on the source's base model: the run continues fine-tuning it (written with the base frozen)")
     g.add_argument("--merge-adapters", action="store_true", help="merge the adapters into the base model (peft's "
                    "merge_and_unload) and write the base model")
     g = p.add_argument_group("Megatron")

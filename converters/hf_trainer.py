@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 
@@ -34,12 +35,14 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.jsonio import read_json
 from interop.safetensors_io import read_hf_safetensors
+from interop.tensors import LazyTensor
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
 from .models.facts import in_module_names, in_stored_names, tied_groups
-from .param_order import engine_order
+from .models.adapters import ADAPTER_CONFIG, adapter_state, has_peft_names, in_peft_names
+from .param_order import EngineOrder, engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
 NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
@@ -99,8 +102,11 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     model = read_hf_safetensors(directory)
     if not model:
         raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
-    # optimizer.pt numbers the module's parameters: read it under the module's names, then all in universal's
-    model = in_module_names(LogicalCheckpoint(model=model, config=config)).model
+    # optimizer.pt numbers the module's parameters: read it under the module's names, then all in universal's (a
+    # peft model's are its module names already: read as base + adapter by registry.read)
+    peft = has_peft_names(LogicalCheckpoint(model=model))
+    if not peft:
+        model = in_module_names(LogicalCheckpoint(model=model, config=config)).model
     optim_path = os.path.join(directory, OPTIM_PT)
     optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
     extra: dict[str, Any] = {}
@@ -119,6 +125,8 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
         frozen=((manifest.model or {}).get("frozen") if manifest else None) or [],
         step=step, extra_state=extra, rank_state=rank_state,
     )
+    if peft:
+        return ckpt
     ckpt = in_stored_names(ckpt)
     ckpt.tied = ((manifest.model or {}).get("tied") if manifest else None) or tied_groups(config)
     return ckpt
@@ -137,15 +145,19 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     # Trainer.train(resume_from_checkpoint=...) loads it with load_state_dict(strict=False), which would leave
     # any tensor save_pretrained names otherwise (a MoE model's per-expert tensors) as initialised, silently;
     # from_pretrained takes the module's names as well
-    module = in_module_names(ckpt)
-    order = engine_order(module)
+    module = in_peft_names(in_module_names(ckpt))
+    order = trainer_groups(engine_order(module), module)
     write_sharded(directory, "", "model", model_entries(module), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config, f, indent=2)
+    if ckpt.adapter is not None:  # what Trainer's save_model writes for a peft model, for peft's loaders
+        write_sharded(directory, "", "adapter_model", {k: LazyTensor.of(v) for k, v in adapter_state(ckpt).items()}, sys.maxsize, hashed=False)
+        with open(os.path.join(directory, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(ckpt.adapter.config, f, indent=2, sort_keys=True)
     save_torch(torch_optimizer_state(module, order), os.path.join(directory, OPTIM_PT))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
-        save_torch(scheduler, os.path.join(directory, SCHEDULER_PT))
+        save_torch(_with_groups(scheduler, len(engine_order(module).groups), len(order.groups)), os.path.join(directory, SCHEDULER_PT))
     states = rank_rng_states(ckpt, 1)
     if states is None:
         notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
@@ -154,6 +166,42 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt))
     state.save_to_json(os.path.join(directory, TRAINER_STATE))
     return notes
+
+
+def trainer_groups(order: EngineOrder, module: LogicalCheckpoint) -> EngineOrder:
+    """The optimizer groups as ``Trainer.create_optimizer`` makes them: decay and no-decay, both present even when
+    one is empty (a LoRA run's adapters are all matrices), so its optimizer.load_state_dict finds both."""
+    if len(order.groups) != 1 or not order.groups[0] or any(len(module.model[n].spec.shape) < 2 for n in order.groups[0]):
+        return order
+    return replace(order, groups=[*order.groups, []], hyper=[*order.hyper, {**order.hyper[0], "weight_decay": 0.0}])
+
+
+def _with_groups(scheduler: Any, before: int, after: int) -> Any:
+    """A scheduler state for ``after`` param groups where the source had ``before``: torch's LR schedulers keep
+    one entry per group in their lists (base_lrs, _last_lr, lr_lambdas), and the group Trainer adds (empty) runs
+    the same schedule as the last one."""
+    if after == before or not isinstance(scheduler, dict):
+        return scheduler
+    return {k: [*v, *[v[-1]] * (after - before)] if isinstance(v, list) and len(v) == before and v else v
+            for k, v in scheduler.items()}
+
+
+def save_peft_whole(model: Any, directory: str) -> None:
+    """A peft model's whole state (base and adapter, under its module names) and its base model's config.json
+    beside what Trainer's save_model writes for it (the adapter alone): the checkpoint then holds the frozen
+    base it was trained on, which Trainer's resume loads from model.safetensors (load_state_dict)."""
+    from safetensors.torch import save_file
+
+    seen, state = set(), {}
+    for name, t in model.state_dict().items():  # a tied tensor once, as save_pretrained keeps it
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            state[name] = t.detach().contiguous()
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    base = model.get_base_model()
+    config = {**base.config.to_dict(), "architectures": [type(base).__name__]}  # as save_pretrained records it
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _global_batch(ckpt: LogicalCheckpoint) -> int:
@@ -170,7 +218,7 @@ def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False)
     resumes from ``dst`` with the data position and trainer progress beside it."""
     import transformers
 
-    order = engine_order(in_module_names(ckpt))
+    order = trainer_groups(engine_order(in_peft_names(in_module_names(ckpt))), in_peft_names(in_module_names(ckpt)))
     sharding = ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=ckpt.source.get("dtype") or "float32")
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
     return write_engine_checkpoint(

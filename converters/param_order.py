@@ -17,6 +17,7 @@ from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 
+from .models.adapters import engine_model
 from .models.facts import meta_model
 
 ADAMW_DEFAULTS = {
@@ -78,7 +79,7 @@ def regroup(order: EngineOrder, ckpt: LogicalCheckpoint, grouping: str, hyper: d
 
 def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
     aliases = {t: s for t, *sources in ckpt.tied for s in sources[:1] if s in ckpt.model}
-    model = meta_model(ckpt.config)
+    model = engine_model(ckpt)  # peft's model of the base model when the checkpoint holds adapters
     if model is not None:
         params = [n for n, _ in model.named_parameters()]  # a tied alias appears once, under its source
         buffers = [n for n, _ in model.state_dict().items() if n not in dict(model.named_parameters(remove_duplicate=False))]
@@ -100,8 +101,9 @@ def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
         buffers += [n for n in extra if n not in grouped and n not in ckpt.frozen]
         params += [n for n in extra if n in grouped or n in ckpt.frozen]
         order = [n for n in params if n not in ckpt.frozen]
-        groups = [[n for n in order if n in m] for m in members]
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        kept = [(m, g) for m, g in zip(members, opt.param_groups) if m]  # an empty group holds no state (Trainer's)
+        groups = [[n for n in order if n in m] for m, _ in kept]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for _, g in kept]
         stray = [n for n in order if n not in grouped]
         if stray:
             raise ConversionError(f"trainable parameters in no optimizer param group: {stray[:5]}")

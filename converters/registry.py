@@ -20,6 +20,7 @@ from .models.config_arg import apply_config
 from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
 from . import deepspeed_moe
 from .models import experts
+from .models.adapters import has_peft_names, in_peft_names, read_as_adapter
 from .models import facts as model_facts
 
 
@@ -53,6 +54,9 @@ class Format:
     # its files name tensors as the model's modules do (an engine's state dict), not as save_pretrained stores them
     # (universal's naming): reading and writing go through transformers' own renaming for the model
     module_names: bool = False
+    # it has a place for a peft model's state (base + adapter, the adapter's optimizer state): engines that save the
+    # peft model's state dict; the others refuse a checkpoint with adapters rather than write what loads wrong
+    holds_adapters: bool = False
 
 
 def check_dtype_flag(fmt: Format, dtype: str | None) -> None:
@@ -101,7 +105,7 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 def register(fmt: Format) -> Format:
     if fmt.module_names:
         fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
-    fmt = dataclasses.replace(fmt, write=_experts_checked(fmt.write))
+    fmt = dataclasses.replace(fmt, write=_experts_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write)))
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -110,9 +114,25 @@ def writes_as(name: str, write: Callable[[LogicalCheckpoint, str], object]) -> C
     """``write(ckpt, dst)`` (a trainer's own call of a format's writer, with the layout it runs) given what the
     registered format ``name``'s writer is given: experts checked, and the module's names where the format
     stores them (a MoE model's per-expert tensors fused)."""
-    wrapped = _experts_checked(_module_naming(lambda ckpt, dst, o: write(ckpt, dst)) if FORMATS[name].module_names
-                               else lambda ckpt, dst, o: write(ckpt, dst))
+    fmt = FORMATS[name]
+    plain = lambda ckpt, dst, o: write(ckpt, dst)  # noqa: E731
+    wrapped = _experts_checked(_module_naming(plain) if fmt.module_names else plain)
+    wrapped = wrapped if fmt.holds_adapters else _no_adapters(name, wrapped)
     return lambda ckpt, dst: wrapped(ckpt, dst, Options())
+
+
+def _no_adapters(name: str, write):
+    if write is None:
+        return None
+
+    def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+        if ckpt.adapter is not None:
+            from .models.adapters import summary
+
+            raise ConfigurationError(f"--to {name} has no place for peft adapters ({summary(ckpt.adapter)}): --to peft writes "
+                                     f"the adapters apart, --to {name} --merge-adapters the base model with them merged in")
+        write(ckpt, dst, o)
+    return wrapped
 
 
 def _experts_checked(write):
@@ -133,7 +153,10 @@ def _stored_naming(read):
         return None
 
     def wrapped(path: str, o: Options) -> LogicalCheckpoint:
-        return model_facts.in_stored_names(read(path, o), o.config)
+        ckpt = read(path, o)
+        if has_peft_names(ckpt):  # a peft model's: read as base + adapter (registry.read), then renamed
+            return ckpt
+        return model_facts.in_stored_names(ckpt, o.config)
     return wrapped
 
 
@@ -142,7 +165,7 @@ def _module_naming(write):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        write(model_facts.in_module_names(ckpt), dst, o)
+        write(in_peft_names(model_facts.in_module_names(ckpt)), dst, o)
     return wrapped
 
 
@@ -164,6 +187,7 @@ register(
         lambda c, d, o: write_universal(c, d, o.max_shard_size, o.overwrite, o.progress),
         loads_with="interop convert {dst} OUT --to <format>; transformers.AutoModelForCausalLM.from_pretrained('{dst}/model')",
         promises_config=True,
+        holds_adapters=True,
     )
 )
 register(
@@ -173,6 +197,7 @@ register(
         interop_ckpt.is_interop_checkpoint,
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
         module_names=True,  # the trainer's model component is the module's state dict (a MoE's fused experts)
+        holds_adapters=True,
     )
 )
 register(
@@ -232,6 +257,7 @@ register(
         loads_with="engine.load_checkpoint('{dst}')",
         takes_dtype=True,
         module_names=True,
+        holds_adapters=True,
     )
 )
 def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -247,6 +273,7 @@ register(
         _write_ds_universal,
         loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
         module_names=True,
+        holds_adapters=True,
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -264,6 +291,7 @@ register(
         _write_accelerate,
         loads_with="accelerator.load_state('{dst}')",
         module_names=True,
+        holds_adapters=True,
     )
 )
 def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
@@ -307,6 +335,7 @@ register(
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
         loads_with="torch.distributed.checkpoint.load(state_dict, checkpoint_id='{dst}')",
         module_names=True,
+        holds_adapters=True,
     )
 )
 def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -335,10 +364,9 @@ register(
 def _write_peft(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     from .models import adapters
 
-    found = o.extra.get("adapters")
-    if found is None:
+    if ckpt.adapter is None:
         raise ConfigurationError("--to peft: the source holds no peft adapters")
-    adapters.write_peft(ckpt, found, dst, o.overwrite)
+    adapters.write_peft(ckpt, dst, o.overwrite)
 
 
 register(
@@ -350,6 +378,7 @@ register(
         _write_peft,
         keeps=frozenset(),
         loads_with="PeftModel.from_pretrained(<the base model>, '{dst}')",
+        holds_adapters=True,
     )
 )
 register(  # before "hf": a Trainer checkpoint directory is also a model directory
@@ -360,6 +389,7 @@ register(  # before "hf": a Trainer checkpoint directory is also a model directo
         lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests),
         lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
         loads_with="Trainer(...).train(resume_from_checkpoint='{dst}')",
+        holds_adapters=True,  # a peft model's whole state in model.safetensors (Trainer loads it), its adapter beside
     )
 )
 register(
@@ -425,7 +455,7 @@ def read(path: str, options: Options | None = None, as_format: str | None = None
     ckpt = fmt.read(path, options)
     if options.config is not None:
         apply_config(ckpt, options.config, path)
-    return fmt, ckpt
+    return fmt, read_as_adapter(ckpt, path, options.extra.get("adapter_config"))
 
 
 def check_ours(path: str, digests_checked: bool = True) -> bool:

@@ -59,6 +59,16 @@ class ComponentSource:
 
 
 @dataclass
+class AdapterState:
+    """A peft adapter (LoRA, DoRA, ...) held beside its frozen base model: peft's adapter config, the adapter's name in
+    the module names (``default``), and its tensors, named as peft's ``adapter_model.safetensors`` names them."""
+
+    config: dict[str, Any]
+    name: str
+    tensors: list[str]
+
+
+@dataclass
 class LogicalCheckpoint:
     model: dict[str, LazyTensor]
     config: dict[str, Any] | None = None
@@ -75,6 +85,9 @@ class LogicalCheckpoint:
     extra_state: dict[str, Any] = field(default_factory=dict)
     # The same for per-rank state (accelerate's RNG states): one entry per rank, written as PER_RANK components.
     rank_state: dict[str, list[Any]] = field(default_factory=dict)
+    # peft adapters on the model: ``model`` then holds the base model's tensors under universal's names (frozen)
+    # and the adapter's under peft's adapter-file names (trainable, with their optimizer state)
+    adapter: AdapterState | None = None
 
     def names(self) -> set[str]:
         """Every parameter name the checkpoint mentions: model, tied, frozen and optimizer names."""
@@ -98,7 +111,8 @@ class LogicalCheckpoint:
                 {k: {name(n): t for n, t in per.items()} for k, per in opt.tensors.items()},
                 {k: {name(n): v for n, v in per.items()} for k, per in opt.scalars.items()},
             )
-        return replace(self, model={name(n): t for n, t in self.model.items()}, optimizer=opt,
+        adapter = self.adapter and replace(self.adapter, tensors=[name(n) for n in self.adapter.tensors])
+        return replace(self, model={name(n): t for n, t in self.model.items()}, optimizer=opt, adapter=adapter,
                        tied=[[name(n) for n in group] for group in self.tied], frozen=[name(n) for n in self.frozen])
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:

@@ -175,6 +175,11 @@ def _validate(data: dict[str, Any], path: str) -> None:
     model = mapping("model", data.get("model"))
     if not all(isinstance(g, list) and strs(g) for g in model.get("tied") or []) or not strs(model.get("frozen") or []):
         fail("model.tied must be lists of names and model.frozen a list of names")
+    adapter = mapping("model.adapter", model.get("adapter"))
+    if adapter and (not isinstance(adapter.get("name"), str) or not isinstance(adapter.get("config"), (str, dict))):
+        fail("model.adapter must name the adapter and its config (a path or an object)")
+    if isinstance(adapter.get("config"), str):
+        check_relative(adapter["config"], path)
     if isinstance(model.get("config"), str):
         check_relative(model["config"], path)
     elif model.get("config") is not None and not isinstance(model.get("config"), dict):

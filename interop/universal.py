@@ -4,6 +4,8 @@
       model/                    a Hugging Face model directory (config.json, model*.safetensors [+ index])
       optimizer/<key>*.safetensors [+ <key>.safetensors.index.json]   one state key each, canonical names
       optimizer/state.json      optimizer class, param groups (names), 0-dim per-param state (step)
+      adapter/                  a peft adapter directory (adapter_config.json, adapter_model.safetensors), when the
+                                model was trained with adapters: model/ then holds the frozen base model
       components/ ranks/ groups/ nodes/   the other components, as the trainer saved them
       manifest.json             written last; every file with size and digest, every tensor with digest
 """
@@ -15,7 +17,7 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -24,7 +26,7 @@ from . import codec
 from .commit import durable_write, fsync_path, staged_output, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError
-from .logical import ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
+from .logical import AdapterState, ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
 from .pieces import write_piece
 from .planner import pieces_for
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3  # Hugging Face's default
 STATE_JSON = "optimizer/state.json"
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"  # peft's file names: the folder is an adapter directory
 
 
 def parse_size(text: str | int) -> int:
@@ -201,7 +205,17 @@ def write_universal(
 ) -> Manifest:
     """Write ``ckpt`` as a universal checkpoint at ``dst``, built in staging and moved into place whole."""
     with staged_output(dst, overwrite) as out:
-        result = write_model_dir(out, "model", ckpt, max_shard_size, progress)
+        adapter = ckpt.adapter
+        held = set(adapter.tensors) if adapter else set()
+        base = replace(ckpt, model={n: t for n, t in ckpt.model.items() if n not in held}) if adapter else ckpt
+        result = write_model_dir(out, "model", base, max_shard_size, progress)
+        adapter_section = None
+        if adapter is not None:  # peft's own layout, one file (PeftModel.from_pretrained reads no shards)
+            part = write_sharded(out, ADAPTER_DIR, "adapter_model", {n: ckpt.model[n] for n in adapter.tensors}, 2**62, progress=progress)
+            result.files.update(part.files)
+            result.tensors.update(part.tensors)
+            result.files[ADAPTER_CONFIG] = _write_json(out, ADAPTER_CONFIG, adapter.config)
+            adapter_section = {"config": ADAPTER_CONFIG, "name": adapter.name}
         optimizer_section = None
         if ckpt.optimizer is not None:
             opt = ckpt.optimizer
@@ -228,6 +242,7 @@ def write_universal(
                 "config": "model/config.json" if ckpt.config is not None else None,
                 "tied": ckpt.tied,
                 "frozen": ckpt.frozen,
+                **({"adapter": adapter_section} if adapter_section else {}),
             },
             optimizer=optimizer_section,
             tensors=result.tensors,
@@ -278,6 +293,16 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
         optimizer = OptimizerState(cls, groups, tensors, scalars)
     components = {key: ComponentSource.from_manifest(directory, manifest, key) for key in manifest.components}
     model_meta = manifest.model or {}
+    adapter = None
+    if model_meta.get("adapter"):
+        section = model_meta["adapter"]
+        held = read_hf_safetensors(os.path.join(directory, ADAPTER_DIR), "adapter_model") or {}
+        _attach_digests(held, manifest, lambda name: name, directory)
+        clash = sorted(set(held) & set(model))
+        if clash:
+            raise CorruptCheckpointError(directory, f"tensor {clash[0]!r} is both in model/ and in {ADAPTER_DIR}/")
+        model.update(held)
+        adapter = AdapterState(read_json(inside(directory, section["config"]), "adapter config"), section["name"], list(held))
     return LogicalCheckpoint(
         model=model,
         config=config,
@@ -289,6 +314,7 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
         frozen=model_meta.get("frozen", []),
         step=manifest.step,
         notes=list(manifest.notes),
+        adapter=adapter,
     )
 
 

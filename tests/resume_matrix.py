@@ -91,7 +91,19 @@ def _moe(layout: Layout) -> Layout:
 EP2 = _megatron("ep2", 1, 1, dp=2, ep=2)
 MOE_SOURCES: dict[str, Layout] = {m.key: m for m in map(_moe, (SOURCES["ds-z3"], SOURCES["fsdp2"], EP2, HF))}
 MOE_TARGETS: dict[str, Layout] = {m.key: m for m in map(_moe, (TARGETS["ds-z3"], TARGETS["fsdp2"], EP2, HF_TRAINER))}
-ALL_SOURCES, ALL_TARGETS = {**SOURCES, **MOE_SOURCES}, {**TARGETS, **MOE_TARGETS}
+# LoRA runs: every trainer wraps the tiny Llama with peft's LoRA (r=4 on q_proj and v_proj), the base frozen; key
+# "<layout>@lora". What moves is the frozen base, the adapters and the adapters' Adam moments.
+LORA_FLAGS = ("--lora-rank", "4", "--lora-alpha", "8")
+
+
+def _lora(layout: Layout) -> Layout:
+    return replace(layout, key=f"{layout.key}@lora", label=f"{layout.label}, LoRA", flags=layout.flags + LORA_FLAGS)
+
+
+LORA_SOURCES: dict[str, Layout] = {m.key: m for m in map(_lora, (SOURCES["ds-z3"], SOURCES["fsdp2"], SOURCES["ddp"]))}
+LORA_TARGETS: dict[str, Layout] = {m.key: m for m in map(_lora, (TARGETS["ds-z2"], TARGETS["ds-z3"], TARGETS["fsdp2"], TARGETS["ddp"], HF_TRAINER))}
+ALL_SOURCES = {**SOURCES, **MOE_SOURCES, **LORA_SOURCES}
+ALL_TARGETS = {**TARGETS, **MOE_TARGETS, **LORA_TARGETS}
 
 
 def target_layout(source: str, target: str) -> Layout:
@@ -99,6 +111,8 @@ def target_layout(source: str, target: str) -> Layout:
     another world size (ZeRO and accelerate on 1 process, Megatron with a second data-parallel replica)."""
     if target.endswith("@moe"):
         return _moe(target_layout(source.removesuffix("@moe"), target.removesuffix("@moe")))
+    if target.endswith("@lora"):
+        return _lora(target_layout(source.removesuffix("@lora"), target.removesuffix("@lora")))
     if target == EP2.key:
         return EP2 if source != target else _megatron("ep2", 1, 1, dp=4, ep=4)
     if source != target:
@@ -113,7 +127,8 @@ def target_layout(source: str, target: str) -> Layout:
 
 
 def all_pairs() -> list[tuple[str, str]]:
-    return [(s, t) for s in SOURCES for t in ENGINE_TARGETS] + [(s, t) for s in MOE_SOURCES for t in MOE_TARGETS]
+    return ([(s, t) for s in SOURCES for t in ENGINE_TARGETS] + [(s, t) for s in MOE_SOURCES for t in MOE_TARGETS]
+            + [(s, t) for s in LORA_SOURCES for t in LORA_TARGETS])
 
 
 # --- running ---------------------------------------------------------------------------------------------
@@ -340,6 +355,18 @@ def render(results: list[Result]) -> str:
         "holds the experts whole under their names (DCP), so on its diagonal it resumes at EP4 (4 ranks, one expert each).",
         "",
         table(results, MOE_SOURCES, list(MOE_TARGETS)),
+        "",
+        "## LoRA",
+        "",
+        "The same runs with peft's LoRA on the tiny Llama (`--lora-rank 4 --lora-alpha 8`: r=4 on q_proj and v_proj, "
+        "the base frozen). The engines save the peft model's state dict (`base_model.model...base_layer.weight`, "
+        "`lora_A.default.weight`); universal holds the frozen base model in `model/` and the adapter as peft's own "
+        "adapter directory in `adapter/`, with the adapters' Adam moments; every target's trainer wraps its model "
+        "with the same LoRA and resumes. The Trainer's checkpoint holds what transformers' `Trainer.save_model` "
+        "writes for a peft model (the adapter directory) and the whole peft model in `model.safetensors`, which "
+        "`Trainer._load_from_checkpoint` loads.",
+        "",
+        table(results, LORA_SOURCES, list(LORA_TARGETS)),
         "",
     ]
     if notes:

@@ -72,7 +72,7 @@ def base_model(root):
 def test_adapters_out_of_a_zero_checkpoint_load_in_peft_with_the_trained_outputs(lora_runs, cli, tmp_path, stage):
     root, run = lora_runs
     src = run(stage)
-    done = cli("convert", src, tmp_path / "adapter", "--to", "peft")
+    done = cli("convert", src, tmp_path / "adapter", "--to", "peft", "--config", root / "base")
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -90,8 +90,8 @@ def test_adapters_out_of_a_zero_checkpoint_load_in_peft_with_the_trained_outputs
 def test_merged_adapters_are_peft_merge_and_unload_exactly(lora_runs, cli, tmp_path):
     root, run = lora_runs
     src = run(3)
-    assert cli("convert", src, tmp_path / "adapter", "--to", "peft").returncode == 0
-    done = cli("convert", src, tmp_path / "merged", "--to", "hf", "--merge-adapters")
+    assert cli("convert", src, tmp_path / "adapter", "--to", "peft", "--config", root / "base").returncode == 0
+    done = cli("convert", src, tmp_path / "merged", "--to", "hf", "--merge-adapters", "--config", root / "base")
     assert done.returncode == 0, done.stderr
     assert "note: adapters merged by peft's merge_and_unload (LORA 'default': r=4, alpha=8" in done.stdout
     theirs = peft.PeftModel.from_pretrained(base_model(root), tmp_path / "adapter").merge_and_unload().state_dict()
@@ -108,40 +108,41 @@ def test_what_cannot_be_done_is_refused_in_one_line(lora_runs, cli, tmp_path):
 
     root, run = lora_runs
     src = run(3)
-    done = cli("convert", src, tmp_path / "hf", "--to", "hf")
+    done = cli("convert", src, tmp_path / "hf", "--to", "hf", "--config", root / "base")
     assert done.returncode == 2 and not (tmp_path / "hf").exists()
     assert done.stderr.strip().splitlines()[-1] == (
         f"interop convert: error: {src} holds peft adapters (LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], "
         "dropout=0.0, 8 adapter tensors): --to hf would write peft's module names that from_pretrained does not load; use "
         "--to peft (the adapter directory PeftModel.from_pretrained loads) or --to hf --merge-adapters (the base model "
         "with the adapters merged in)")
-    report = cli("inspect", src)
+    report = cli("inspect", src, "--config", root / "base")
     assert "adapters:  LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors" in report.stdout
 
     bare = tmp_path / "bare"  # the engine's files without peft's adapter_config.json: rank and alpha are not guessed
     shutil.copytree(src, bare, ignore=shutil.ignore_patterns("adapter_*"))
-    done = cli("convert", bare, tmp_path / "x", "--to", "peft")
+    done = cli("convert", bare, tmp_path / "x", "--to", "peft", "--config", root / "base")
     assert done.returncode == 2 and not (tmp_path / "x").exists()
     assert "holds peft adapters (e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight) but no " \
         "adapter_config.json lies beside it: pass peft's adapter config with --adapter-config" in done.stderr, done.stderr
-    assert cli("convert", bare, tmp_path / "x", "--to", "peft", "--adapter-config", src / "adapter_config.json").returncode == 0
+    assert cli("convert", bare, tmp_path / "x", "--to", "peft", "--adapter-config", src / "adapter_config.json", "--config", root / "base").returncode == 0
 
     other = tmp_path / "other"  # an adapter config of another rank
     other.mkdir()
     config = json.loads((src / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
-    done = cli("convert", bare, tmp_path / "y", "--to", "peft", "--adapter-config", other)
+    done = cli("convert", bare, tmp_path / "y", "--to", "peft", "--adapter-config", other, "--config", root / "base")
     assert done.returncode == 2 and not (tmp_path / "y").exists()
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight is [4, 32]; peft's model with this " \
         "adapter config has [8, 32]" in done.stderr, done.stderr
 
-    hub = tmp_path / "hub"  # an adapter config naming its base model on the hub (not asked): the base config from --config
-    hub.mkdir()
-    (hub / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/tiny-llama"}))
-    done = cli("convert", bare, tmp_path / "w", "--to", "peft", "--adapter-config", hub)
-    assert done.returncode == 2 and "the base model's config is unknown (the adapter config names 'org/tiny-llama', not a " \
-        "local model directory): pass it with --config" in done.stderr, done.stderr
-    assert cli("convert", bare, tmp_path / "w", "--to", "peft", "--adapter-config", hub, "--config", root / "base").returncode == 0
+    # the adapter config names its base model by a path outside the checkpoint (peft's save_pretrained records it):
+    # not followed (a checkpoint's paths stay inside it), the message says which --config to pass
+    done = cli("convert", src, tmp_path / "w", "--to", "peft")
+    assert done.returncode == 2 and not (tmp_path / "w").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"interop convert: error: the base model's config is unknown (the adapter config names '{root / 'base'}'; paths a "
+        f"checkpoint names outside itself are not followed): pass it with --config {root / 'base'} (the base model's "
+        "directory or its config.json)")
 
     done = cli("convert", root / "base", tmp_path / "z", "--to", "peft")
     assert done.returncode == 2 and "--to peft: " in done.stderr and "holds no peft adapters" in done.stderr
@@ -162,10 +163,10 @@ def test_a_tied_head_is_one_tensor_to_peft_too(tmp_path):
                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     model.save_pretrained(tmp_path / "run")  # the adapter config beside the engine's files
     held = {k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items() if k != "base_model.model.lm_head.weight"}
-    ckpt = LogicalCheckpoint(model=held)
-    found = adapters.recognise(ckpt, str(tmp_path / "run"), None)
-    assert found.summary() == "LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors"
-    merged = adapters.merged(ckpt, found)
+    ckpt = adapters.read_as_adapter(LogicalCheckpoint(model=held, config=config.to_dict()), str(tmp_path / "run"), None)
+    assert adapters.summary(ckpt.adapter) == "LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors"
+    assert ckpt.tied == [["lm_head.weight", "model.embed_tokens.weight"]] and "lm_head.weight" not in ckpt.model
+    merged = adapters.merged(ckpt)
     theirs = model.merge_and_unload().state_dict()
     assert {k: bool(torch.equal(merged.model[k].load(), t)) for k, t in theirs.items()} == {k: True for k in theirs}
 
@@ -189,13 +190,131 @@ def test_embedding_adapters_and_modules_to_save_are_exported_as_peft_saves_them(
     with torch.no_grad():
         model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the trained head differs from the base's
     model.save_pretrained(tmp_path / "run")
-    ckpt = LogicalCheckpoint(model={k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items()})
-    found = adapters.recognise(ckpt, str(tmp_path / "run"), None)
-    ours, theirs = adapters.adapter_state(ckpt, found), get_peft_model_state_dict(model)
+    ckpt = LogicalCheckpoint(model={k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items()}, config=config.to_dict())
+    ckpt = adapters.read_as_adapter(ckpt, str(tmp_path / "run"), None)
+    ours, theirs = adapters.adapter_state(ckpt), get_peft_model_state_dict(model)
     assert sorted(ours) == sorted(theirs) and any("lora_embedding_A" in k for k in ours) and any("lm_head" in k for k in ours)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    adapters.write_peft(ckpt, found, str(tmp_path / "out"), overwrite=False)
+    adapters.write_peft(ckpt, str(tmp_path / "out"), overwrite=False)
     ids = (torch.arange(18).reshape(2, 9) * 7) % 96
     loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_universal_holds_the_frozen_base_model_and_peft_adapter_directory(lora_runs, cli, tmp_path):
+    """A LoRA run in universal: ``model/`` is the base model (from_pretrained loads it; the frozen base bit for bit),
+    ``adapter/`` is peft's adapter directory (PeftModel.from_pretrained on it gives the trained logits), the manifest
+    says which tensors are frozen and the adapters' Adam moments are kept; back into DeepSpeed and universal again,
+    nothing changed."""
+    root, run = lora_runs
+    src = run(3)
+    u = tmp_path / "u"
+    assert cli("convert", src, u, "--to", "universal", "--config", root / "base").returncode == 0
+    assert sorted(p.name for p in (u / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(u / "model").eval()
+    assert {k: bool(torch.equal(t, base_model(root).state_dict()[k])) for k, t in base.state_dict().items()} == \
+        {k: True for k in base.state_dict()}
+    base_names = sorted(base.state_dict())
+    model = peft.PeftModel.from_pretrained(base, u / "adapter").eval()  # wraps base's modules in place
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=torch.load(root / "ids.pt")).logits, torch.load(src / "logits.pt"), rtol=0, atol=1e-6)
+    manifest = json.loads((u / "manifest.json").read_text())
+    adapter_keys = sorted(json.loads((u / "manifest.json").read_text())["tensors"])
+    held = [k for k in adapter_keys if ".lora_" in k and not k.startswith("optimizer/")]
+    assert len(held) == 8 and all(k.startswith("base_model.model.") and ".default." not in k for k in held)
+    assert sorted(manifest["model"]["frozen"]) == base_names and manifest["model"]["adapter"]["name"] == "default"
+    assert sorted(k.split("/", 2)[2] for k in adapter_keys if k.startswith("optimizer/exp_avg/")) == held
+    report = cli("inspect", u)
+    assert "adapters:  LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors" in report.stdout
+
+    ds, back = tmp_path / "ds", tmp_path / "back"
+    assert cli("convert", u, ds, "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2").returncode == 0
+    assert cli("convert", ds, back, "--to", "universal").returncode == 0
+    same = cli("diff", u, back)
+    assert same.returncode == 0 and "0 different; 0 only in A, 0 only in B" in same.stdout, same.stdout
+    done = cli("convert", u, tmp_path / "mcore", "--to", "megatron")
+    assert done.returncode == 2 and not (tmp_path / "mcore").exists()
+    assert "--to megatron has no place for peft adapters (LORA 'default': r=4" in done.stderr, done.stderr
+
+
+def test_a_base_model_and_a_peft_adapter_directory_continue_fine_tuning_in_deepspeed(cli, tmp_path):
+    """Import: a Hugging Face base model and a peft adapter directory made for it (``--adapter``) -> universal -> a
+    ZeRO-3 LoRA run on 2 processes, which resumes from it: its first loss is the loss of peft's own
+    PeftModel.from_pretrained(base, adapter) on that batch, it trains the adapters only (the base it saves is the
+    base model bit for bit) and its adapters are exported again. An adapter of another rank is refused naming the tensor."""
+    from tests.resume_matrix import LORA_SOURCES, train
+    from trainers.base import tiny_config
+    from trainers.state import DataPosition, TokenDataset
+
+    torch.manual_seed(5)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "base")
+    lora = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    batch = DataPosition(seed=1234).next_batch(TokenDataset(16), 4)
+    with torch.no_grad():
+        expected = float(lora.eval()(input_ids=batch, labels=batch).loss)
+
+    u = tmp_path / "u"
+    done = cli("convert", tmp_path / "base", u, "--to", "universal", "--adapter", tmp_path / "adapter")
+    assert done.returncode == 0, done.stderr
+    losses = train(LORA_SOURCES["ds-z3@lora"], tmp_path / "run", "--resume", str(u))
+    assert abs(losses[0] - expected) / expected < 1e-5, (losses, expected)
+
+    out = tmp_path / "out"
+    assert cli("convert", tmp_path / "run" / "checkpoint-4", out, "--to", "universal").returncode == 0
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    assert {k: bool(torch.equal(t, base[k])) for k, t in saved.items()} == {k: True for k in base}
+    from safetensors.torch import load_file
+
+    before, after = load_file(tmp_path / "adapter" / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sorted(before) == sorted(after) and all(not torch.equal(before[k], after[k]) for k in before)
+
+    other = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    other.save_pretrained(tmp_path / "r8")
+    (tmp_path / "r8" / "adapter_config.json").write_text((tmp_path / "adapter" / "adapter_config.json").read_text())
+    done = cli("convert", tmp_path / "base", tmp_path / "x", "--to", "universal", "--adapter", tmp_path / "r8")
+    assert done.returncode == 2 and not (tmp_path / "x").exists()
+    assert "adapter_model.safetensors: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight is [8, 48]; peft's " \
+        "model with this adapter config has [4, 48]" in done.stderr, done.stderr
+
+
+def test_dora_magnitudes_travel_with_their_adapter(tmp_path):
+    """DoRA (use_dora: a learned magnitude per output row, lora_magnitude_vector) read from a peft model's state dict as
+    engines save it, written as universal: model/ + adapter/ load with PeftModel.from_pretrained to the model's
+    logits exactly, and --to peft holds the magnitudes under peft's own keys."""
+    from peft.utils import get_peft_model_state_dict
+
+    from converters.cli import main
+    from converters.models import adapters
+    from interop.logical import LogicalCheckpoint
+    from interop.tensors import LazyTensor
+    from interop.universal import write_universal
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.25)  # trained magnitudes differ from the weight norms they start at
+    model.save_pretrained(tmp_path / "run")
+    ckpt = LogicalCheckpoint(model={k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items()}, config=config.to_dict())
+    ckpt = adapters.read_as_adapter(ckpt, str(tmp_path / "run"), None)
+    assert sum("lora_magnitude_vector" in k for k in ckpt.adapter.tensors) == 4
+    write_universal(ckpt, str(tmp_path / "u"))
+    ids = (torch.arange(18).reshape(2, 9) * 7) % 96
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "u" / "model"), tmp_path / "u" / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=0)
+    assert main(["convert", str(tmp_path / "u"), str(tmp_path / "p"), "--to", "peft"]) == 0
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(tmp_path / "p" / "adapter_model.safetensors"), get_peft_model_state_dict(model)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)

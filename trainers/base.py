@@ -63,6 +63,9 @@ class TrainerConfig:
     activation_checkpointing: bool = flag(False, "recompute activations in the backward pass (less memory)")
     dtype: str = flag("float32", "training precision: float32 | bfloat16 (fp32 master weights kept)")
     freeze: str = flag("", "comma-separated parameter-name prefixes to freeze, e.g. 'model.layers.0.mlp'")
+    lora_rank: int = flag(0, "train LoRA adapters of this rank on the frozen model (peft's get_peft_model; 0: full fine-tuning)")
+    lora_alpha: float = flag(8.0, "LoRA scaling numerator (peft's lora_alpha; the update is scaled by alpha / rank)")
+    lora_targets: str = flag("q_proj,v_proj", "comma-separated module names LoRA adapts (peft's target_modules)")
     verify: bool = flag(True, "on resume, check every file's digest against the manifest (--no-verify: sizes only)")
     debug: bool = flag(False, "show the traceback of an error instead of its one line")
     verbose: bool = flag(False, "show the engines' own log lines and library warnings (DeepSpeed, accelerate, torch)")
@@ -122,9 +125,36 @@ def build_model(cfg: TrainerConfig) -> torch.nn.Module:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return freeze(model, cfg.freeze)
+    return with_lora(freeze(model, cfg.freeze), cfg)
 
 
+def with_lora(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """The model wrapped by peft's LoRA when --lora-rank asks for it: the base frozen, the adapters trainable."""
+    if not cfg.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    try:
+        return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0))
+    except ValueError as exc:  # peft's refusal: targets the model lacks
+        raise ConfigurationError(f"--lora-targets {cfg.lora_targets!r}: {str(exc).splitlines()[0]}") from None
+
+
+def described(model: torch.nn.Module) -> tuple[Any, str, dict[str, Any] | None]:
+    """A model's config, its transformers architecture and its peft adapter (config and name), under any wrapper
+    peft put around it: a LoRA run's checkpoint says which base model and which adapter it trains."""
+    from converters.models.adapters import json_config
+
+    peft_configs = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_configs is not None and hasattr(model, "get_base_model") else model
+    adapter = None
+    if peft_configs:
+        name = getattr(model, "active_adapter", "default")
+        config = json_config(peft_configs[name])
+        config.pop("base_model_name_or_path", None)  # a path of this machine's, which a checkpoint does not follow
+        adapter = {"config": config, "name": name}
+    return base.config, type(base).__name__.removeprefix("FSDP"), adapter
 def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     """Freeze the parameters whose names start with one of the comma-separated prefixes in ``spec``."""
     prefixes = tuple(p.strip() for p in spec.split(",") if p.strip())
@@ -138,28 +168,31 @@ def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     return model
 
 
-def param_group_names(model: torch.nn.Module) -> list[list[str]]:
+def param_group_names(model: torch.nn.Module, keep_empty: bool = False) -> list[list[str]]:
     """Decay for matrices, none for biases, norms and other 1-D parameters (the usual convention); trainable
-    parameters only, in module order. A checkpoint records these names: optimizers keep parameters by position."""
+    parameters only, in module order; an empty group left out (LoRA's adapters are all matrices) unless
+    ``keep_empty`` (transformers' Trainer makes both groups). A checkpoint records these names: optimizers keep
+    parameters by position."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(n)
-    return [decay, no_decay]
+    return [decay, no_decay] if keep_empty else [g for g in (decay, no_decay) if g] or [decay]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     params = dict(model.named_parameters())
-    decay, no_decay = param_group_names(model)
-    return [{"params": [params[n] for n in decay], "weight_decay": weight_decay},
-            {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
+    return [{"params": [params[n] for n in g], "weight_decay": weight_decay if not g or params[g[0]].dim() >= 2 else 0.0}
+            for g in param_group_names(model)]
 
 
-def model_metadata(config, architecture: str, frozen: list[str]) -> dict[str, Any]:
-    """The manifest's model section: the Hugging Face config (with its architecture), tied and frozen names."""
+def model_metadata(config, architecture: str, frozen: list[str], adapter: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest's model section: the Hugging Face config (with its architecture), tied and frozen names, and
+    the peft adapter trained on it."""
     data = config.to_dict()
     data["architectures"] = [architecture]
-    return {"family": data.get("model_type"), "config": data, "tied": tied_groups(data), "frozen": frozen}
+    out = {"family": data.get("model_type"), "config": data, "tied": tied_groups(data), "frozen": frozen}
+    return {**out, "adapter": adapter} if adapter else out
 
 
 def resolve_backend(name: str) -> str:
@@ -229,7 +262,7 @@ class BaseTrainer:
         model = self.core_model()
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         return {
-            "model": model_metadata(model.config, type(model).__name__.removeprefix("FSDP"), frozen),
+            "model": model_metadata(*described(model)[:2], frozen, described(model)[2]),
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__},
         }

@@ -33,7 +33,7 @@ from interop.errors import CorruptCheckpointError, LoadFailedError, TopologyErro
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
-from .base import BETAS, TrainerConfig, build_model, configure_logging, import_checkpoint, model_metadata, param_group_names, run
+from .base import BETAS, TrainerConfig, build_model, configure_logging, described, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .state import DataPosition, TokenDataset, TrainerState
 
@@ -89,7 +89,9 @@ class TrainerCheckpoint:
     def save_native(self, directory: str) -> None:
         trainer = self.owner.trainer
         os.makedirs(directory, exist_ok=True)
-        trainer.save_model(directory)
+        trainer.save_model(directory)  # a peft model's: the adapter directory (adapter_config.json, adapter_model.safetensors)
+        if described(self.owner.model)[2] is not None:
+            hf_format.save_peft_whole(self.owner.model, directory)
         trainer._save_optimizer_and_scheduler(directory)
         trainer._save_rng_state(directory)
         trainer.state.save_to_json(os.path.join(directory, hf_format.TRAINER_STATE))
@@ -161,10 +163,11 @@ class HFTrainer:
         save_pretrained stores under other names than the module's (a MoE model's per-expert tensors, fused in
         the module) are silently left as initialised: a Mixtral run resumed by it continues from random experts.
         Here they go through transformers' own renaming and fusion, as from_pretrained places them."""
+        from converters.models.adapters import in_peft_names
         from converters.models.facts import in_module_names
 
         options = registry.Options(trust_pickle=self.cfg.trust_pickle, verify_digests=False)  # the load checked them
-        module = in_module_names(registry.read(directory, options, as_format="hf")[1])
+        module = in_peft_names(in_module_names(registry.read(directory, options, as_format="hf")[1]))
         result = model.load_state_dict({n: t.load() for n, t in module.model.items()}, strict=False)
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         missing = [k for k in result.missing_keys if k not in tied]
@@ -183,10 +186,12 @@ class HFTrainer:
 
     def get_checkpoint_metadata(self) -> dict[str, Any]:
         frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        config, architecture, adapter = described(self.model)
         return {
-            "model": model_metadata(self.model.config, type(self.model).__name__, frozen),
+            "model": model_metadata(config, architecture, frozen, adapter),
             "sharding": ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=self.cfg.dtype).to_json(),
-            "optimizer": {"class": "AdamW", "param_names": param_group_names(self.model)},
+            # Trainer.create_optimizer's two groups, an empty one too (a LoRA run's adapters are all matrices)
+            "optimizer": {"class": "AdamW", "param_names": param_group_names(self.model, keep_empty=True)},
         }
 
     # --- the loop ----------------------------------------------------------------------------------

@@ -123,6 +123,10 @@ class MegatronTrainer(BaseTrainer):
 
     def build_model(self) -> torch.nn.Module:
         cfg = self.cfg
+        if cfg.lora_rank:
+            raise ConfigurationError("--lora-rank: the Megatron-style trainer does not train peft adapters (its layers are "
+                                     "split by tensor and pipeline rank); train LoRA with trainers.deepspeed, trainers.accelerate "
+                                     "or trainers.base")
         full = build_model(replace(cfg, activation_checkpointing=False))  # the whole model, then this rank's part
         self.hf_config = full.config
         self.architecture = type(full).__name__

@@ -1,28 +1,35 @@
-"""LoRA / PEFT adapters in a checkpoint: a model wrapped by peft (``base_model.model.<name>``, the adapted linears'
-``base_layer`` and ``lora_A.<adapter>`` / ``lora_B.<adapter>``), as every engine saves a peft model's state dict.
+"""LoRA / PEFT adapters: an engine's checkpoint of a peft model, and the logical checkpoint's view of it.
 
-Which tensors are adapters, what the adapter files call them and what merging does are peft's answers, asked of
-peft itself: the checkpoint's model is rebuilt as ``get_peft_model(<the base model from its config>, <its
-adapter config>)`` (on the meta device to check names, on the CPU to merge), and peft's own
-``get_peft_model_state_dict`` and ``merge_and_unload`` do the rest. The adapter config (rank, alpha, target
-modules) is never guessed: a wrong alpha scales every update (verl's lora_alpha=0 adapters), so it comes from the
-``adapter_config.json`` peft saved beside the checkpoint, or from ``--adapter-config``.
+Engines save a peft model's state dict under its module names (``base_model.model.<name>``, the adapted linears'
+``base_layer``, ``lora_A.<adapter>``). A logical checkpoint holds the same model the way peft and transformers
+store it on disk: the frozen base model under save_pretrained's names and the adapter under peft's
+adapter-file names (``adapter_model.safetensors``), with the adapter config beside (``ckpt.adapter``). Universal
+writes exactly those two directories, and every engine writer maps the names back to the peft model's.
+
+Which module name is which stored name is peft's answer, asked of peft itself: the base model is built from its
+config on the meta device and wrapped by ``get_peft_model``; peft's injected layers keep the base model's own
+parameter objects (so identity says which base tensor a ``base_layer`` weight is), and peft's
+``get_peft_model_state_dict`` names the adapter's tensors (asked with placeholders, so identity again says which
+module tensor each saved key is). The adapter config (rank, alpha, targets) is never guessed: a wrong alpha
+scales every update (verl's lora_alpha=0 adapters), so it comes from the checkpoint's own record, peft's
+``adapter_config.json`` beside it, or ``--adapter-config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
 
 from interop.errors import ConfigurationError, ConversionError, CorruptCheckpointError
 from interop.jsonio import read_json
-from interop.logical import LogicalCheckpoint
+from interop.logical import AdapterState, LogicalCheckpoint
 from interop.tensors import LazyTensor
 
 from . import facts
@@ -31,36 +38,40 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# peft's tuner layers hold the base weight as base_layer and the adapter's as lora_* (LoRA, DoRA's magnitude)
+# peft's tuner layers hold the base weight as base_layer and the adapter's as lora_* (LoRA, DoRA's magnitude):
+# how a state dict of a peft model is told from a plain one before any config is at hand
 _MARKS = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
 _ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
 
 
-@dataclass
-class Adapters:
-    """What a checkpoint's peft model is made of."""
-
-    config: dict[str, Any]  # peft's adapter config (adapter_config.json's content)
-    base_config: dict[str, Any]  # the base model's config.json
-    adapter: str  # the adapter's name in the module names ("default")
-    tensors: list[str]  # the checkpoint's adapter tensors (module names)
-
-    def summary(self) -> str:
-        c = self.config
-        targets = c.get("target_modules")
-        targets = sorted(targets) if isinstance(targets, (list, set, tuple)) else targets
-        return (f"{c.get('peft_type', 'LORA')} '{self.adapter}': r={c.get('r')}, alpha={c.get('lora_alpha')}, "
-                f"targets={targets}, dropout={c.get('lora_dropout')}, {len(self.tensors)} adapter tensors")
+def summary(adapter: AdapterState) -> str:
+    c = adapter.config
+    targets = c.get("target_modules")
+    targets = sorted(targets) if isinstance(targets, (list, set, tuple)) else targets
+    return (f"{c.get('peft_type', 'LORA')} '{adapter.name}': r={c.get('r')}, alpha={c.get('lora_alpha')}, "
+            f"targets={targets}, dropout={c.get('lora_dropout')}, {len(adapter.tensors)} adapter tensors")
 
 
-def has_adapters(ckpt: LogicalCheckpoint) -> bool:
-    return any(_MARKS.search(n) for n in ckpt.model)
+def has_peft_names(ckpt: LogicalCheckpoint) -> bool:
+    """The checkpoint is a peft model's state dict under its module names (not yet read as base + adapter)."""
+    return ckpt.adapter is None and any(_MARKS.search(n) for n in ckpt.model)
+
+
+def json_config(config: Any) -> dict[str, Any]:
+    """An adapter config as JSON holds it (peft keeps target_modules as a set in memory)."""
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in dict(config).items()}
 
 
 def find_config(src: str, explicit: str | None) -> dict[str, Any] | None:
-    """The adapter config: ``--adapter-config`` (the file or its directory), else peft's ``adapter_config.json``
-    in the directory named (HF Trainer's checkpoint-N keeps it beside global_stepN, a DeepSpeed user's
-    ``model.save_pretrained(out)`` beside ``latest``)."""
+    """The adapter config: ``--adapter-config`` (the file or its directory), else the one our manifest records
+    (a trainer's or converter's checkpoint), else peft's ``adapter_config.json`` in the directory named (HF
+    Trainer's checkpoint-N keeps it beside global_stepN, a DeepSpeed user's ``model.save_pretrained(out)`` beside
+    ``latest``)."""
+    from interop.commit import resolve_checkpoint_dir
+    from interop.manifest import MANIFEST, read_manifest
+
     from ..hf import file_near
 
     if explicit:
@@ -69,6 +80,11 @@ def find_config(src: str, explicit: str | None) -> dict[str, Any] | None:
             raise ConfigurationError(f"--adapter-config {explicit}: no {ADAPTER_CONFIG} there")
     else:
         start = src if os.path.isdir(src) else os.path.dirname(src)
+        directory = resolve_checkpoint_dir(start)
+        if os.path.isfile(os.path.join(directory, MANIFEST)):
+            recorded = ((read_manifest(directory).model or {}).get("adapter") or {}).get("config")
+            if isinstance(recorded, dict):
+                return recorded
         path = file_near(start, start, ADAPTER_CONFIG)
     if path is None:
         return None
@@ -79,23 +95,18 @@ def find_config(src: str, explicit: str | None) -> dict[str, Any] | None:
 
 
 def _base_config(ckpt: LogicalCheckpoint, config: dict[str, Any]) -> dict[str, Any]:
-    """The base model's config.json: the checkpoint's, else the one in the adapter config's base_model_name_or_path
-    when that is a local model directory (no hub is asked)."""
-    from ..hf import CONFIG, read_config
-
+    """The base model's config.json: the checkpoint's, or ``--config``. The adapter config's
+    base_model_name_or_path is a path outside the checkpoint (or a hub id): named in the message, never followed."""
     if ckpt.config is not None:
         return ckpt.config
     base = config.get("base_model_name_or_path")
-    if isinstance(base, str) and os.path.isfile(os.path.join(base, CONFIG)):
-        return read_config(base)
-    raise ConfigurationError(f"the base model's config is unknown (the adapter config names {base!r}, not a local model "
-                             "directory): pass it with --config CONFIG.json (or the base model's directory)")
+    raise ConfigurationError(f"the base model's config is unknown (the adapter config names {base!r}; paths a checkpoint "
+                             f"names outside itself are not followed): pass it with --config {base or 'CONFIG.json'} "
+                             "(the base model's directory or its config.json)")
 
 
 def peft_config(config: dict[str, Any]) -> Any:
     """peft's config object for an adapter_config.json's content (keys this peft does not know are dropped, logged)."""
-    import dataclasses
-
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
     cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(config.get("peft_type"))
@@ -105,26 +116,74 @@ def peft_config(config: dict[str, Any]) -> Any:
     dropped = sorted(set(config) - known)
     if dropped:
         log.info("adapter config keys this peft does not know, dropped: %s", dropped)
-    return cls(**{k: v for k, v in config.items() if k in known})
+    # the training model's: peft's save_pretrained records inference_mode=True, which would freeze the adapter too
+    return cls(**{k: v for k, v in config.items() if k in known and k != "inference_mode"}, inference_mode=False)
 
 
-def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str, adapter: str = "default") -> torch.nn.Module:
-    """``get_peft_model`` of the base model built from its config: on the meta device for names, on the CPU to merge."""
+def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str, adapter: str = "default") -> tuple[torch.nn.Module, dict[int, list[str]]]:
+    """``get_peft_model`` of the base model built from its config (on the meta device for names, on the CPU to
+    merge), and which base-model names each of the base model's tensors had (by identity: peft keeps them)."""
     from peft import get_peft_model
 
     with torch.device(device):
         base = facts.fresh_model(base_config)
+    by_id: dict[int, list[str]] = {}
+    for name, t in base.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), []).append(name)
     try:
-        return get_peft_model(base, peft_config(config), adapter_name=adapter, autocast_adapter_dtype=False)
+        return get_peft_model(base, peft_config(config), adapter_name=adapter, autocast_adapter_dtype=False), by_id
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # peft's own refusals (targets the model lacks, ...)
         raise ConfigurationError(f"peft cannot apply this adapter config to the {base_config.get('model_type')} base model: "
                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
-def recognise(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) -> Adapters | None:
-    """The checkpoint's adapters, checked against peft's own model of them; None for a checkpoint without any."""
-    if not has_adapters(ckpt):
-        return None
+@dataclasses.dataclass(frozen=True)
+class PeftNames:
+    """The peft model's module names -> the logical checkpoint's (base module names, adapter-file keys)."""
+
+    model: torch.nn.Module  # on the meta device: parameter order and trainability
+    canonical: dict[str, str]
+    adapter_keys: frozenset[str]
+    frozen: tuple[str, ...]  # module names of the parameters peft leaves frozen
+
+
+def _key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def peft_names(base_config: dict[str, Any], config: dict[str, Any], adapter: str) -> PeftNames:
+    return _peft_names(_key(base_config), _key(config), adapter)
+
+
+@lru_cache(maxsize=8)
+def _peft_names(base_key: str, config_key: str, adapter: str) -> PeftNames:
+    from peft.utils import get_peft_model_state_dict
+
+    model, by_id = _peft_model(json.loads(base_key), json.loads(config_key), "meta", adapter)
+    state = model.state_dict(keep_vars=True)
+    probe = {n: torch.empty(0, device="meta") for n in state}
+    picked = get_peft_model_state_dict(model, state_dict=probe, adapter_name=adapter)
+    saved_as = {id(t): key for key, t in picked.items()}
+    canonical: dict[str, str] = {}
+    adapter_keys = set()
+    for name, t in state.items():
+        if id(t) in by_id:  # the base model's (peft may save some with the adapter too: embeddings, bias="all")
+            names = by_id[id(t)]  # a tied tensor has several: the one this module name ends with
+            canonical[name] = next((b for b in names if name.endswith("." + b)), names[0])
+        elif id(probe[name]) in saved_as:
+            canonical[name] = saved_as[id(probe[name])]
+            adapter_keys.add(canonical[name])
+        else:
+            raise ConversionError(f"peft's model holds {name}, which is neither a base-model tensor nor one peft saves")
+    frozen = tuple(canonical[n] for n, p in model.named_parameters() if not p.requires_grad)
+    return PeftNames(model, canonical, frozenset(adapter_keys), frozen)
+
+
+def read_as_adapter(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) -> LogicalCheckpoint:
+    """A checkpoint of a peft model (module names) as base model + adapter, checked against peft's own model of
+    it; the checkpoint itself when it holds no adapters."""
+    if not has_peft_names(ckpt):
+        return ckpt
     config = find_config(src, explicit_config)
     if config is None:
         raise ConfigurationError(
@@ -132,24 +191,29 @@ def recognise(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) ->
             f"{ADAPTER_CONFIG} lies beside it: pass peft's adapter config with --adapter-config (rank, alpha and target "
             "modules are not guessed)")
     base_config = _base_config(ckpt, config)
-    names = [n for n in ckpt.model if _ADAPTER.search(n)]
-    adapter = {_ADAPTER.search(n).group(2) for n in names}
+    adapter = {_ADAPTER.search(n).group(2) for n in ckpt.model if _ADAPTER.search(n)}
     if len(adapter) != 1:
-        raise ConversionError(f"{src}: {len(adapter)} adapters ({sorted(adapter)}); one adapter at a time is exported")
-    adapter_name = adapter.pop()
-    model = _peft_model(base_config, config, "meta", adapter_name)
-    expected = dict(model.state_dict(keep_vars=True))
+        raise ConversionError(f"{src}: {len(adapter)} adapters ({sorted(adapter)}); one adapter at a time is read")
+    name = adapter.pop()
+    peft = peft_names(base_config, config, name)
+    expected = dict(peft.model.state_dict(keep_vars=True))
     missing = [n for n in expected if n not in ckpt.model and not _tied_to_held(n, expected, ckpt)]
     extra = sorted(set(ckpt.model) - set(expected))
     if missing or extra:
         first = f"lacks {missing[0]!r} ({len(missing)} in all)" if missing else f"holds {extra[0]!r}, which it has no place for"
         raise ConversionError(f"{src}: the checkpoint is not this adapter config's peft model of its base model: peft's "
                               f"model {first}")
-    for name, param in expected.items():
-        if name in ckpt.model and tuple(ckpt.model[name].spec.shape) != tuple(param.shape):
-            raise ConversionError(f"{src}: {name} is {list(ckpt.model[name].spec.shape)}; peft's model with this adapter "
+    for key, param in expected.items():
+        if key in ckpt.model and tuple(ckpt.model[key].spec.shape) != tuple(param.shape):
+            raise ConversionError(f"{src}: {key} is {list(ckpt.model[key].spec.shape)}; peft's model with this adapter "
                                   f"config has {list(param.shape)} (another rank or base model)")
-    return Adapters(config, base_config, adapter_name, names)
+    renamed = ckpt.renamed({n: peft.canonical.get(n, n) for n in ckpt.names()})
+    held = sorted(n for n in renamed.model if n in peft.adapter_keys)
+    out = dataclasses.replace(renamed, config=base_config, frozen=list(peft.frozen), tied=[],
+                              adapter=AdapterState(json_config(config), name, held))
+    out = facts.in_stored_names(out)
+    out.tied = facts.tied_groups(base_config)
+    return out
 
 
 def _tied_to_held(name: str, expected: dict[str, torch.Tensor], ckpt: LogicalCheckpoint) -> bool:
@@ -157,55 +221,123 @@ def _tied_to_held(name: str, expected: dict[str, torch.Tensor], ckpt: LogicalChe
     return any(other is expected[name] and other_name in ckpt.model for other_name, other in expected.items())
 
 
-def adapter_state(ckpt: LogicalCheckpoint, adapters: Adapters) -> dict[str, torch.Tensor]:
-    """What peft's save_pretrained writes, under its names (peft's get_peft_model_state_dict): the adapters, and
-    what else peft saves with them (modules_to_save, embedding layers). Asked with placeholders first, so only the
-    tensors peft picks are read."""
+def in_peft_names(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
+    """``ckpt`` (the base model under its module names, the adapter under its file keys) under the peft model's
+    module names, as an engine saves a peft model; itself without adapters."""
+    if ckpt.adapter is None:
+        return ckpt
+    peft = engine_names(ckpt)
+    back = {c: n for n, c in peft.canonical.items()}
+    unknown = sorted(n for n in ckpt.names() if n not in back)
+    if unknown:
+        raise ConversionError(f"{unknown[0]!r} has no place in the peft model of this adapter config "
+                              f"({summary(ckpt.adapter)})")
+    return ckpt.renamed(back)
+
+
+def engine_names(ckpt: LogicalCheckpoint) -> PeftNames:
+    if ckpt.config is None:
+        raise ConfigurationError("a checkpoint with peft adapters needs its base model's config: pass --config")
+    return peft_names(ckpt.config, ckpt.adapter.config, ckpt.adapter.name)
+
+
+def engine_model(ckpt: LogicalCheckpoint) -> torch.nn.Module | None:
+    """The model an engine trains for ``ckpt`` (names and order of its parameters): peft's model of its adapter,
+    or the base model; on the meta device, shared, read only."""
+    if ckpt.adapter is not None:
+        return engine_names(ckpt).model
+    return facts.meta_model(ckpt.config)
+
+
+def with_adapter_dir(ckpt: LogicalCheckpoint, directory: str, src: str) -> LogicalCheckpoint:
+    """A base model and peft's adapter directory for it (``--adapter DIR``), as one checkpoint to train on: what
+    ``PeftModel.from_pretrained(base, DIR)`` builds, checked against peft's model of that adapter config."""
+    from interop.safetensors_io import read_hf_safetensors
+
+    if ckpt.adapter is not None or has_peft_names(ckpt):
+        raise ConfigurationError(f"--adapter {directory}: {src} already holds peft adapters")
+    if not os.path.isfile(os.path.join(directory, ADAPTER_CONFIG)):
+        raise ConfigurationError(f"--adapter {directory}: no {ADAPTER_CONFIG} there (a peft adapter directory holds "
+                                 f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    config = find_config(directory, directory)
+    held = read_hf_safetensors(directory, "adapter_model")
+    if held is None:
+        raise ConfigurationError(f"--adapter {directory}: no {ADAPTER_WEIGHTS} there (a peft adapter directory holds "
+                                 f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    base_config = _base_config(ckpt, config)
+    name = "default"  # peft's name for an adapter loaded without one
+    peft = peft_names(base_config, config, name)
+    expected = {peft.canonical[n]: tuple(t.shape) for n, t in peft.model.state_dict(keep_vars=True).items()
+                if peft.canonical[n] in peft.adapter_keys}
+    for key, t in held.items():
+        if key not in expected:
+            raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: {key!r} is no tensor of peft's model of "
+                                  f"this adapter config on the {base_config.get('model_type')} base model")
+        if tuple(t.spec.shape) != expected[key]:
+            raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: {key} is {list(t.spec.shape)}; peft's "
+                                  f"model with this adapter config has {list(expected[key])}")
+    missing = sorted(set(expected) - set(held))
+    if missing:
+        raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: lacks {missing[0]!r} ({len(missing)} in all)")
+    clash = sorted(set(held) & set(ckpt.model))
+    if clash:
+        raise ConversionError(f"{src}: holds {clash[0]!r}, a name of the adapter's")
+    frozen = [n for n in facts.in_stored_names(dataclasses.replace(ckpt, model={}, frozen=list(peft.frozen))).frozen]
+    return dataclasses.replace(ckpt, model={**ckpt.model, **held}, optimizer=None, frozen=frozen,
+                               adapter=AdapterState(json_config(config), name, sorted(held)),
+                               notes=[*ckpt.notes, f"adapters from {directory} ({len(held)} tensors) on the base model from {src}"])
+
+
+def adapter_state(ckpt: LogicalCheckpoint) -> dict[str, torch.Tensor]:
+    """What peft's save_pretrained writes, under its names (peft's own get_peft_model_state_dict, asked with
+    placeholders so only the tensors it picks are read): the adapter, and the base tensors peft saves with it
+    (embedding layers of an adapted embedding, biases it trains)."""
     from peft.utils import get_peft_model_state_dict
 
-    model = _peft_model(adapters.base_config, adapters.config, "meta", adapters.adapter)
-    probe = {n: torch.empty(0, device="meta") for n in ckpt.model}
-    picked = get_peft_model_state_dict(model, state_dict=probe, adapter_name=adapters.adapter)
+    modules = in_peft_names(facts.in_module_names(dataclasses.replace(ckpt, optimizer=None)))
+    probe = {n: torch.empty(0, device="meta") for n in modules.model}
+    picked = get_peft_model_state_dict(engine_names(ckpt).model, state_dict=probe, adapter_name=ckpt.adapter.name)
     source = {id(t): n for n, t in probe.items()}
     out = {}
     for key, t in picked.items():
         if id(t) not in source:
             raise ConversionError(f"peft's adapter state holds {key!r}, which is none of the checkpoint's tensors; not exported")
-        out[key] = ckpt.model[source[id(t)]].load()
+        out[key] = modules.model[source[id(t)]].load()
     return out
 
 
-def merged(ckpt: LogicalCheckpoint, adapters: Adapters) -> LogicalCheckpoint:
+def merged(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
     """The base model with the adapters merged in, by peft's own merge_and_unload, as a checkpoint of the base
-    model (module names; frozen base and adapters become one set of weights, no optimizer state)."""
-    model = _peft_model(adapters.base_config, adapters.config, "cpu", adapters.adapter)
-    state = {n: t.load() for n, t in ckpt.model.items()}
-    result = model.load_state_dict(state, strict=False)
+    model (universal's names; frozen base and adapters become one set of weights, no optimizer state)."""
+    adapter = ckpt.adapter
+    model, _ = _peft_model(ckpt.config, adapter.config, "cpu", adapter.name)
+    modules = in_peft_names(facts.in_module_names(dataclasses.replace(ckpt, optimizer=None)))
+    result = model.load_state_dict({n: t.load() for n, t in modules.model.items()}, strict=False)
     expected = dict(model.state_dict(keep_vars=True))
-    missing = [k for k in result.missing_keys if not _tied_to_held(k, expected, ckpt)]
+    missing = [k for k in result.missing_keys if not _tied_to_held(k, expected, modules)]
     if missing or result.unexpected_keys:
         raise ConversionError(f"peft's model does not take the checkpoint: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
     base = model.merge_and_unload()
-    out = {n: LazyTensor.of(t.detach()) for n, t in base.state_dict().items()}
-    note = (f"adapters merged by peft's merge_and_unload ({adapters.summary()}); the optimizer state of the adapters "
+    note = (f"adapters merged by peft's merge_and_unload ({summary(adapter)}); the optimizer state of the adapters "
             "is not part of a merged model")
-    return LogicalCheckpoint(model=out, config=adapters.base_config, source=dict(ckpt.source), step=ckpt.step,
-                             notes=[*ckpt.notes, note])
+    out = LogicalCheckpoint(model={n: LazyTensor.of(t.detach()) for n, t in base.state_dict().items()}, config=ckpt.config,
+                            source=dict(ckpt.source), step=ckpt.step, notes=[*ckpt.notes, note])
+    out = facts.in_stored_names(out)
+    out.tied = facts.tied_groups(ckpt.config)
+    return out
 
 
-def write_peft(ckpt: LogicalCheckpoint, adapters: Adapters, dst: str, overwrite: bool) -> None:
+def write_peft(ckpt: LogicalCheckpoint, dst: str, overwrite: bool) -> None:
     """peft's adapter directory: adapter_config.json and adapter_model.safetensors, what
     ``PeftModel.from_pretrained(base, dst)`` loads."""
     from interop.commit import staged_output
     from safetensors.torch import save_file
 
-    state = adapter_state(ckpt, adapters)
+    state = adapter_state(ckpt)
     if not state:
-        raise ConversionError("peft names none of the checkpoint's adapter tensors; nothing to write")
+        raise ConversionError("the checkpoint's adapter holds no tensors; nothing to write")
     with staged_output(dst, overwrite) as out:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(out, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump({**adapters.config, "inference_mode": True}, f, indent=2, sort_keys=True)
+            json.dump({**ckpt.adapter.config, "inference_mode": True}, f, indent=2, sort_keys=True)
     log.info("wrote peft adapter directory %s (%d tensors)", dst, len(state))
-
-

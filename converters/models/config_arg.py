@@ -47,10 +47,10 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) -> None:
     """Give ``ckpt`` the config ``--config`` named, after checking it describes the checkpoint's model (a peft
-    model's checkpoint is checked against peft's model of it when its adapters are used: adapters.recognise)."""
-    from .adapters import has_adapters
+    model's checkpoint is checked against peft's model of it when it is read as base + adapter: adapters.read_as_adapter)."""
+    from .adapters import has_peft_names
 
-    if has_adapters(ckpt):
+    if has_peft_names(ckpt):
         ckpt.config = dict(config)
         return
     try:

@@ -213,6 +213,11 @@ def _converters(key: str) -> list[Any]:
     return [t for t in get_model_conversion_mapping(_facts(key)[1]) if isinstance(t, WeightConverter)]
 
 
+def _adapter_names(ckpt: LogicalCheckpoint) -> set[str]:
+    """A peft adapter's tensors: named as peft's adapter file names them, which transformers' renaming does not touch."""
+    return set(ckpt.adapter.tensors) if ckpt.adapter is not None else set()
+
+
 def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     """``ckpt`` (universal's names) under the module's names, as engine formats store them: keys renamed, and
     the keys transformers fuses (MoE experts) fused into their module tensors, with their optimizer state."""
@@ -221,7 +226,7 @@ def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
         return ckpt
     key = _key(config)
     to_module, _ = _renamers(key)
-    names = sorted(ckpt.names())
+    names = sorted(ckpt.names() - _adapter_names(ckpt))
     plans = fusion.plan(names, to_module, _converters(key))
     fused = {n for p in plans for n in p.names}
     renamed = ckpt.renamed({n: m for n, m in module_names(config, names).items() if n not in fused})
@@ -254,5 +259,5 @@ def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
             reverse = next(r for r in reversed_ if pattern in r.source_patterns)
             splits.append(fusion.plan_split(name, reverse, ckpt.model[name].spec, to_stored, meta))
     fused = {s.source for s in splits}
-    renamed = ckpt.renamed({n: to_stored(n) for n in ckpt.names() if n not in fused})
+    renamed = ckpt.renamed({n: to_stored(n) for n in ckpt.names() - _adapter_names(ckpt) if n not in fused})
     return fusion.split(renamed, splits, meta)
