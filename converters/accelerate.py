@@ -40,6 +40,7 @@ from interop.universal import model_entries, scalar_value, split_optimizer_state
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, RNG, rank_rng_states, write_engine_checkpoint
+from .models.adapters import has_peft_names, peft_model_near
 from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
@@ -146,13 +147,14 @@ def _param_names(directory: str, manifest: Manifest | None, config, model: dict,
     recorded = ((manifest.optimizer or {}) if manifest else {}).get("param_names")
     if recorded:
         return recorded
-    meta = meta_model(config)
+    # a peft model's optimizer holds its trainable parameters (the adapters): peft's model of it says which
+    meta = peft_model_near(directory, config, list(model)) if has_peft_names(LogicalCheckpoint(model=model)) else meta_model(config)
     if meta is None:
         raise ConversionError(
             f"{directory}: optimizer.bin keeps parameters by position only, and there is no config.json to tell "
             "their names; pass the model's config with --config CONFIG.json (or the model's directory)"
         )
-    named = [(n, tuple(p.shape)) for n, p in meta.named_parameters() if n in model]
+    named = [(n, tuple(p.shape)) for n, p in meta.named_parameters() if n in model and p.requires_grad]
     sizes = [len(g["params"]) for g in groups]
     if len(groups) == 1 and sizes[0] == len(named):
         return [[n for n, _ in named]]

@@ -66,7 +66,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters", "adapter_config")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters", "adapter_config", "base_model")},
         config=load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -250,7 +250,7 @@ def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: reg
     """A source with peft adapters goes to peft's adapter directory, or merged into the base model (--merge-adapters),
     or whole (base, adapter and the adapter's optimizer state) to a target that keeps a peft model's state; a Hugging
     Face model directory cannot hold the adapters apart (from_pretrained would initialise every adapted weight at
-    random), so --to hf alone is refused offering both."""
+    random), so --to hf alone is refused offering both (the registry's writers that have no place for adapters)."""
     if ckpt.adapter is None:
         if target.name == "peft" or args.merge_adapters:
             raise ConfigurationError(f"{'--to peft' if target.name == 'peft' else '--merge-adapters'}: {args.src} holds no peft adapters")
@@ -260,11 +260,6 @@ def _adapters_for(ckpt: LogicalCheckpoint, args: argparse.Namespace, target: reg
                                  "adapters apart: choose one")
     if args.merge_adapters:
         return adapter_models.merged(ckpt)
-    if target.name == "hf":
-        raise ConfigurationError(
-            f"{args.src} holds peft adapters ({adapter_models.summary(ckpt.adapter)}): --to {target.name} would write peft's "
-            "module names that from_pretrained does not load; use --to peft (the adapter directory PeftModel.from_pretrained "
-            f"loads) or --to {target.name} --merge-adapters (the base model with the adapters merged in)")
     return ckpt
 
 
@@ -358,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
     p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
     p.add_argument("--adapter-config", metavar="PATH", help="peft's adapter_config.json (or its directory), for adapters without one beside them")
+    p.add_argument("--base-model", metavar="DIR", help="the base model a Trainer checkpoint of a peft model was trained on (it holds the adapter only)")
 
     p = add("verify", cmd_verify, "check a committed checkpoint: every file present, sizes and digests match")
     p.add_argument("path", help="checkpoint directory (or a root whose 'latest' names one)")
@@ -401,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "beside the checkpoint")
     g.add_argument("--adapter", metavar="DIR", help="peft's adapter directory (adapter_config.json, adapter_model.safetensors) "
                    "to put on the source's base model: the run continues fine-tuning it (written with the base frozen)")
+    g.add_argument("--base-model", metavar="DIR", help="the Hugging Face base model a Trainer checkpoint of a peft model "
+                   "was trained on (transformers saves the adapter only)")
     g.add_argument("--merge-adapters", action="store_true", help="merge the adapters into the base model (peft's "
                    "merge_and_unload) and write the base model")
     g = p.add_argument_group("Megatron")

@@ -285,7 +285,12 @@ def write_ds_universal(
             save_torch(states, os.path.join(out, tag, name))
         with open(os.path.join(out, LATEST), "w", encoding="utf-8") as f:
             f.write(tag)
-        return Written(at=tag)
+        notes = []
+        if order.frozen:  # a LoRA run's whole base model, or a --freeze run's frozen part
+            notes.append(f"DeepSpeed's load_universal restores no frozen parameter: the {len(order.frozen)} frozen tensors "
+                         f"(e.g. {order.frozen[0]}) are kept here for readers only, so the loading run must build them "
+                         "itself (from the same base model); --to deepspeed writes them where DeepSpeed's own load takes them")
+        return Written(notes=notes, at=tag)
 
     sharding = ShardingMetadata(strategy=Strategy.ZERO, world_size=int(ckpt.source.get("world_size") or 1),
                                 precision=ckpt.source.get("dtype") or "float32", master_precision="float32")

@@ -27,7 +27,7 @@ from typing import Any
 
 
 from interop.commit import resolve_checkpoint_dir
-from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
+from interop.errors import ConfigurationError, ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint
 from interop.manifest import Manifest
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
@@ -35,13 +35,12 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.jsonio import read_json
 from interop.safetensors_io import read_hf_safetensors
-from interop.tensors import LazyTensor
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
 from .models.facts import in_module_names, in_stored_names, tied_groups
-from .models.adapters import ADAPTER_CONFIG, adapter_state, has_peft_names, in_peft_names
+from .models.adapters import ADAPTER_CONFIG, has_peft_names, in_peft_names, write_adapter_files
 from .param_order import EngineOrder, engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
@@ -63,7 +62,9 @@ def is_hf_trainer_checkpoint(path: str) -> bool:
         directory = locate(path)
     except Exception:  # detection never raises
         return False
-    return all(os.path.isfile(os.path.join(directory, f)) for f in (TRAINER_STATE, "config.json"))
+    # a peft model's Trainer checkpoint holds Trainer.save_model's adapter directory instead of the model
+    return os.path.isfile(os.path.join(directory, TRAINER_STATE)) and (
+        os.path.isfile(os.path.join(directory, "config.json")) or os.path.isfile(os.path.join(directory, ADAPTER_CONFIG)))
 
 
 def screen_trainer_checkpoint(directory: str, trust_pickle: bool = False) -> None:
@@ -91,15 +92,34 @@ def rng_to_hf(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
+def _adapter_only(directory: str, base_model: str | None, trust_pickle: bool) -> tuple[dict[str, Any], dict]:
+    """A Trainer checkpoint of a peft model as transformers writes it: Trainer.save_model saved the adapter only
+    (adapter_config.json, adapter_model.safetensors), so the base model comes from ``--base-model``; the config
+    and the whole peft model's tensors under its module names, as the engines save a peft model."""
+    from . import hf
+    from .models.adapters import with_adapter_dir
+    from .models.facts import in_module_names as module_names_of
+
+    if not base_model:
+        raise ConfigurationError(f"{directory}: a Trainer checkpoint of a peft model holds the adapter only ({ADAPTER_CONFIG}, "
+                                 "adapter_model.safetensors); pass the base model it trained with --base-model DIR")
+    base = hf.read_hf(base_model, trust_pickle)
+    whole = in_peft_names(module_names_of(with_adapter_dir(base, directory, base_model)))
+    return whole.config, whole.model
+
+
+def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = True, base_model: str | None = None) -> LogicalCheckpoint:
     directory = locate(path)
     manifest, owner = owning_checkpoint(directory, NATIVE_KEY, verify_digests)
-    config = read_json(os.path.join(directory, "config.json"), "model config")
     trainer_state = read_json(os.path.join(directory, TRAINER_STATE), "Trainer state")
     step = trainer_state.get("global_step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CorruptCheckpointError(os.path.join(directory, TRAINER_STATE), f"global_step is {step!r}, not a step number")
     model = read_hf_safetensors(directory)
+    if not model and not os.path.isfile(os.path.join(directory, "config.json")):
+        config, model = _adapter_only(directory, base_model, trust_pickle)
+    else:
+        config = read_json(os.path.join(directory, "config.json"), "model config")
     if not model:
         raise MissingFileError(os.path.join(directory, "model.safetensors"), "no model weights in the Trainer checkpoint")
     # optimizer.pt numbers the module's parameters: read it under the module's names, then all in universal's (a
@@ -132,6 +152,14 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     return ckpt
 
 
+def _trainer_view(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, EngineOrder, EngineOrder]:
+    """The checkpoint under the module's (a peft model's) names, its parameter order, and that order with the
+    param groups Trainer makes."""
+    module = in_peft_names(in_module_names(ckpt))
+    order = engine_order(module)
+    return module, order, trainer_groups(order, module)
+
+
 def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     """The files ``Trainer._save_checkpoint`` writes for one process; returns notes."""
     import transformers
@@ -145,19 +173,16 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     # Trainer.train(resume_from_checkpoint=...) loads it with load_state_dict(strict=False), which would leave
     # any tensor save_pretrained names otherwise (a MoE model's per-expert tensors) as initialised, silently;
     # from_pretrained takes the module's names as well
-    module = in_peft_names(in_module_names(ckpt))
-    order = trainer_groups(engine_order(module), module)
+    module, source_order, order = _trainer_view(ckpt)
     write_sharded(directory, "", "model", model_entries(module), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config, f, indent=2)
     if ckpt.adapter is not None:  # what Trainer's save_model writes for a peft model, for peft's loaders
-        write_sharded(directory, "", "adapter_model", {k: LazyTensor.of(v) for k, v in adapter_state(ckpt).items()}, sys.maxsize, hashed=False)
-        with open(os.path.join(directory, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump(ckpt.adapter.config, f, indent=2, sort_keys=True)
+        write_adapter_files(ckpt, directory)
     save_torch(torch_optimizer_state(module, order), os.path.join(directory, OPTIM_PT))
     scheduler = component_state(ckpt, SCHEDULER)
     if scheduler is not None:
-        save_torch(_with_groups(scheduler, len(engine_order(module).groups), len(order.groups)), os.path.join(directory, SCHEDULER_PT))
+        save_torch(_with_groups(scheduler, len(source_order.groups), len(order.groups)), os.path.join(directory, SCHEDULER_PT))
     states = rank_rng_states(ckpt, 1)
     if states is None:
         notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
@@ -193,9 +218,9 @@ def save_peft_whole(model: Any, directory: str) -> None:
     from safetensors.torch import save_file
 
     seen, state = set(), {}
-    for name, t in model.state_dict().items():  # a tied tensor once, as save_pretrained keeps it
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+    for name, t in model.state_dict(keep_vars=True).items():  # a tied parameter once, as save_pretrained keeps it
+        if id(t) not in seen:
+            seen.add(id(t))
             state[name] = t.detach().contiguous()
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     base = model.get_base_model()
@@ -218,7 +243,7 @@ def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False)
     resumes from ``dst`` with the data position and trainer progress beside it."""
     import transformers
 
-    order = trainer_groups(engine_order(in_peft_names(in_module_names(ckpt))), in_peft_names(in_module_names(ckpt)))
+    order = _trainer_view(ckpt)[2]
     sharding = ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=ckpt.source.get("dtype") or "float32")
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
     return write_engine_checkpoint(

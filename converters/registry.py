@@ -129,8 +129,9 @@ def _no_adapters(name: str, write):
         if ckpt.adapter is not None:
             from .models.adapters import summary
 
-            raise ConfigurationError(f"--to {name} has no place for peft adapters ({summary(ckpt.adapter)}): --to peft writes "
-                                     f"the adapters apart, --to {name} --merge-adapters the base model with them merged in")
+            raise ConfigurationError(f"{name} has no place for peft adapters ({summary(ckpt.adapter)}), and its loaders would not "
+                                     f"take the peft model's names: interop convert SRC DST --to peft writes the adapters apart, "
+                                     f"--to {name} --merge-adapters the base model with them merged in")
         write(ckpt, dst, o)
     return wrapped
 
@@ -386,7 +387,7 @@ register(  # before "hf": a Trainer checkpoint directory is also a model directo
         "hf-trainer",
         "transformers Trainer checkpoint (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json)",
         hf_trainer.is_hf_trainer_checkpoint,
-        lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests),
+        lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests, o.extra.get("base_model")),
         lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
         loads_with="Trainer(...).train(resume_from_checkpoint='{dst}')",
         holds_adapters=True,  # a peft model's whole state in model.safetensors (Trainer loads it), its adapter beside

@@ -274,6 +274,9 @@ class CheckpointManager:
             directory = resolve_checkpoint_dir(os.path.abspath(path or self.root))
             manifest = read_manifest(directory)
             check_against_manifest(directory, manifest, verify, share=(rank, self.collective.world_size))
+            accepts = getattr(self.provider, "check_checkpoint", None)  # the trainer's own say (the model it built)
+            if accepts is not None:
+                accepts(directory, manifest, shown_as or directory)
         except Exception as exc:  # noqa: BLE001
             error, own_exc = describe_error(exc), exc
         self.agree(error, failure=LoadFailedError, what="load", own=own_exc)

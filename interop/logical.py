@@ -111,8 +111,16 @@ class LogicalCheckpoint:
                 {k: {name(n): t for n, t in per.items()} for k, per in opt.tensors.items()},
                 {k: {name(n): v for n, v in per.items()} for k, per in opt.scalars.items()},
             )
+        model = {name(n): t for n, t in self.model.items()}
+        if len(model) != len(self.model):
+            from collections import Counter
+
+            from .errors import ConversionError
+
+            twice = next(n for n, c in Counter(map(name, self.model)).items() if c > 1)
+            raise ConversionError(f"two of the checkpoint's tensors would both be named {twice!r}")
         adapter = self.adapter and replace(self.adapter, tensors=[name(n) for n in self.adapter.tensors])
-        return replace(self, model={name(n): t for n, t in self.model.items()}, optimizer=opt, adapter=adapter,
+        return replace(self, model=model, optimizer=opt, adapter=adapter,
                        tied=[[name(n) for n in group] for group in self.tied], frozen=[name(n) for n in self.frozen])
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:

@@ -296,13 +296,20 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
     adapter = None
     if model_meta.get("adapter"):
         section = model_meta["adapter"]
-        held = read_hf_safetensors(os.path.join(directory, ADAPTER_DIR), "adapter_model") or {}
+        if not isinstance(section["config"], str):
+            raise CorruptCheckpointError(os.path.join(directory, "manifest.json"), "model.adapter.config must name the "
+                                         f"adapter's {ADAPTER_CONFIG} file")
+        held = read_hf_safetensors(os.path.join(directory, ADAPTER_DIR), "adapter_model")
+        if held is None:
+            raise CorruptCheckpointError(os.path.join(directory, ADAPTER_DIR, "adapter_model.safetensors"),
+                                         "missing: the manifest records an adapter")
         _attach_digests(held, manifest, lambda name: name, directory)
         clash = sorted(set(held) & set(model))
         if clash:
             raise CorruptCheckpointError(directory, f"tensor {clash[0]!r} is both in model/ and in {ADAPTER_DIR}/")
         model.update(held)
-        adapter = AdapterState(read_json(inside(directory, section["config"]), "adapter config"), section["name"], list(held))
+        path = inside(directory, section["config"])
+        adapter = AdapterState(checked_adapter_config(read_json(path, "adapter config"), path), section["name"], list(held))
     return LogicalCheckpoint(
         model=model,
         config=config,
@@ -316,6 +323,14 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
         notes=list(manifest.notes),
         adapter=adapter,
     )
+
+
+def checked_adapter_config(config: Any, where: str) -> dict[str, Any]:
+    """peft's adapter config as a checkpoint holds it (adapter_config.json, or our manifest's record): an object
+    naming its peft type, refused naming ``where`` otherwise."""
+    if not isinstance(config, dict) or not isinstance(config.get("peft_type"), str):
+        raise CorruptCheckpointError(where, "is not peft's adapter config (an object with its peft_type)")
+    return config
 
 
 def _attach_digests(tensors: dict[str, LazyTensor], manifest: Manifest, key_of: Callable[[str], str], directory: str) -> None:

@@ -263,7 +263,9 @@ def verify_checkpoint(directory: str, digests: bool = True, progress: Callable |
         for base in comp.pieces.values():
             if base + ".json" not in manifest.files:
                 problems.append(CorruptCheckpointError(os.path.join(directory, base) + ".json", f"piece of component {key!r} not listed in the manifest"))
-    for key in (manifest.model or {}).get("config"), (manifest.optimizer or {}).get("groups"):
+    named = ((manifest.model or {}).get("config"), ((manifest.model or {}).get("adapter") or {}).get("config"),
+             (manifest.optimizer or {}).get("groups"))
+    for key in named:
         if isinstance(key, str) and key not in manifest.files:
             problems.append(CorruptCheckpointError(os.path.join(directory, key), "named by the manifest but not listed in its files"))
     return manifest, list(dict.fromkeys(str(p) for p in problems))

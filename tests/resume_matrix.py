@@ -100,7 +100,7 @@ def _lora(layout: Layout) -> Layout:
     return replace(layout, key=f"{layout.key}@lora", label=f"{layout.label}, LoRA", flags=layout.flags + LORA_FLAGS)
 
 
-LORA_SOURCES: dict[str, Layout] = {m.key: m for m in map(_lora, (SOURCES["ds-z3"], SOURCES["fsdp2"], SOURCES["ddp"]))}
+LORA_SOURCES: dict[str, Layout] = {m.key: m for m in map(_lora, (SOURCES["ds-z1"], SOURCES["ds-z3"], SOURCES["fsdp2"], SOURCES["ddp"]))}
 LORA_TARGETS: dict[str, Layout] = {m.key: m for m in map(_lora, (TARGETS["ds-z2"], TARGETS["ds-z3"], TARGETS["fsdp2"], TARGETS["ddp"], HF_TRAINER))}
 ALL_SOURCES = {**SOURCES, **MOE_SOURCES, **LORA_SOURCES}
 ALL_TARGETS = {**TARGETS, **MOE_TARGETS, **LORA_TARGETS}

@@ -111,10 +111,9 @@ def test_what_cannot_be_done_is_refused_in_one_line(lora_runs, cli, tmp_path):
     done = cli("convert", src, tmp_path / "hf", "--to", "hf", "--config", root / "base")
     assert done.returncode == 2 and not (tmp_path / "hf").exists()
     assert done.stderr.strip().splitlines()[-1] == (
-        f"interop convert: error: {src} holds peft adapters (LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], "
-        "dropout=0.0, 8 adapter tensors): --to hf would write peft's module names that from_pretrained does not load; use "
-        "--to peft (the adapter directory PeftModel.from_pretrained loads) or --to hf --merge-adapters (the base model "
-        "with the adapters merged in)")
+        "interop convert: error: hf has no place for peft adapters (LORA 'default': r=4, alpha=8, targets=['q_proj', "
+        "'v_proj'], dropout=0.0, 8 adapter tensors), and its loaders would not take the peft model's names: interop convert "
+        "SRC DST --to peft writes the adapters apart, --to hf --merge-adapters the base model with them merged in")
     report = cli("inspect", src, "--config", root / "base")
     assert "adapters:  LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors" in report.stdout
 
@@ -122,7 +121,7 @@ def test_what_cannot_be_done_is_refused_in_one_line(lora_runs, cli, tmp_path):
     shutil.copytree(src, bare, ignore=shutil.ignore_patterns("adapter_*"))
     done = cli("convert", bare, tmp_path / "x", "--to", "peft", "--config", root / "base")
     assert done.returncode == 2 and not (tmp_path / "x").exists()
-    assert "holds peft adapters (e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight) but no " \
+    assert "holds peft adapters (e.g. base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight) but no " \
         "adapter_config.json lies beside it: pass peft's adapter config with --adapter-config" in done.stderr, done.stderr
     assert cli("convert", bare, tmp_path / "x", "--to", "peft", "--adapter-config", src / "adapter_config.json", "--config", root / "base").returncode == 0
 
@@ -151,7 +150,7 @@ def test_what_cannot_be_done_is_refused_in_one_line(lora_runs, cli, tmp_path):
 def test_a_tied_head_is_one_tensor_to_peft_too(tmp_path):
     """A base model with a tied head (Llama with tie_word_embeddings): engines save the embedding once, so peft's
     model's lm_head is the embedding the checkpoint holds; recognised, and merged exactly as peft merges it."""
-    from converters.models import adapters
+    from converters.models import adapters, facts
     from interop.logical import LogicalCheckpoint
     from interop.tensors import LazyTensor
 
@@ -169,6 +168,40 @@ def test_a_tied_head_is_one_tensor_to_peft_too(tmp_path):
     merged = adapters.merged(ckpt)
     theirs = model.merge_and_unload().state_dict()
     assert {k: bool(torch.equal(merged.model[k].load(), t)) for k, t in theirs.items()} == {k: True for k in theirs}
+
+    # LoRA on the tied head itself: its base_layer is the embedding's tensor, still named lm_head (peft's module says
+    # so), and the engines' names come back whole
+    on_head = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
+    on_head.save_pretrained(tmp_path / "head")
+    state = {k: LazyTensor.of(v.clone()) for k, v in on_head.state_dict().items()}
+    ckpt = adapters.read_as_adapter(LogicalCheckpoint(model=dict(state), config=config.to_dict()), str(tmp_path / "head"), None)
+    assert "lm_head.weight" in ckpt.model and "model.embed_tokens.weight" in ckpt.model
+    assert sorted(adapters.in_peft_names(facts.in_module_names(ckpt)).model) == sorted(state)
+    theirs = on_head.merge_and_unload().state_dict()
+    merged = adapters.merged(ckpt)
+    assert {k: bool(torch.equal(merged.model[k].load(), t)) for k, t in theirs.items() if k in merged.model} == \
+        {k: True for k in theirs if k in merged.model}
+
+
+def test_a_run_that_trained_base_tensors_beside_its_adapters_is_refused(tmp_path):
+    """peft's model keeps the base frozen; a run that also trained a base tensor (its optimizer holds it) would lose
+    that state if written as peft's model: refused naming the tensor."""
+    from converters.models import adapters
+    from interop.errors import ConversionError
+    from interop.logical import LogicalCheckpoint, OptimizerState
+    from interop.tensors import LazyTensor
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "run")
+    state = {k: LazyTensor.of(v.clone()) for k, v in model.state_dict().items()}
+    trained = [n for n, p in model.named_parameters() if p.requires_grad] + ["base_model.model.model.norm.weight"]
+    optimizer = OptimizerState("AdamW", [{"params": trained, "lr": 1e-3}], {"exp_avg": {n: state[n] for n in trained}})
+    with pytest.raises(ConversionError, match=r"the run trained 'model.norm.weight' \(1 base tensors in all\), which this "
+                       "adapter config's peft model keeps frozen"):
+        adapters.read_as_adapter(LogicalCheckpoint(model=state, config=config.to_dict(), optimizer=optimizer), str(tmp_path / "run"), None)
 
 
 def test_embedding_adapters_and_modules_to_save_are_exported_as_peft_saves_them(tmp_path):
@@ -228,14 +261,15 @@ def test_universal_holds_the_frozen_base_model_and_peft_adapter_directory(lora_r
     report = cli("inspect", u)
     assert "adapters:  LORA 'default': r=4, alpha=8, targets=['q_proj', 'v_proj'], dropout=0.0, 8 adapter tensors" in report.stdout
 
-    ds, back = tmp_path / "ds", tmp_path / "back"
-    assert cli("convert", u, ds, "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2").returncode == 0
-    assert cli("convert", ds, back, "--to", "universal").returncode == 0
-    same = cli("diff", u, back)
-    assert same.returncode == 0 and "0 different; 0 only in A, 0 only in B" in same.stdout, same.stdout
+    for target in (["deepspeed", "--world-size", "2", "--zero-stage", "2"], ["dcp"]):
+        there, back = tmp_path / target[0], tmp_path / f"{target[0]}-back"
+        assert cli("convert", u, there, "--to", *target).returncode == 0
+        assert cli("convert", there, back, "--to", "universal").returncode == 0
+        same = cli("diff", u, back)
+        assert same.returncode == 0 and "0 different; 0 only in A, 0 only in B" in same.stdout, (target, same.stdout)
     done = cli("convert", u, tmp_path / "mcore", "--to", "megatron")
     assert done.returncode == 2 and not (tmp_path / "mcore").exists()
-    assert "--to megatron has no place for peft adapters (LORA 'default': r=4" in done.stderr, done.stderr
+    assert "megatron has no place for peft adapters (LORA 'default': r=4" in done.stderr, done.stderr
 
 
 def test_a_base_model_and_a_peft_adapter_directory_continue_fine_tuning_in_deepspeed(cli, tmp_path):
@@ -318,3 +352,104 @@ def test_dora_magnitudes_travel_with_their_adapter(tmp_path):
 
     ours, theirs = load_file(tmp_path / "p" / "adapter_model.safetensors"), get_peft_model_state_dict(model)
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_trainer_checkpoint_of_a_lora_run_is_read_with_its_base_model(tmp_path, cli):
+    """transformers' Trainer on a peft model saves the adapter only (Trainer.save_model -> adapter_config.json,
+    adapter_model.safetensors) beside optimizer.pt, which numbers the trainable parameters. Read with --base-model:
+    the adapters are the saved ones, each Adam moment is the Trainer's own for that adapter tensor (matched by the
+    live optimizer's parameter objects), the base is frozen; without --base-model, one line says what to pass."""
+    from safetensors.torch import load_file
+
+    from trainers.base import tiny_config
+
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    rows = [{"input_ids": (torch.arange(16) * (i + 3)) % 256, "labels": (torch.arange(16) * (i + 3)) % 256} for i in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                                          save_steps=2, save_strategy="steps", logging_strategy="no", report_to=[],
+                                          use_cpu=True, learning_rate=1e-2, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_model.safetensors").exists()
+
+    done = cli("inspect", ckpt)
+    assert done.returncode == 2 and "holds the adapter only (adapter_config.json, adapter_model.safetensors); pass the " \
+        "base model it trained with --base-model DIR" in done.stderr, done.stderr
+    u = tmp_path / "u"
+    done = cli("convert", ckpt, u, "--to", "universal", "--base-model", tmp_path / "base")
+    assert done.returncode == 0, done.stderr
+    saved, ours = load_file(ckpt / "adapter_model.safetensors"), load_file(u / "adapter" / "adapter_model.safetensors")
+    assert sorted(saved) == sorted(ours) and all(torch.equal(saved[k], ours[k]) for k in saved)
+    moments = load_file(u / "optimizer" / "exp_avg.safetensors")
+    names = {p: n for n, p in model.named_parameters()}
+    live = {names[p]: s["exp_avg"] for p, s in trainer.optimizer.state.items()}
+    assert len(live) == 8 and sorted(moments) == sorted(saved)
+    for key, moment in moments.items():  # base_model.model.X.lora_A.weight is the module's X.lora_A.default.weight
+        module_name = key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+        assert torch.equal(moment, live[module_name]), key
+    manifest = json.loads((u / "manifest.json").read_text())
+    assert len(manifest["model"]["frozen"]) == 21 and manifest["step"] == 2
+
+
+def test_a_lora_run_resumes_only_with_its_own_adapter_config(tmp_path):
+    """The single-process trainer with --lora-rank: its resume is bit-exact; resumed with another --lora-alpha (same
+    names and shapes, every update at another scale) or without --lora-rank, it refuses in one line before loading
+    anything, naming the flag and both values."""
+    from interop.errors import InteropError
+    from trainers.base import BaseTrainer, TrainerConfig
+
+    cfg = dict(steps=4, lora_rank=4, lora_alpha=8.0, batch_size=2, seq_len=16)
+    full = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "full"), **cfg)).train()
+    first = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "split"), **cfg))
+    head = first.train(until=2)
+    first.save()
+    second = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "split"), **cfg))
+    assert second.resume() == 2 and head + second.train() == full
+    assert len(full) == 4 and full[0] != full[-1]
+
+    saved = str(tmp_path / "split" / "checkpoint-2")
+    other = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "other"), **{**cfg, "lora_alpha": 16.0}))
+    with pytest.raises(InteropError, match=f"{saved} trains another adapter than this run: --lora-alpha: the "
+                       "checkpoint's 8.0, this run's 16.0"):
+        other.resume(saved)
+    full_tune = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "plain"), steps=4, batch_size=2, seq_len=16))
+    with pytest.raises(InteropError, match="trains peft adapters \\(LORA 'default': r=4, alpha=8.0, targets=\\['q_proj', "
+                       "'v_proj'\\].*resume it with the same --lora-rank, --lora-alpha and --lora-targets"):
+        full_tune.resume(saved)
+
+
+def test_a_universal_adapter_section_is_checked_before_use(tmp_path, cli):
+    """Universal's adapter/ is read only as its manifest records it: a manifest whose adapter config is not a file
+    of the checkpoint, or a checkpoint missing adapter_model.safetensors, is refused naming the file."""
+    import shutil
+
+    from interop.commit import write_manifest
+    from interop.manifest import read_manifest
+    from trainers.base import BaseTrainer, TrainerConfig
+
+    trainer = BaseTrainer(TrainerConfig(output_dir=str(tmp_path / "run"), steps=1, lora_rank=4, batch_size=2, seq_len=16))
+    trainer.train()
+    trainer.save()
+    u = tmp_path / "u"
+    assert cli("convert", tmp_path / "run" / "checkpoint-1", u, "--to", "universal").returncode == 0
+    assert cli("verify", u).returncode == 0
+
+    inline = tmp_path / "inline"
+    shutil.copytree(u, inline)
+    manifest = read_manifest(str(inline))
+    manifest.model["adapter"]["config"] = {"peft_type": "LORA", "r": 64}
+    write_manifest(str(inline), manifest)
+    done = cli("convert", inline, tmp_path / "x", "--to", "peft")
+    assert done.returncode == 2 and not (tmp_path / "x").exists()
+    assert f"{inline / 'manifest.json'}: model.adapter.config must name the adapter's adapter/adapter_config.json file" in done.stderr
+
+    gone = tmp_path / "gone"
+    shutil.copytree(u, gone)
+    (gone / "adapter" / "adapter_model.safetensors").unlink()
+    done = cli("convert", gone, tmp_path / "y", "--to", "peft")
+    assert done.returncode != 0 and not (tmp_path / "y").exists()
+    assert "adapter/adapter_model.safetensors" in done.stderr, done.stderr

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.dist
 # test_accelerate.py's (and the demo's); the slice's ZeRO-3 source goes into DDP directly below. A Mixtral trained
 # by ZeRO-3 into the Megatron-style trainer with its experts over 2 ranks (EP2; EP2 as a source, and into the
 # Trainer: test_expert_parallel.py; the Trainer's strict=False load of a MoE: test_moe.py).
-# The whole grid (81 pairs, 16 MoE pairs and 15 LoRA pairs) under -m slow.
+# The whole grid (81 pairs, 16 MoE pairs and 20 LoRA pairs) under -m slow.
 # A LoRA run (peft, r=4: frozen base, adapters and their Adam moments) moves ZeRO-3 -> FSDP2 by conversion, and
-# ZeRO-3 -> transformers' Trainer by a direct resume (below), each against the source's losses; the 15 LoRA pairs
-# (ZeRO-3, FSDP2 and DDP into ZeRO-2/3, FSDP2, DDP and the Trainer) under -m slow.
+# ZeRO-3 -> transformers' Trainer by a direct resume (below), each against the source's losses; the 20 LoRA pairs
+# (ZeRO-1, ZeRO-3, FSDP2 and DDP into ZeRO-2/3, FSDP2, DDP and the Trainer) under -m slow.
 CI_SLICE = [("tp2pp2", "hf-trainer"), ("fsdp2", "tp2pp2"), ("ds-z3@moe", "ep2@moe"), ("ds-z3@lora", "fsdp2@lora")]
 
 

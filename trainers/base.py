@@ -132,6 +132,8 @@ def with_lora(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     """The model wrapped by peft's LoRA when --lora-rank asks for it: the base frozen, the adapters trainable."""
     if not cfg.lora_rank:
         return model
+    if cfg.freeze:
+        raise ConfigurationError("--freeze with --lora-rank: LoRA freezes the whole base model already and trains the adapters")
     from peft import LoraConfig, get_peft_model
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
@@ -139,6 +141,38 @@ def with_lora(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
         return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0))
     except ValueError as exc:  # peft's refusal: targets the model lacks
         raise ConfigurationError(f"--lora-targets {cfg.lora_targets!r}: {str(exc).splitlines()[0]}") from None
+
+
+# what an adapter config says that is not the adapter's shape or arithmetic (how it was made, where it is from)
+_NOT_COMPARED = {"base_model_name_or_path", "inference_mode", "revision", "task_type", "peft_version", "init_lora_weights", "auto_mapping"}
+_FLAGS = {"r": "--lora-rank", "lora_alpha": "--lora-alpha", "target_modules": "--lora-targets"}
+
+
+def check_adapter(model: torch.nn.Module, manifest, directory: str, shown_as: str) -> None:
+    """The run trains the adapter the checkpoint holds: same rank, alpha, targets, dropout, DoRA... A different
+    alpha has the same tensor names and shapes, so it would load and train every update at another scale."""
+    from converters.models.adapters import json_config, peft_config, summary
+    from interop.jsonio import read_json
+    from interop.logical import AdapterState
+    from interop.paths import inside
+
+    ours = described(model)[2]
+    recorded = (manifest.model or {}).get("adapter")
+    if not ours and not recorded:
+        return
+    if not ours:
+        config = recorded["config"] if isinstance(recorded["config"], dict) else read_json(inside(directory, recorded["config"]), "adapter config")
+        raise ConfigurationError(f"{shown_as} trains peft adapters ({summary(AdapterState(config, recorded['name'], []))}): "
+                                 "resume it with the same --lora-rank, --lora-alpha and --lora-targets")
+    if not recorded:
+        raise ConfigurationError(f"{shown_as} holds no peft adapters and this run trains LoRA (--lora-rank): resume it without "
+                                 "--lora-rank, or put an adapter on its model first (interop convert BASE DST --adapter DIR)")
+    config = recorded["config"] if isinstance(recorded["config"], dict) else read_json(inside(directory, recorded["config"]), "adapter config")
+    theirs, mine = json_config(peft_config(config)), json_config(peft_config(ours["config"]))
+    differ = [k for k in sorted(set(theirs) | set(mine)) if k not in _NOT_COMPARED and theirs.get(k) != mine.get(k)]
+    if differ:
+        said = "; ".join(f"{_FLAGS.get(k, k)}: the checkpoint's {theirs.get(k)!r}, this run's {mine.get(k)!r}" for k in differ)
+        raise ConfigurationError(f"{shown_as} trains another adapter than this run: {said}")
 
 
 def described(model: torch.nn.Module) -> tuple[Any, str, dict[str, Any] | None]:
@@ -155,6 +189,8 @@ def described(model: torch.nn.Module) -> tuple[Any, str, dict[str, Any] | None]:
         config.pop("base_model_name_or_path", None)  # a path of this machine's, which a checkpoint does not follow
         adapter = {"config": config, "name": name}
     return base.config, type(base).__name__.removeprefix("FSDP"), adapter
+
+
 def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     """Freeze the parameters whose names start with one of the comma-separated prefixes in ``spec``."""
     prefixes = tuple(p.strip() for p in spec.split(",") if p.strip())
@@ -186,7 +222,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             for g in param_group_names(model)]
 
 
-def model_metadata(config, architecture: str, frozen: list[str], adapter: dict[str, Any] | None = None) -> dict[str, Any]:
+def model_metadata(config, architecture: str, adapter: dict[str, Any] | None, frozen: list[str]) -> dict[str, Any]:
     """The manifest's model section: the Hugging Face config (with its architecture), tied and frozen names, and
     the peft adapter trained on it."""
     data = config.to_dict()
@@ -262,7 +298,7 @@ class BaseTrainer:
         model = self.core_model()
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         return {
-            "model": model_metadata(*described(model)[:2], frozen, described(model)[2]),
+            "model": model_metadata(*described(model), frozen),
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__},
         }
@@ -357,6 +393,10 @@ class BaseTrainer:
         from converters.engine_checkpoint import holds_component
 
         return holds_component(path, self.primary_component)
+
+    def check_checkpoint(self, directory: str, manifest, shown_as: str) -> None:
+        """Called by the checkpoint manager before anything is loaded: the checkpoint's adapter is this run's."""
+        check_adapter(self.core_model(), manifest, directory, shown_as)
 
     def load_checkpoint(self, target: str | None, origin: str | None = None) -> int:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

@@ -33,7 +33,7 @@ from interop.errors import CorruptCheckpointError, LoadFailedError, TopologyErro
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
-from .base import BETAS, TrainerConfig, build_model, configure_logging, described, import_checkpoint, model_metadata, param_group_names, run
+from .base import BETAS, TrainerConfig, build_model, check_adapter, configure_logging, described, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
 from .state import DataPosition, TokenDataset, TrainerState
 
@@ -157,20 +157,23 @@ class HFTrainer:
         self.checkpoints.claim()
         self._stop_at = cfg.steps
 
+    def check_checkpoint(self, directory: str, manifest, shown_as: str) -> None:
+        check_adapter(self.model, manifest, directory, shown_as)
+
     def load_weights(self, directory: str, model: torch.nn.Module) -> None:
         """The checkpoint's weights into ``model``, every tensor placed. transformers' own Trainer loads
         model.safetensors with ``load_state_dict(strict=False)`` (Trainer._load_from_checkpoint), so tensors that
         save_pretrained stores under other names than the module's (a MoE model's per-expert tensors, fused in
         the module) are silently left as initialised: a Mixtral run resumed by it continues from random experts.
         Here they go through transformers' own renaming and fusion, as from_pretrained places them."""
-        from converters.models.adapters import in_peft_names
+        from converters.models.adapters import in_peft_names, tied_to_held
         from converters.models.facts import in_module_names
 
         options = registry.Options(trust_pickle=self.cfg.trust_pickle, verify_digests=False)  # the load checked them
         module = in_peft_names(in_module_names(registry.read(directory, options, as_format="hf")[1]))
         result = model.load_state_dict({n: t.load() for n, t in module.model.items()}, strict=False)
-        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-        missing = [k for k in result.missing_keys if k not in tied]
+        expected = dict(model.state_dict(keep_vars=True))
+        missing = [k for k in result.missing_keys if not tied_to_held(k, expected, module.model)]
         if missing or result.unexpected_keys:
             raise CorruptCheckpointError(directory, f"its weights do not fit the model: missing {missing[:3]}, "
                                                     f"unexpected {result.unexpected_keys[:3]}")
@@ -188,7 +191,7 @@ class HFTrainer:
         frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         config, architecture, adapter = described(self.model)
         return {
-            "model": model_metadata(config, architecture, frozen, adapter),
+            "model": model_metadata(config, architecture, adapter, frozen),
             "sharding": ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=self.cfg.dtype).to_json(),
             # Trainer.create_optimizer's two groups, an empty one too (a LoRA run's adapters are all matrices)
             "optimizer": {"class": "AdamW", "param_names": param_group_names(self.model, keep_empty=True)},

@@ -206,7 +206,7 @@ class MegatronTrainer(BaseTrainer):
 
     def get_checkpoint_metadata(self) -> dict[str, Any]:
         return {
-            "model": model_metadata(self.hf_config, self.architecture, self.frozen),
+            "model": model_metadata(self.hf_config, self.architecture, None, self.frozen),
             "sharding": self.sharding_metadata().to_json(),
             "optimizer": {"class": type(self.optimizer).__name__, "param_names": self.full_param_groups},
         }

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from interop.errors import ConfigurationError, ConversionError, CorruptCheckpointError
+from interop.errors import ConfigurationError, ConversionError
 from interop.jsonio import read_json
 from interop.logical import AdapterState, LogicalCheckpoint
+from interop.universal import checked_adapter_config
 from interop.tensors import LazyTensor
 
 from . import facts
@@ -38,11 +39,28 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# peft's tuner layers hold the base weight as base_layer and the adapter's as lora_* (LoRA, DoRA's magnitude):
-# how a state dict of a peft model is told from a plain one before any config is at hand
-_MARKS = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(\.|$)")
-_ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
+# peft's tuner layers wrap the module they adapt as ``base_layer``: how a peft model's state dict is told from a plain
+# one before any config is at hand (without importing peft); which names are the adapter's is peft's own list
+_BASE_LAYER = ".base_layer."
 
+
+@lru_cache(maxsize=1)
+def _adapter_pattern() -> re.Pattern:
+    """``.<adapter tensor name>.<adapter>.`` for every tuner peft has (LoRA's lora_A ... lora_magnitude_vector,
+    IA3's ia3_l, LoKr's, ...): each tuner layer class lists its own in ``adapter_layer_names``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names, todo = set(), [BaseTunerLayer]
+    while todo:
+        cls = todo.pop()
+        names |= set(getattr(cls, "adapter_layer_names", ()))
+        todo += cls.__subclasses__()
+    return re.compile(r"\.(" + "|".join(sorted(map(re.escape, names))) + r")\.([^.]+)(\.|$)")
+
+
+def _adapter_names(names) -> set[str]:
+    """The adapters (``default``, ...) a peft model's state dict names."""
+    return {m.group(2) for n in names for m in [_adapter_pattern().search(n)] if m}
 
 def summary(adapter: AdapterState) -> str:
     c = adapter.config
@@ -54,7 +72,7 @@ def summary(adapter: AdapterState) -> str:
 
 def has_peft_names(ckpt: LogicalCheckpoint) -> bool:
     """The checkpoint is a peft model's state dict under its module names (not yet read as base + adapter)."""
-    return ckpt.adapter is None and any(_MARKS.search(n) for n in ckpt.model)
+    return ckpt.adapter is None and any(_BASE_LAYER in n for n in ckpt.model)
 
 
 def json_config(config: Any) -> dict[str, Any]:
@@ -84,14 +102,11 @@ def find_config(src: str, explicit: str | None) -> dict[str, Any] | None:
         if os.path.isfile(os.path.join(directory, MANIFEST)):
             recorded = ((read_manifest(directory).model or {}).get("adapter") or {}).get("config")
             if isinstance(recorded, dict):
-                return recorded
+                return checked_adapter_config(recorded, os.path.join(directory, MANIFEST))
         path = file_near(start, start, ADAPTER_CONFIG)
     if path is None:
         return None
-    config = read_json(path, ADAPTER_CONFIG)
-    if not isinstance(config, dict) or "peft_type" not in config:
-        raise CorruptCheckpointError(path, "is not peft's adapter config (no peft_type)")
-    return config
+    return checked_adapter_config(read_json(path, ADAPTER_CONFIG), path)
 
 
 def _base_config(ckpt: LogicalCheckpoint, config: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +118,12 @@ def _base_config(ckpt: LogicalCheckpoint, config: dict[str, Any]) -> dict[str, A
     raise ConfigurationError(f"the base model's config is unknown (the adapter config names {base!r}; paths a checkpoint "
                              f"names outside itself are not followed): pass it with --config {base or 'CONFIG.json'} "
                              "(the base model's directory or its config.json)")
+
+
+def _peft_version() -> str:
+    import peft
+
+    return peft.__version__
 
 
 def peft_config(config: dict[str, Any]) -> Any:
@@ -120,16 +141,16 @@ def peft_config(config: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in config.items() if k in known and k != "inference_mode"}, inference_mode=False)
 
 
-def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str, adapter: str = "default") -> tuple[torch.nn.Module, dict[int, list[str]]]:
+def _peft_model(base_config: dict[str, Any], config: dict[str, Any], device: str, adapter: str = "default") -> tuple[torch.nn.Module, dict[int, str]]:
     """``get_peft_model`` of the base model built from its config (on the meta device for names, on the CPU to
-    merge), and which base-model names each of the base model's tensors had (by identity: peft keeps them)."""
+    merge), and each of the base model's modules' name, by identity: peft's layers keep the module they adapt as
+    their ``base_layer`` (``modules_to_save`` as ``original_module``), so the module says which base name a peft
+    model's tensor is, tied heads included."""
     from peft import get_peft_model
 
     with torch.device(device):
         base = facts.fresh_model(base_config)
-    by_id: dict[int, list[str]] = {}
-    for name, t in base.state_dict(keep_vars=True).items():
-        by_id.setdefault(id(t), []).append(name)
+    by_id = {id(module): name for name, module in base.named_modules(remove_duplicate=False)}
     try:
         return get_peft_model(base, peft_config(config), adapter_name=adapter, autocast_adapter_dtype=False), by_id
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # peft's own refusals (targets the model lacks, ...)
@@ -145,6 +166,7 @@ class PeftNames:
     canonical: dict[str, str]
     adapter_keys: frozenset[str]
     frozen: tuple[str, ...]  # module names of the parameters peft leaves frozen
+    saved_base: dict[str, str]  # base tensors peft saves with the adapter (adapter-file key -> base module name)
 
 
 def _key(config: dict[str, Any]) -> str:
@@ -159,24 +181,38 @@ def peft_names(base_config: dict[str, Any], config: dict[str, Any], adapter: str
 def _peft_names(base_key: str, config_key: str, adapter: str) -> PeftNames:
     from peft.utils import get_peft_model_state_dict
 
-    model, by_id = _peft_model(json.loads(base_key), json.loads(config_key), "meta", adapter)
+    model, base_modules = _peft_model(json.loads(base_key), json.loads(config_key), "meta", adapter)
     state = model.state_dict(keep_vars=True)
     probe = {n: torch.empty(0, device="meta") for n in state}
     picked = get_peft_model_state_dict(model, state_dict=probe, adapter_name=adapter)
     saved_as = {id(t): key for key, t in picked.items()}
     canonical: dict[str, str] = {}
-    adapter_keys = set()
-    for name, t in state.items():
-        if id(t) in by_id:  # the base model's (peft may save some with the adapter too: embeddings, bias="all")
-            names = by_id[id(t)]  # a tied tensor has several: the one this module name ends with
-            canonical[name] = next((b for b in names if name.endswith("." + b)), names[0])
+    adapter_keys, saved_base = set(), {}
+    for name in state:
+        owner, _, attr = name.rpartition(".")
+        base = base_modules.get(id(model.get_submodule(owner)))
+        if base is not None:  # the base model's (peft may save it with the adapter too: embeddings, bias="all")
+            canonical[name] = f"{base}.{attr}" if base else attr
+            if id(probe[name]) in saved_as:
+                saved_base[saved_as[id(probe[name])]] = canonical[name]
         elif id(probe[name]) in saved_as:
             canonical[name] = saved_as[id(probe[name])]
             adapter_keys.add(canonical[name])
         else:
             raise ConversionError(f"peft's model holds {name}, which is neither a base-model tensor nor one peft saves")
     frozen = tuple(canonical[n] for n, p in model.named_parameters() if not p.requires_grad)
-    return PeftNames(model, canonical, frozenset(adapter_keys), frozen)
+    return PeftNames(model, canonical, frozenset(adapter_keys), frozen, saved_base)
+
+
+def peft_model_near(directory: str, config: dict[str, Any] | None, names: list[str]) -> torch.nn.Module | None:
+    """peft's model (meta device) of the adapter config beside ``directory`` (or recorded in its manifest) on the
+    base model ``config`` describes, for a state dict with ``names``: which of a peft model's parameters an
+    optimizer saved by position holds."""
+    adapter = find_config(directory, None)
+    found = _adapter_names(names)
+    if adapter is None or config is None or len(found) != 1:
+        return None
+    return peft_names(config, adapter, found.pop()).model
 
 
 def read_as_adapter(ckpt: LogicalCheckpoint, src: str, explicit_config: str | None) -> LogicalCheckpoint:
@@ -187,17 +223,17 @@ def read_as_adapter(ckpt: LogicalCheckpoint, src: str, explicit_config: str | No
     config = find_config(src, explicit_config)
     if config is None:
         raise ConfigurationError(
-            f"{src}: the checkpoint holds peft adapters (e.g. {next(n for n in ckpt.model if _MARKS.search(n))}) but no "
-            f"{ADAPTER_CONFIG} lies beside it: pass peft's adapter config with --adapter-config (rank, alpha and target "
-            "modules are not guessed)")
+            f"{src}: the checkpoint holds peft adapters (e.g. {next(n for n in ckpt.model if _BASE_LAYER in n)}) but no "
+            f"{ADAPTER_CONFIG} lies beside it: pass peft's adapter config with --adapter-config (interop convert, inspect; "
+            "rank, alpha and target modules are not guessed)")
     base_config = _base_config(ckpt, config)
-    adapter = {_ADAPTER.search(n).group(2) for n in ckpt.model if _ADAPTER.search(n)}
+    adapter = _adapter_names(ckpt.model)
     if len(adapter) != 1:
         raise ConversionError(f"{src}: {len(adapter)} adapters ({sorted(adapter)}); one adapter at a time is read")
     name = adapter.pop()
     peft = peft_names(base_config, config, name)
     expected = dict(peft.model.state_dict(keep_vars=True))
-    missing = [n for n in expected if n not in ckpt.model and not _tied_to_held(n, expected, ckpt)]
+    missing = [n for n in expected if n not in ckpt.model and not tied_to_held(n, expected, ckpt.model)]
     extra = sorted(set(ckpt.model) - set(expected))
     if missing or extra:
         first = f"lacks {missing[0]!r} ({len(missing)} in all)" if missing else f"holds {extra[0]!r}, which it has no place for"
@@ -208,17 +244,25 @@ def read_as_adapter(ckpt: LogicalCheckpoint, src: str, explicit_config: str | No
             raise ConversionError(f"{src}: {key} is {list(ckpt.model[key].spec.shape)}; peft's model with this adapter "
                                   f"config has {list(param.shape)} (another rank or base model)")
     renamed = ckpt.renamed({n: peft.canonical.get(n, n) for n in ckpt.names()})
+    trained = {n for g in (renamed.optimizer.param_groups if renamed.optimizer else []) for n in g.get("params", [])}
+    unfrozen = sorted(trained & set(peft.frozen))
+    if unfrozen:  # peft's model freezes it, the run trained it: writing it frozen would drop its optimizer state
+        raise ConversionError(f"{src}: the run trained {unfrozen[0]!r} ({len(unfrozen)} base tensors in all), which this "
+                              "adapter config's peft model keeps frozen; base tensors trained beside the adapters are not supported")
     held = sorted(n for n in renamed.model if n in peft.adapter_keys)
-    out = dataclasses.replace(renamed, config=base_config, frozen=list(peft.frozen), tied=[],
+    unknown = sorted(set(config) - set(json_config(peft_config(config))))
+    notes = [f"adapter config keys this peft {_peft_version()} does not know, ignored: {', '.join(unknown)}"] if unknown else []
+    out = dataclasses.replace(renamed, config=base_config, frozen=list(peft.frozen), tied=[], notes=[*renamed.notes, *notes],
                               adapter=AdapterState(json_config(config), name, held))
     out = facts.in_stored_names(out)
     out.tied = facts.tied_groups(base_config)
     return out
 
 
-def _tied_to_held(name: str, expected: dict[str, torch.Tensor], ckpt: LogicalCheckpoint) -> bool:
-    """A tied parameter (the model's one tensor under two names: a tied head) whose other name the checkpoint holds."""
-    return any(other is expected[name] and other_name in ckpt.model for other_name, other in expected.items())
+def tied_to_held(name: str, expected: dict[str, torch.Tensor], held) -> bool:
+    """A tied parameter of a model (its one tensor under two names: a tied head, ``expected`` its state dict with
+    keep_vars) whose other name is ``held``."""
+    return any(other is expected[name] and other_name in held for other_name, other in expected.items())
 
 
 def in_peft_names(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
@@ -269,21 +313,29 @@ def with_adapter_dir(ckpt: LogicalCheckpoint, directory: str, src: str) -> Logic
     peft = peft_names(base_config, config, name)
     expected = {peft.canonical[n]: tuple(t.shape) for n, t in peft.model.state_dict(keep_vars=True).items()
                 if peft.canonical[n] in peft.adapter_keys}
+    where = os.path.join(directory, ADAPTER_WEIGHTS)
+    modules = None
+    for key in sorted(set(held) & set(peft.saved_base)):  # peft saves some base tensors with the adapter (embeddings)
+        modules = modules or facts.in_module_names(ckpt)
+        base = modules.model.get(peft.saved_base[key])
+        if base is None or not torch.equal(held[key].load(), base.load()):
+            raise ConversionError(f"{where}: {key} is not the base model's {peft.saved_base[key]} (a resized or trained base "
+                                  "tensor saved with the adapter is not supported)")
+        del held[key]  # the base model holds it
     for key, t in held.items():
         if key not in expected:
-            raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: {key!r} is no tensor of peft's model of "
-                                  f"this adapter config on the {base_config.get('model_type')} base model")
+            raise ConversionError(f"{where}: {key!r} is no tensor of peft's model of this adapter config on the "
+                                  f"{base_config.get('model_type')} base model")
         if tuple(t.spec.shape) != expected[key]:
-            raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: {key} is {list(t.spec.shape)}; peft's "
-                                  f"model with this adapter config has {list(expected[key])}")
+            raise ConversionError(f"{where}: {key} is {list(t.spec.shape)}; peft's model with this adapter config has "
+                                  f"{list(expected[key])}")
     missing = sorted(set(expected) - set(held))
     if missing:
-        raise ConversionError(f"{os.path.join(directory, ADAPTER_WEIGHTS)}: lacks {missing[0]!r} ({len(missing)} in all)")
+        raise ConversionError(f"{where}: lacks {missing[0]!r} ({len(missing)} in all)")
     clash = sorted(set(held) & set(ckpt.model))
     if clash:
         raise ConversionError(f"{src}: holds {clash[0]!r}, a name of the adapter's")
-    frozen = [n for n in facts.in_stored_names(dataclasses.replace(ckpt, model={}, frozen=list(peft.frozen))).frozen]
-    return dataclasses.replace(ckpt, model={**ckpt.model, **held}, optimizer=None, frozen=frozen,
+    return dataclasses.replace(ckpt, model={**ckpt.model, **held}, optimizer=None, frozen=list(ckpt.model),
                                adapter=AdapterState(json_config(config), name, sorted(held)),
                                notes=[*ckpt.notes, f"adapters from {directory} ({len(held)} tensors) on the base model from {src}"])
 
@@ -314,7 +366,7 @@ def merged(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
     modules = in_peft_names(facts.in_module_names(dataclasses.replace(ckpt, optimizer=None)))
     result = model.load_state_dict({n: t.load() for n, t in modules.model.items()}, strict=False)
     expected = dict(model.state_dict(keep_vars=True))
-    missing = [k for k in result.missing_keys if not _tied_to_held(k, expected, modules)]
+    missing = [k for k in result.missing_keys if not tied_to_held(k, expected, modules.model)]
     if missing or result.unexpected_keys:
         raise ConversionError(f"peft's model does not take the checkpoint: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
     base = model.merge_and_unload()
@@ -327,17 +379,25 @@ def merged(ckpt: LogicalCheckpoint) -> LogicalCheckpoint:
     return out
 
 
-def write_peft(ckpt: LogicalCheckpoint, dst: str, overwrite: bool) -> None:
-    """peft's adapter directory: adapter_config.json and adapter_model.safetensors, what
-    ``PeftModel.from_pretrained(base, dst)`` loads."""
-    from interop.commit import staged_output
+def write_adapter_files(ckpt: LogicalCheckpoint, directory: str) -> int:
+    """peft's adapter files in ``directory``, as its save_pretrained writes them (adapter_model.safetensors under
+    peft's keys, adapter_config.json for inference): what ``PeftModel.from_pretrained(base, directory)`` loads.
+    The number of tensors written."""
     from safetensors.torch import save_file
 
     state = adapter_state(ckpt)
     if not state:
         raise ConversionError("the checkpoint's adapter holds no tensors; nothing to write")
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(directory, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump({**ckpt.adapter.config, "inference_mode": True}, f, indent=2, sort_keys=True)
+    return len(state)
+
+
+def write_peft(ckpt: LogicalCheckpoint, dst: str, overwrite: bool) -> None:
+    """peft's adapter directory, written whole or not at all."""
+    from interop.commit import staged_output
+
     with staged_output(dst, overwrite) as out:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(out, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump({**ckpt.adapter.config, "inference_mode": True}, f, indent=2, sort_keys=True)
-    log.info("wrote peft adapter directory %s (%d tensors)", dst, len(state))
+        count = write_adapter_files(ckpt, out)
+    log.info("wrote peft adapter directory %s (%d tensors)", dst, count)
