@@ -188,7 +188,10 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
         notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
         states = fresh_rng_states(ckpt.step or 0, 1)
     save_torch(rng_to_hf(states[0]), os.path.join(directory, RNG_PT))
-    state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt))
+    # the state of TrainerControl (an ExportableState) as Trainer records it: a Trainer resumed from here looks it up
+    # by name at its next save (KeyError: 'TrainerControl' without it)
+    state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt),
+                                      stateful_callbacks=[transformers.TrainerControl()])
     state.save_to_json(os.path.join(directory, TRAINER_STATE))
     return notes
 
