@@ -46,6 +46,7 @@ from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
 NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
 OPTIM_PT, SCHEDULER_PT, TRAINER_STATE, RNG_PT = "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"
+TRAINER_STATE_KEY = "hf_trainer_state"  # a Trainer source's trainer_state.json, carried to a Trainer target
 
 
 def locate(path: str) -> str:
@@ -111,8 +112,10 @@ def _adapter_only(directory: str, base_model: str | None, trust_pickle: bool) ->
 def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool = True, base_model: str | None = None) -> LogicalCheckpoint:
     directory = locate(path)
     manifest, owner = owning_checkpoint(directory, NATIVE_KEY, verify_digests)
-    trainer_state = read_json(os.path.join(directory, TRAINER_STATE), "Trainer state")
-    step = trainer_state.get("global_step")
+    trainer_state_json = read_json(os.path.join(directory, TRAINER_STATE), "Trainer state")
+    if not isinstance(trainer_state_json, dict):
+        raise CorruptCheckpointError(os.path.join(directory, TRAINER_STATE), "is not a Trainer state (an object)")
+    step = trainer_state_json.get("global_step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CorruptCheckpointError(os.path.join(directory, TRAINER_STATE), f"global_step is {step!r}, not a step number")
     model = read_hf_safetensors(directory)
@@ -129,7 +132,7 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
         model = in_module_names(LogicalCheckpoint(model=model, config=config)).model
     optim_path = os.path.join(directory, OPTIM_PT)
     optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {TRAINER_STATE_KEY: trainer_state_json}
     sched_path = os.path.join(directory, SCHEDULER_PT)
     if os.path.isfile(sched_path):
         extra[SCHEDULER] = load_accelerate_file(sched_path, trust_pickle)
@@ -162,7 +165,6 @@ def _trainer_view(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, EngineOrd
 
 def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     """The files ``Trainer._save_checkpoint`` writes for one process; returns notes."""
-    import transformers
 
     notes: list[str] = []
     if ckpt.config is None:  # a Trainer checkpoint is a model directory: from_pretrained reads its config.json
@@ -188,12 +190,30 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
         notes.append("RNG streams: the source's do not map onto 1 process; it starts a fresh one")
         states = fresh_rng_states(ckpt.step or 0, 1)
     save_torch(rng_to_hf(states[0]), os.path.join(directory, RNG_PT))
-    # the state of TrainerControl (an ExportableState) as Trainer records it: a Trainer resumed from here looks it up
-    # by name at its next save (KeyError: 'TrainerControl' without it)
-    state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt),
-                                      stateful_callbacks=[transformers.TrainerControl()])
-    state.save_to_json(os.path.join(directory, TRAINER_STATE))
+    trainer_state(ckpt).save_to_json(os.path.join(directory, TRAINER_STATE))
     return notes
+
+
+def trainer_state(ckpt: LogicalCheckpoint) -> Any:
+    """trainer_state.json for ``ckpt``: a Trainer source's own (its log, logging/save/eval cadence, epoch, best
+    checkpoint, callbacks' states), which a resumed Trainer takes over its arguments', at this step; otherwise
+    a fresh one. Either way with TrainerControl's state, which a resumed Trainer looks up by name at its next
+    save (KeyError: 'TrainerControl' without it)."""
+    import dataclasses
+
+    import transformers
+
+    carried = component_state(ckpt, TRAINER_STATE_KEY) if TRAINER_STATE_KEY in ckpt.components or TRAINER_STATE_KEY in ckpt.extra_state else None
+    if isinstance(carried, dict):
+        known = {f.name for f in dataclasses.fields(transformers.TrainerState)}
+        state = transformers.TrainerState(**{k: v for k, v in carried.items() if k in known})
+        state.global_step = ckpt.step or 0
+    else:
+        state = transformers.TrainerState(global_step=ckpt.step or 0, train_batch_size=_global_batch(ckpt), stateful_callbacks=[])
+    if not isinstance(state.stateful_callbacks, dict):
+        state.stateful_callbacks = {}
+    state.stateful_callbacks.setdefault("TrainerControl", transformers.TrainerControl().state())
+    return state
 
 
 def trainer_groups(order: EngineOrder, module: LogicalCheckpoint) -> EngineOrder:
@@ -251,5 +271,5 @@ def write_hf_trainer(ckpt: LogicalCheckpoint, dst: str, overwrite: bool = False)
     optimizer = {"class": ckpt.optimizer.cls if ckpt.optimizer else "AdamW", "param_names": order.groups} if ckpt.optimizer else None
     return write_engine_checkpoint(
         ckpt, dst, NATIVE_KEY, lambda directory: write_native(ckpt, directory), sharding,
-        {"transformers": transformers.__version__}, optimizer, overwrite, frozenset({SCHEDULER, RNG}),
+        {"transformers": transformers.__version__}, optimizer, overwrite, frozenset({SCHEDULER, RNG, TRAINER_STATE_KEY}),
     )

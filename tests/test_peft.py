@@ -411,7 +411,7 @@ def test_transformers_trainer_resumes_a_lora_run_from_our_trainer_checkpoint(tmp
         model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
                                     peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
         args = transformers.TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=4, save_steps=2,
-                                              report_to=[], use_cpu=True, learning_rate=1e-2,
+                                              logging_steps=1, report_to=[], use_cpu=True, learning_rate=1e-2,
                                               disable_tqdm=True, seed=5)
         losses = []
 
@@ -430,6 +430,10 @@ def test_transformers_trainer_resumes_a_lora_run_from_our_trainer_checkpoint(tmp
     resumed = run(tmp_path / "resumed", tmp_path / "ours")
     assert len(full) == 4 and len(resumed) == 2
     assert resumed == pytest.approx(full[2:], rel=1e-6), (resumed, full)
+    # the Trainer's own trainer_state.json travelled with it (its log and cadence), at the step it was saved
+    theirs, ours = (json.loads((d / "trainer_state.json").read_text()) for d in (tmp_path / "full" / "checkpoint-2", tmp_path / "ours"))
+    assert ours["log_history"] == theirs["log_history"] and len(ours["log_history"]) == 2
+    assert (ours["logging_steps"], ours["save_steps"], ours["global_step"]) == (1, 2, 2)
 
 
 def test_a_lora_run_resumes_only_with_its_own_adapter_config(tmp_path):
