@@ -9,8 +9,10 @@ from .resume_matrix import ALL_SOURCES, Result, all_pairs, make_source, run_pair
 
 pytestmark = pytest.mark.dist
 
-# Converted with `interop convert`: Megatron-style as a source and as a target, FSDP2 as a source, 4 ranks -> 1 and
-# 2 -> 4, and a Trainer out; ZeRO and accelerate as targets of a conversion are test_deepspeed.py's and
+# Converted with `interop convert`: Megatron-style TP2xPP2 as a target (2 -> 4 ranks) and FSDP2 as a source; the
+# Megatron-style trainer as a source is test_megatron_trainer.py's and test_expert_parallel.py's (EP2 into the
+# Trainer), and TP2xPP2 -> Trainer (4 ranks -> 1) runs under -m slow with the grid (the suite's time); ZeRO and
+# accelerate as targets of a conversion are test_deepspeed.py's and
 # test_accelerate.py's (and the demo's); the slice's ZeRO-3 source goes into DDP directly below. A Mixtral trained
 # by ZeRO-3 into the Megatron-style trainer with its experts over 2 ranks (EP2; EP2 as a source, and into the
 # Trainer: test_expert_parallel.py; the Trainer's strict=False load of a MoE: test_moe.py).
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.dist
 # A LoRA run (peft, r=4: frozen base, adapters and their Adam moments) moves ZeRO-3 -> FSDP2 by conversion, and
 # ZeRO-3 -> transformers' Trainer by a direct resume (below), each against the source's losses; the 20 LoRA pairs
 # (ZeRO-1, ZeRO-3, FSDP2 and DDP into ZeRO-2/3, FSDP2, DDP and the Trainer) under -m slow.
-CI_SLICE = [("tp2pp2", "hf-trainer"), ("fsdp2", "tp2pp2"), ("ds-z3@moe", "ep2@moe"), ("ds-z3@lora", "fsdp2@lora")]
+CI_SLICE = [("fsdp2", "tp2pp2"), ("ds-z3@moe", "ep2@moe"), ("ds-z3@lora", "fsdp2@lora")]
 
 
 @pytest.fixture(scope="module")
