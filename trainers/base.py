@@ -160,14 +160,15 @@ def check_adapter(model: torch.nn.Module, manifest, directory: str, shown_as: st
     recorded = (manifest.model or {}).get("adapter")
     if not ours and not recorded:
         return
-    if not ours:
+    config = None
+    if recorded:
         config = recorded["config"] if isinstance(recorded["config"], dict) else read_json(inside(directory, recorded["config"]), "adapter config")
+    if not ours:
         raise ConfigurationError(f"{shown_as} trains peft adapters ({summary(AdapterState(config, recorded['name'], []))}): "
                                  "resume it with the same --lora-rank, --lora-alpha and --lora-targets")
     if not recorded:
         raise ConfigurationError(f"{shown_as} holds no peft adapters and this run trains LoRA (--lora-rank): resume it without "
                                  "--lora-rank, or put an adapter on its model first (interop convert BASE DST --adapter DIR)")
-    config = recorded["config"] if isinstance(recorded["config"], dict) else read_json(inside(directory, recorded["config"]), "adapter config")
     theirs, mine = json_config(peft_config(config)), json_config(peft_config(ours["config"]))
     differ = [k for k in sorted(set(theirs) | set(mine)) if k not in _NOT_COMPARED and theirs.get(k) != mine.get(k)]
     if differ:
