@@ -430,6 +430,19 @@ def save_dcp(state: dict[str, Any], directory: str) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=not dist.is_initialized())
 
 
+def stage_dcp(state: dict[str, Any], directory: str, process_group: Any = None) -> Callable[[], None]:
+    """``dcp.async_save`` of a live state dict: DCP stages it (a copy in CPU memory) before returning and writes it
+    on a thread of its own, its collectives over ``process_group``; returns what waits for the write."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        result = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(directory), process_group=process_group,
+                                no_dist=not dist.is_initialized())
+    future = getattr(result, "upload_completion", result)  # an AsyncSaveResponse where a stager answers in parts
+    return lambda: future.result() and None
+
+
 def write_dcp(
     state: dict[str, Any],
     directory: str,

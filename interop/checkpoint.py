@@ -11,9 +11,10 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from . import locking
+from .background import PendingCommit, commit_collective, staged
 from .commit import STAGING_SUFFIX, fsync_path, fsync_tree, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
@@ -74,6 +75,8 @@ class CheckpointManager:
         # manifest of this run records it, so a checkpoint says what its history lost
         self.resume_notes: list[str] = []
         self.claimed = False
+        self._pending: PendingCommit | None = None  # a save(wait=False) whose commit is running
+        self._commit_group: Collective | None = None  # the background commit's collectives (a group of their own)
 
     def lock_path(self) -> str:
         return os.path.join(self.root, locking.RUN_LOCK)
@@ -99,13 +102,14 @@ class CheckpointManager:
         return runtime_topology(self.collective, getattr(self.provider, "get_process_groups", None))
 
     def agree(self, error: str | None, payload: Any = None, failure=SaveFailedError, what: str = "save",
-              own: BaseException | None = None) -> list[Any]:
+              own: BaseException | None = None, collective: Collective | None = None) -> list[Any]:
         """All-gather (error, payload) and return the payloads; if any rank failed, every rank raises: ``failure``
         naming the first failed rank, or, on a rank that failed itself, its own exception ``own`` (chained to
         that; unchained in a single process). A collective step for work one rank may do for all."""
-        if own is not None and self.collective.world_size == 1:
+        collective = collective or self.collective
+        if own is not None and collective.world_size == 1:
             raise own
-        gathered = self.collective.all_gather_object((error, payload))
+        gathered = collective.all_gather_object((error, payload))
         failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
         if failed:
             rank, message = failed[0]
@@ -127,8 +131,16 @@ class CheckpointManager:
         self.agree(error, failure=failure, what=what, own=own)
 
     # ------------------------------------------------------------------------------------------------
-    def save(self, step: int, metadata: dict[str, Any] | None = None) -> str:
-        """Save every component as checkpoint ``step``; returns the committed directory on every rank."""
+    def save(self, step: int, metadata: dict[str, Any] | None = None, wait: bool = True, stage: bool = False) -> str:
+        """Save every component as checkpoint ``step``; returns its directory on every rank.
+
+        ``wait`` (the default): returns once the checkpoint is committed. ``wait=False``: returns once every rank's
+        files are written, or with ``stage`` once the state is copied in memory (the files are then written on the
+        background thread too; a native component through its ``stage_native`` where it has one). fsync, digests,
+        the manifest, publication, ``latest`` and retention finish on a background thread; the next save or load,
+        or :meth:`wait`, waits for them and raises if they failed. Until then ``latest`` names the previous one.
+        """
+        self.wait()
         if not self.claimed:
             self.claim()
         rank = self.collective.rank
@@ -155,6 +167,8 @@ class CheckpointManager:
                     states[comp.key] = comp.stateful.state_dict()
                 if spec.validate_replication:
                     prints[comp.key] = state_fingerprint(states[comp.key])
+            if stage:  # later steps change the live tensors: what is written later must be a copy
+                states = {k: staged(v) if k in writes else v for k, v in states.items()}
         except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
             error = describe_error(exc)
         gathered = self.agree(error, prints, what=what)
@@ -166,31 +180,70 @@ class CheckpointManager:
                 if message:
                     raise ReplicationError(message)
 
-        # 2. every rank writes its pieces into the shared staging directory
+        # 2. every rank writes its pieces into the shared staging directory; the engines save (collectively) now,
+        # or, staged, into memory, their files written with the pieces by ``write`` on the background thread
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
         self.collective.barrier()
-        error, records = None, {}
+        if not wait and self._commit_group is None:
+            self._commit_group = commit_collective(self.collective)  # collective: every rank saves together
+        pieces = [(piece.base, states[piece.component]) for piece in plan.writes_of(rank)]
+        writers: list[Callable[[], None]] = []
+        error = None
         try:
-            for piece in plan.writes_of(rank):
-                records.update(write_piece(staging, piece.base, states[piece.component], writer=rank))
             for comp in native:  # collective: the engine's own save, on every rank
-                comp.stateful.save_native(os.path.normpath(os.path.join(staging, native_base(comp))))
-            for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
-                fsync_path(d)
+                target = os.path.normpath(os.path.join(staging, native_base(comp)))
+                stage_native = getattr(comp.stateful, "stage_native", None) if stage else None
+                if stage_native is not None:  # its writer may use the commit's process group (DCP's async_save)
+                    writers.append(stage_native(target, getattr(self._commit_group, "group", None)))
+                else:
+                    if stage:
+                        log.info("component %r has no staged save: the engine writes its files before the save returns; "
+                                 "the commit runs in the background", comp.key)
+                    comp.stateful.save_native(target)
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
+
+        def write() -> tuple[str | None, dict[str, FileRecord]]:
+            """This rank's pieces and staged engine files (no collectives), each file made durable."""
+            records: dict[str, FileRecord] = {}
+            try:
+                for base, state in pieces:
+                    records.update(write_piece(staging, base, state, writer=rank))
+                for writer in writers:
+                    writer()
+                for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
+                    fsync_path(d)
+            except Exception as exc:  # noqa: BLE001
+                return describe_error(exc), records
+            return None, records
+
+        written = (error, {}) if error is not None or stage else write()
+        pieces = [] if not stage else pieces  # written: let the memory go
+
+        def finish(collective: Collective) -> str:
+            outcome = write() if stage and error is None else written
+            self._commit(collective, step, final, staging, specs, topology, plan, outcome, metadata, native, what)
+            return final
+
+        if wait:
+            return finish(self.collective)
+        self._pending = PendingCommit(lambda: finish(self._commit_group), name)
+        return final
+
+    def _commit(self, collective: Collective, step, final, staging, specs, topology, plan, written, metadata, native, what) -> None:
+        """After the writes: every rank's records gathered, the engines' files digested (a share per rank), and rank 0
+        commits: manifest, publish, latest, retention. Every collective on ``collective``."""
+        rank = collective.rank
         try:
-            all_records = self.agree(error, records, what=what)
+            all_records = self.agree(*written, what=what, collective=collective)
             if native:
-                all_records.extend(self.agree(*self._native_records(staging, native), what=what))
+                all_records.extend(self.agree(*self._native_records(staging, native, collective), what=what, collective=collective))
         except SaveFailedError:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-
-        # 3. rank 0 commits: manifest, publish, latest, retention
         error = None
         if rank == 0:
             try:
@@ -198,19 +251,30 @@ class CheckpointManager:
                 fsync_tree(staging)  # every directory's entries (ranks/, components/, the engine's) are durable
                 write_manifest(staging, manifest)
                 publish(staging, final)
-                write_latest(self.root, name)
+                write_latest(self.root, os.path.basename(final))
                 if self.keep_last:
                     prune(self.root, self.keep_last)
             except Exception as exc:  # noqa: BLE001
                 error = describe_error(exc)
                 shutil.rmtree(staging, ignore_errors=True)
-        self.agree(error, what=what)
+        self.agree(error, what=what, collective=collective)
         log.info("saved %s (%d files)", final, sum(len(r) for r in all_records))
-        return final
 
-    def _native_records(self, staging: str, native: list[StateComponent]) -> tuple[str | None, dict[str, FileRecord]]:
-        """List what the engines wrote and digest it, each rank a share of the files (after every rank wrote)."""
-        share = (self.collective.rank, self.collective.world_size)
+    def wait(self) -> str | None:
+        """Wait for the pending background commit (``save(wait=False)``), raising if it failed; its directory, or
+        None when nothing was pending. Every rank calls it together."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        return pending.wait()
+
+    @property
+    def pending(self) -> PendingCommit | None:
+        return self._pending
+
+    def _native_records(self, staging: str, native: list[StateComponent], collective: Collective) -> tuple[str | None, dict[str, FileRecord]]:
+        """List what the engines wrote and digest it, each rank a share of the bytes (after every rank wrote)."""
+        share = (collective.rank, collective.world_size)
         records: dict[str, FileRecord] = {}
         try:
             for comp in native:
@@ -267,6 +331,7 @@ class CheckpointManager:
         share each. Only when every rank found it intact does any state (or an engine) read a byte of it.
         ``verify=False`` checks sizes only; the run's later manifests say so.
         """
+        self.wait()  # a checkpoint still being committed is not loaded half-done (nor is latest read before it)
         rank = self.collective.rank
         topology = self.topology()
         error, own_exc, directory, manifest = None, None, None, None

@@ -35,22 +35,23 @@ class LocalCollective:
 
 
 class TorchCollective:
-    """torch.distributed's default group (gloo, nccl or mpi)."""
+    """torch.distributed's default group (gloo, nccl or mpi), or ``group`` over all its ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
+        self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._dist.barrier(group=self.group)
 
 
 def default_collective() -> Collective:

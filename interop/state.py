@@ -75,6 +75,11 @@ class NativeStateful(Protocol):
 
     def load_native(self, load: "NativeLoad") -> None: ...
 
+    # Optional, for staged (asynchronous) saves: do the engine's collective part now, keeping what it would write
+    # in memory, and return the function that writes it (called on the commit's thread; ``group`` is the commit's
+    # process group, None in one process). Without it a staged save calls ``save_native`` and commits in the background.
+    # def stage_native(self, directory: str, group: Any) -> Callable[[], None]: ...
+
 
 @dataclass
 class NativeLoad:

@@ -37,7 +37,7 @@ def digest_as(path: str, recorded: str | None) -> str:
 
 def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
     """FileRecords (size, digest) of every file under ``root/subdir``, keyed relative to ``root``; each made
-    durable. ``share=(rank, world)`` takes every world-th file, so ranks can digest a tree between them.
+    durable. ``share=(rank, world)`` takes this rank's share of the bytes, so ranks digest a tree between them.
     ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders."""
     from .commit import fsync_path
 
@@ -46,7 +46,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     if subdir == NATIVE_TOP:
         rels = [r for r in rels if is_native_top_file(r) and r != MANIFEST]
     rank, world = share
-    mine = rels[rank::world]
+    mine = balanced_share(rels, [os.path.getsize(os.path.join(root, r)) for r in rels], world)[rank]
     for rel in mine:
         fsync_path(os.path.join(root, rel))
     with ThreadPoolExecutor(HASH_THREADS) as pool:
@@ -55,6 +55,19 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
         fsync_path(d)
     return records
+
+
+def balanced_share(names: list[str], sizes: list[int], world: int) -> list[list[str]]:
+    """``names`` split over ``world`` ranks with their byte totals near equal (largest first, each to the least
+    loaded rank; ties by position, so every rank computes the same split). Taking every world-th name instead
+    gave one rank of a 2-rank ZeRO run both optimizer files: 3 GB to digest while the other waited."""
+    loads = [0] * world
+    out: list[list[str]] = [[] for _ in range(world)]
+    for i in sorted(range(len(names)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        loads[r] += sizes[i]
+        out[r].append(names[i])
+    return out
 
 
 def checked_path(directory: str, rel: str, record: FileRecord) -> str:
@@ -120,7 +133,7 @@ def check_against_manifest(directory: str, manifest: Manifest, digests_checked: 
                            skip_digests: Iterable[str] = (), share: tuple[int, int] = (0, 1)) -> None:
     """Raise on the first thing at ``directory`` that is not as ``manifest`` says: something on disk it does not
     list, a listed file missing, a link or of another size, and (``digests_checked``) a digest that differs.
-    ``share=(rank, world)`` digests every world-th file, so ranks can check a checkpoint between them."""
+    ``share=(rank, world)`` digests this rank's share of the bytes (:func:`balanced_share`), so ranks check a checkpoint between them."""
     extra = unlisted(directory, manifest)
     if extra:
         raise extra[0]
@@ -128,7 +141,8 @@ def check_against_manifest(directory: str, manifest: Manifest, digests_checked: 
     if digests_checked:
         skip = set(skip_digests)
         rank, world = share
-        check_files(directory, manifest, [r for r in sorted(manifest.files) if r not in skip][rank::world], digest=True)
+        names = [r for r in sorted(manifest.files) if r not in skip]
+        check_files(directory, manifest, balanced_share(names, [manifest.files[r].bytes for r in names], world)[rank], digest=True)
     for problem in index_problems(directory, manifest):
         raise problem
 

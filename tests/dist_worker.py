@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 4 tests/dist_worker.py core OUT
     torchrun --nnodes 2 --node_rank N --nproc_per_node 2 ... tests/dist_worker.py nodes OUT
     torchrun --nproc_per_node 2 tests/dist_worker.py kill:<point> OUT
+    torchrun --nproc_per_node 2 tests/dist_worker.py kill-async:<seed> OUT
 
 Each rank asserts what it can see itself and writes OUT/result-<rank>.json for the test to check.
 """
@@ -34,6 +35,13 @@ class Box:
     def load_state_dict(self, state):
         self.value = state["value"].clone()
         self.tag = state["tag"]
+
+
+class LiveBox(Box):
+    """A Box whose state_dict hands out its live tensor, as a module's or an optimizer's does."""
+
+    def state_dict(self):
+        return {"value": self.value, "tag": self.tag}
 
 
 class Provider:
@@ -190,6 +198,41 @@ def kill(out: str, rank: int, world: int, point: str) -> dict:
     raise AssertionError(f"kill point {point} was never reached")
 
 
+def kill_async(out: str, rank: int, world: int, seed: int) -> dict:
+    """Staged background saves (``save(wait=False, stage=True)``) every step while the state keeps changing in
+    place, until one rank is SIGKILLed at a random moment: at step s the replicated value is s everywhere and
+    rank r's own value is 10 s + r; right after each save returns the live tensors are overwritten (-1, then the
+    next step's values), as the next training step would."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(seed)
+    victim, delay = rng.randrange(world), rng.uniform(0.05, 1.5)
+    a, r = LiveBox(0.0), LiveBox(0.0)
+    comps = [
+        StateComponent("a", a, SharingPattern.REPLICATED),
+        StateComponent("r", r, SharingPattern.PER_RANK, on_world_size_change=WorldSizePolicy.REMAP),
+    ]
+    manager = CheckpointManager(os.path.join(out, "run"), Provider(comps), keep_last=2)
+
+    def die():
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    dist.barrier()
+    if rank == victim:
+        threading.Timer(delay, die).start()
+    for step in range(1, 100000):
+        a.value.fill_(float(step))
+        r.value.fill_(10.0 * step + rank)
+        manager.save(step, wait=False, stage=True)
+        a.value.fill_(-1.0)
+        r.value.fill_(-1.0)
+        time.sleep(0.001)
+    raise AssertionError("never killed")
+
+
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -200,6 +243,8 @@ def main() -> None:
         result = nodes(out, rank, world)
     elif scenario.startswith("kill:"):
         result = kill(out, rank, world, scenario.split(":", 1)[1])
+    elif scenario.startswith("kill-async:"):
+        result = kill_async(out, rank, world, int(scenario.split(":", 1)[1]))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:

@@ -6,6 +6,9 @@
     torchrun --nproc_per_node N tests/ds_worker.py user-load SRC OUT CONFIG single|decay
         # a user's own script, no trainer of ours: deepspeed.initialize(model, model_parameters=model.parameters()
         # (single) or transformers' decay / no-decay groups (decay), config=CONFIG), load_checkpoint(SRC), save to OUT
+    torchrun --nproc_per_node N tests/ds_worker.py staged OUT [trainer flags]
+        # at step 2 a blocking save into OUT/blocking, then a staged one into OUT/staged whose background write is
+        # held until step 3 has changed every parameter and optimizer tensor in place
     torchrun --nproc_per_node N tests/ds_worker.py load SRC OUT [trainer flags]
         # a user's script: engine.load_checkpoint(SRC) (load_universal if the config says so), nothing of ours
         # in between; the engine then saves natively to OUT for the test to read; prints JSON
@@ -96,6 +99,33 @@ def user_load(src: str, out: str, config: str, grouping: str) -> None:
     shutdown()
 
 
+def staged(out: str, cfg: DeepSpeedTrainerConfig) -> None:
+    import threading
+
+    import interop.checkpoint as manager_module
+    from interop import CheckpointManager
+
+    trainer = OddTrainer(cfg)
+    trainer.train(until=2)
+    CheckpointManager(os.path.join(out, "blocking"), trainer).save(2)
+    gate = threading.Event()
+    real = manager_module.PendingCommit
+
+    class HeldCommit(real):  # the background work starts only once the gate opens
+        def __init__(self, work, name):
+            super().__init__(lambda: (gate.wait(), work())[1], name)
+
+    manager_module.PendingCommit = HeldCommit
+    later = CheckpointManager(os.path.join(out, "staged"), trainer)
+    later.save(2, wait=False, stage=True)
+    losses = trainer.train(until=3)  # the engine's tensors change in place while the staged state waits
+    gate.set()
+    later.wait()
+    if trainer.rank == 0:
+        print(json.dumps({"losses": losses}), flush=True)
+    shutdown()
+
+
 if __name__ == "__main__":
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "layouts":
@@ -106,6 +136,8 @@ if __name__ == "__main__":
         reload(parse_config(args))
     elif scenario == "user-load":
         user_load(*args)
+    elif scenario == "staged":
+        staged(args[0], parse_config(args[1:]))
     elif scenario == "load":
         load(args[0], args[1], parse_config(args[2:]))
     else:

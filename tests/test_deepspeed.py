@@ -19,6 +19,7 @@ from converters.deepspeed_writer import write_native  # noqa: E402
 from converters.ds_universal import read_ds_universal, write_ds_universal  # noqa: E402
 from converters.registry import detect  # noqa: E402
 from interop.errors import CorruptCheckpointError, MissingFileError, TopologyError, UnsupportedStateError  # noqa: E402
+from interop.verify import verify_checkpoint  # noqa: E402
 
 from .conftest import ROOT, free_port, run_workers, worker_env  # noqa: E402
 from .ds_worker import LAYOUTS  # noqa: E402
@@ -466,3 +467,17 @@ def test_bare_zero_to_universal_notes_a_missing_config_and_takes_one(layouts, tm
     source = read_deepspeed(str(layouts[(2, "float32")]))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, source.model[name].load()), name
+
+
+def test_staged_save_writes_the_state_of_its_step(tmp_path):
+    """--async-save on ZeRO-3, 2 ranks: DeepSpeed's save_checkpoint staged in memory, its files written only after
+    the next step changed every tensor in place, are byte for byte the files a blocking save at that step wrote."""
+    ds_run(2, "staged", str(tmp_path), *ARGS, "--zero-stage", "3", "--output-dir", str(tmp_path / "run"))
+    blocking, later = tmp_path / "blocking" / "checkpoint-2", tmp_path / "staged" / "checkpoint-2"
+    engine_files = sorted(f.name for f in blocking.iterdir() if f.suffix == ".pt")
+    assert len(engine_files) == 4 and engine_files == sorted(f.name for f in later.iterdir() if f.suffix == ".pt")
+    for name in engine_files:
+        assert (blocking / name).read_bytes() == (later / name).read_bytes(), name
+    assert verify_checkpoint(str(later))[1] == []
+    a, b = logical_tensors(read_deepspeed(str(blocking))), logical_tensors(read_deepspeed(str(later)))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

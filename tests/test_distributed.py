@@ -11,6 +11,7 @@ import torch
 from interop import CheckpointManager, SharingPattern, StateComponent, WorldSizePolicy
 from interop.errors import UncommittedCheckpointError
 from interop.manifest import read_manifest
+from interop.pieces import read_piece
 from interop.verify import verify_checkpoint
 
 from .conftest import free_port, listing, torchrun, torchrun_cmd, worker_env
@@ -124,3 +125,26 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, point):
     if point == "after_publish":
         assert new.exists() and (root / "latest").read_text().strip() == "checkpoint-1"
     assert torch.equal(torch.tensor([a]), torch.tensor([1.0 if step == 1 else 2.0]))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_at_a_random_moment_of_staged_background_saves(tmp_path, seed):
+    """Staged saves commit on a background thread while the state changes in place; whatever moment a rank dies
+    at, every committed checkpoint verifies and the one 'latest' names holds the state of its own step."""
+    proc = torchrun(2, f"kill-async:{seed}", str(tmp_path))
+    assert proc.returncode != 0, "a rank was supposed to be killed"
+    root = tmp_path / "run"
+    committed = [p for p in root.iterdir() if p.name.startswith("checkpoint-") and not p.name.endswith(".staging")]
+    assert committed, proc.stderr[-2000:]
+    for ckpt in committed:
+        assert verify_checkpoint(str(ckpt))[1] == [], ckpt
+    step, a, r = _load_single(root)
+    assert (root / "latest").read_text().strip() == f"checkpoint-{step}"
+    assert (a, r) == (float(step), 10.0 * step), "a staged save wrote state changed after it returned"
+    for ckpt in committed:  # every one holds its own step's values, each rank's part
+        s = int(ckpt.name.split("-")[1])
+        manifest = read_manifest(ckpt)
+        a_values = [read_piece(str(ckpt), b)["value"] for b in manifest.components["a"].pieces.values()]
+        r_values = sorted(float(read_piece(str(ckpt), b)["value"][0]) for b in manifest.components["r"].pieces.values())
+        assert all(torch.equal(v, torch.full((3,), float(s))) for v in a_values), ckpt
+        assert r_values == [10.0 * s, 10.0 * s + 1], ckpt

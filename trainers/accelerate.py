@@ -241,7 +241,7 @@ class AccelerateTrainer(BaseTrainer):
         if self.cfg.max_grad_norm:  # accelerate's: the norm over every process's shards (FSDP2) or replicas (DDP)
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
 
-    def save(self) -> str:
+    def save(self, wait: bool = True) -> str:
         sgd = self.local_sgd
         if sgd is not None and sgd.num_steps % sgd.local_sgd_steps:
             # accelerate saves rank 0's parameters; between averaging steps the ranks' differ. Average first, as
@@ -249,7 +249,7 @@ class AccelerateTrainer(BaseTrainer):
             log.info("local SGD: averaging parameters before saving (step %d of a %d-step period)",
                      sgd.num_steps % sgd.local_sgd_steps, sgd.local_sgd_steps)
             sgd._sync_and_avg_model_params()
-        return super().save()
+        return super().save(wait)
 
 
 def parse_config(argv: list[str] | None = None) -> AccelerateTrainerConfig:

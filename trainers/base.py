@@ -56,6 +56,8 @@ class TrainerConfig:
     seed: int = flag(1234, "seed of the model, the data order and every RNG stream")
     output_dir: str = flag("out/base", "where checkpoint-<step> directories are saved")
     save_every: int = flag(0, "save a checkpoint every N steps (0: at the end only)")
+    async_save: bool = flag(False, "the step after a save starts once the state is copied in memory: the files are written, "
+                                   "fsynced, digested and committed in the background (the next save waits for it)")
     keep_last: int | None = flag(3, "checkpoints kept (older ones are removed after a save commits)")
     resume: str | None = flag(None, "a checkpoint of this trainer (any layout), 'latest' for output_dir's latest, or, for the "
                                     "engine trainers, one of any format interop reads (converted in-process)")
@@ -339,7 +341,8 @@ class BaseTrainer:
             losses.append(loss)
             log.info("step %d loss %.6f lr %.3g", self.state.step, loss, self.scheduler.get_last_lr()[0])
             if self.cfg.save_every and self.state.step % self.cfg.save_every == 0:
-                self.save()
+                self.save(wait=False)
+        self.checkpoints.wait()
         return losses
 
     def memory_stats(self) -> dict[str, Any]:
@@ -347,10 +350,12 @@ class BaseTrainer:
         samples = self.checkpoints.collective.all_gather_object(memory.sample(self.rank))
         return memory.summarize(samples, memory.activation_checkpoints(self.core_model()))
 
-    def save(self) -> str:
+    def save(self, wait: bool = True) -> str:
+        """Checkpoint the current step. ``wait=False`` (the loop's saves) returns once the engine's files are written,
+        or with --async-save once the state is copied in memory; the commit finishes beside the next steps."""
         stats = self.memory_stats()
         log.info("%s", memory.describe(stats))
-        return self.checkpoints.save(self.state.step, metadata={"memory": stats})
+        return self.checkpoints.save(self.state.step, metadata={"memory": stats}, wait=wait, stage=self.cfg.async_save and not wait)
 
     # the component that holds this trainer's model and optimizer: a checkpoint without it is another format's
     primary_component = "model"

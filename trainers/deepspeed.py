@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,6 +31,7 @@ from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
 from interop.errors import TopologyError
 from interop.logs import library_prints
+from interop.background import staged
 from interop.state import NativeLoad
 
 from .base import flag, BETAS, BaseTrainer, TrainerConfig, config_parser, configure_logging, resolve_backend, run
@@ -76,6 +77,22 @@ def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
     return config
 
 
+class _StagingCheckpointEngine:
+    """Stands in for a DeepSpeed engine's checkpoint engine during a staged save: ``save`` keeps a copy of the state
+    dict in memory (storage sharing kept, so the file written later is what the engine would have written now);
+    everything else is the engine's own."""
+
+    def __init__(self, own: Any):
+        self.own = own
+        self.staged: list[tuple[Any, str]] = []
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.staged.append((staged(state_dict), path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.own, name)
+
+
 class DeepSpeedEngineState:
     """The engine's model and optimizer, saved and loaded by DeepSpeed itself (a native component). Its files
     lie beside the manifest (tag ``.``), so the run's ``latest`` naming ``checkpoint-<step>`` is the tag
@@ -88,6 +105,26 @@ class DeepSpeedEngineState:
 
     def save_native(self, directory: str) -> None:
         self.trainer.engine.save_checkpoint(directory, tag=".", save_latest=False)
+
+    def stage_native(self, directory: str, group: Any = None) -> Callable[[], None]:
+        """DeepSpeed's ``save_checkpoint`` as it is (its collectives, its choice of what each rank writes), with a
+        checkpoint engine that copies each state dict it is handed into memory; the returned writer gives them to
+        the engine's own checkpoint engine later, on the background thread."""
+        engine = self.trainer.engine
+        own = engine.checkpoint_engine
+        staging = _StagingCheckpointEngine(own)
+        engine.checkpoint_engine = staging
+        try:
+            self.save_native(directory)
+        finally:
+            engine.checkpoint_engine = own
+
+        def write() -> None:
+            for state, path in staging.staged:
+                own.save(state, path)
+            staging.staged.clear()
+
+        return write
 
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer

@@ -205,7 +205,7 @@ class HFTrainer:
         self.data.load_state_dict(position_after(step, self.cfg, self.dataset).state_dict())
         log.info("step %d loss %.6f lr %.3g", step, self.losses[-1], self.trainer.lr_scheduler.get_last_lr()[0])
         if self.cfg.save_every and step % self.cfg.save_every == 0:
-            self.save()
+            self.save(wait=False)
         if step >= self._stop_at:
             control.should_training_stop = True
 
@@ -216,6 +216,7 @@ class HFTrainer:
             if self.state.step < self._stop_at:
                 with weights_only_loads(self.cfg.trust_pickle, numpy_allowlist()):  # Trainer's torch.load of the checkpoint
                     self.trainer.train(resume_from_checkpoint=self.resume_from)
+            self.checkpoints.wait()
         finally:
             self._remove_scratch()
         self.resume_from = None
@@ -227,8 +228,9 @@ class HFTrainer:
                 shutil.rmtree(scratch, ignore_errors=True)
         self.imported = None
 
-    def save(self) -> str:
-        return self.checkpoints.save(self.state.step)
+    def save(self, wait: bool = True) -> str:
+        """As the base trainer's (``wait=False``: the commit finishes beside the next steps)."""
+        return self.checkpoints.save(self.state.step, wait=wait, stage=self.cfg.async_save and not wait)
 
     def resume(self, path: str | None = None) -> int:
         target = None if path in (None, "latest") else path

@@ -72,6 +72,11 @@ class DCPModelOptimizer:
     def save_native(self, directory: str) -> None:
         dcp_format.save_dcp(self.trainer.model_and_optimizer_state(), directory)
 
+    def stage_native(self, directory: str, group: Any = None):
+        """DCP's ``async_save``: the state is copied to memory now, written on DCP's thread over ``group`` (the
+        commit's process group, not the one training uses meanwhile)."""
+        return dcp_format.stage_dcp(self.trainer.model_and_optimizer_state(), directory, group)
+
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer
         state = trainer.model_and_optimizer_state()

@@ -1,0 +1,72 @@
+"""Finishing a save off the training thread: one pending commit at a time, its failure raised where it is awaited.
+
+A save's blocking part ends once the state is on its way to disk (the engine's files written, or, staged, the state
+copied in memory); fsync, digests, the manifest, publication, ``latest`` and retention run on a
+:class:`PendingCommit`'s thread. Nothing is published before all of that holds on every rank, so a process killed
+at any moment leaves the previous checkpoint as ``latest`` and a staging directory nothing loads.
+
+The thread's collectives use their own process group (:func:`commit_collective`): collectives of one group must
+come in the same order on every rank, and the training thread keeps issuing its own meanwhile.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from .dist import Collective, LocalCollective, TorchCollective
+
+log = logging.getLogger(__name__)
+
+
+class PendingCommit:
+    """``work()`` on a thread of its own; :meth:`wait` joins it and raises what it raised."""
+
+    def __init__(self, work: Callable[[], Any], name: str):
+        self.name = name
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._error: BaseException | None = None
+        self._result: Any = None
+        # not a daemon: an interpreter that exits normally finishes the commit first
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"interop-commit-{name}", daemon=False)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait(), on the thread that awaits it
+            self._error = exc
+        finally:
+            self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def commit_collective(collective: Collective) -> Collective:
+    """A collective over the same ranks on a process group of its own (gloo: the commit exchanges Python objects
+    on the CPU whatever the training backend is); a single process needs none."""
+    if isinstance(collective, LocalCollective) or collective.world_size == 1:
+        return LocalCollective()
+    import torch.distributed as dist
+
+    return TorchCollective(dist.new_group(backend="gloo"))
+
+
+def staged(state: Any) -> Any:
+    """A copy of ``state`` in memory that later training steps cannot change: tensors are cloned once per storage,
+    so views that shared storage still share it (``torch.save`` of the copy writes what the original would)."""
+    import torch
+
+    with torch.no_grad():
+        return copy.deepcopy(state)
