@@ -64,12 +64,23 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+SAVE_KINDS = ("engine", "interop", "interop-background", "interop-async")
+
+
 def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: int, result: str) -> None:
-    """On each process under torchrun: one training step, then ``repeat`` times the engine's own save
-    (``engine_save(trainer, directory)``) and our trainer's save (the same engine save inside the commit
-    protocol: staging, fsync, every file digested into the manifest, rename, ``latest``). Each is timed on
-    every rank together until its files are on disk (``sync``); memory is the largest rank's RSS growth over
-    the save. Rank 0 writes the medians to ``result`` as JSON."""
+    """On each process under torchrun: one training step, then ``repeat`` times each kind of save:
+
+    - ``engine``: the engine's own save (``engine_save(trainer, directory)``), as a user's script calls it;
+    - ``interop``: our trainer's ``save()``, which returns once the checkpoint is committed (the same engine save
+      inside the commit protocol: staging, fsync, every file digested into the manifest, rename, ``latest``);
+    - ``interop-background``: the trainer's periodic save (``save(wait=False)``): returns once the engine's files
+      are written; the commit runs on a background thread;
+    - ``interop-async``: the same with ``--async-save``: returns once the state is copied in memory.
+
+    For each: the blocking time (until the call returns: what the training loop waits) and the time until the
+    checkpoint is on disk (its commit done and ``sync``), on every rank together; memory is the largest rank's RSS
+    growth. Then the step time: a training step alone, and the step started as an --async-save returns (its
+    write and commit running beside it). Rank 0 writes medians to ``result`` as JSON."""
     import json
     import shutil
     import statistics
@@ -81,26 +92,69 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
     trainer.train()
-    runs: dict[str, list[tuple[float, int]]] = {"engine": [], "interop": []}
-    for i in range(repeat):
-        for kind in runs:
+    runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in SAVE_KINDS}
+    for kind in SAVE_KINDS:  # each kind's runs together: the first save after another kind's can pay for its deletes
+        for i in range(repeat):
             target = os.path.join(cfg.output_dir, f"engine-{i}")
+            trainer.cfg.async_save = kind == "interop-async"
             dist.barrier()
             os.sync()
             before = _peak_rss_reset()
             start = time.perf_counter()
-            path = engine_save(trainer, target) if kind == "engine" else trainer.save()
+            if kind == "engine":
+                engine_save(trainer, target)
+                path = target
+            else:
+                path = trainer.save(wait=kind == "interop")
+            blocking = time.perf_counter() - start
+            trainer.checkpoints.wait()
             os.sync()
             dist.barrier()
-            wall = time.perf_counter() - start
+            durable = time.perf_counter() - start
             growth = _max_over_ranks(_status_kib("VmHWM") * 1024 - before)
-            runs[kind].append((wall, growth))
+            runs[kind].append((_max_over_ranks_f(blocking), durable, growth))
             if trainer.rank == 0:
-                shutil.rmtree(path or target, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
+    steps: dict[str, list[float]] = {"alone": [], "during-async-save": []}
+    for i in range(repeat):
+        for kind in steps:
+            dist.barrier()
+            os.sync()
+            path = None
+            if kind == "during-async-save":
+                trainer.cfg.async_save = True
+                path = trainer.save(wait=False)
+            start = time.perf_counter()
+            trainer.train(until=trainer.state.step + 1) if kind == "alone" else _one_step_beside_commit(trainer)
+            steps[kind].append(_max_over_ranks_f(time.perf_counter() - start))
+            trainer.checkpoints.wait()
+            dist.barrier()
+            if path and trainer.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
     if trainer.rank == 0:
+        out = {k: {"blocking": statistics.median(b for b, _, _ in v), "durable": statistics.median(d for _, d, _ in v),
+                   "rss": max(g for _, _, g in v)} for k, v in runs.items()}
+        out["steps"] = {k: statistics.median(v) for k, v in steps.items()}
         with open(result, "w") as f:
-            json.dump({k: [statistics.median(w for w, _ in v), max(g for _, g in v)] for k, v in runs.items()}, f)
+            json.dump(out, f)
     shutdown()
+
+
+def _one_step_beside_commit(trainer) -> None:
+    """One training step while the previous save's commit runs (train() would wait for it at its end)."""
+    batch = trainer.next_batch()
+    trainer.train_step(batch)
+    trainer.state.step += 1
+
+
+def _max_over_ranks_f(value: float) -> float:
+    """The largest ``value`` over every rank (a step or a save lasts as long as its slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def _max_over_ranks(value: int) -> int:
@@ -124,9 +178,26 @@ def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[st
              "--layers", str(args.layers), "--repeat", str(args.repeat)], env=env)
     with open(result) as f:
         timings = json.load(f)
-    ours, theirs = f"save: interop trainer ({engine} + commit, digests)", f"save: {engine} alone (RSS: growth)"
-    rows = [(theirs, tuple(timings["engine"])), (ours, tuple(timings["interop"]))]
-    return rows, {ours: theirs}
+    engine_blocking, engine_durable = f"save: {engine} alone, blocking", f"save: {engine} alone, until on disk (sync)"
+    names = {
+        "interop": "save: interop trainer, blocking until committed",
+        "interop-background": "save: interop trainer, background commit, blocking",
+        "interop-async": "save: interop trainer --async-save, blocking",
+    }
+    rows = [(engine_blocking, (timings["engine"]["blocking"], timings["engine"]["rss"])),
+            (engine_durable, (timings["engine"]["durable"], timings["engine"]["rss"]))]
+    reference = {}
+    for kind, name in names.items():
+        rows.append((name, (timings[kind]["blocking"], timings[kind]["rss"])))
+        reference[name] = engine_blocking
+        if kind != "interop":
+            durable = f"save: interop trainer, {'--async-save' if kind == 'interop-async' else 'background commit'}, until committed + sync"
+            rows.append((durable, (timings[kind]["durable"], timings[kind]["rss"])))
+            reference[durable] = engine_durable
+    alone, beside = "step: training step, no save running", "step: training step beside an --async-save's commit"
+    rows += [(alone, (timings["steps"]["alone"], 0)), (beside, (timings["steps"]["during-async-save"], 0))]
+    reference[beside] = alone
+    return rows, reference
 
 
 def warm(path: str) -> int:

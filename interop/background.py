@@ -36,6 +36,7 @@ class PendingCommit:
         self._thread.start()
 
     def _run(self, work: Callable[[], Any]) -> None:
+        _yield_to_training()
         try:
             self._result = work()
         except BaseException as exc:  # noqa: BLE001 - raised again by wait(), on the thread that awaits it
@@ -51,6 +52,21 @@ class PendingCommit:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+BACKGROUND_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux schedules threads, so a thread has a niceness of its own,
+    inherited by threads it starts: the hashing pool): where the cores are busy training, the commit takes what
+    they leave rather than a share of each step."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS))
+    except (AttributeError, OSError):  # not Linux, or not permitted: the commit runs at the trainer's priority
+        pass
 
 
 def commit_collective(collective: Collective) -> Collective:

@@ -177,3 +177,14 @@ def test_truncated_shard_is_refused_before_loading(runs, tmp_path):
     trainer = MegatronTrainer(MegatronTrainerConfig(**SIZES, output_dir=str(tmp_path / "r")))
     with pytest.raises(CorruptCheckpointError, match=r"__1_0.distcp"):
         trainer.resume(str(src))
+
+
+@pytest.mark.slow
+def test_async_save_writes_what_a_blocking_save_writes(runs, tmp_path):
+    """--async-save at TP2: DCP's async_save stages the state and writes it on its own thread while training goes
+    on; checkpoint-2 holds exactly the tensors of the run that committed before stepping on."""
+    summary, _ = megatron_run(2, *RUN, *LAYOUTS["tp2"][1], "--async-save", "--output-dir", str(tmp_path / "async"))
+    assert summary["losses"] == runs["tp2"][1]
+    for step in (2, 4):
+        a, b = logical(runs["tp2"][0] / f"checkpoint-{step}"), logical(tmp_path / "async" / f"checkpoint-{step}")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
