@@ -361,6 +361,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 LONG = ["--steps", "6", "--save-every", "3", "--batch-size", "4", "--seq-len", "16"]
 
 
+@pytest.mark.slow  # suite time; local SGD's resume below keeps a comm-hook run's resume in the default run
 def test_powersgd_resume_continues_the_uninterrupted_run(tmp_path):
     """PowerSGD compresses from iteration 2, so checkpoint 3 holds error feedback and warm-start matrices, saved
     by parameter name. The resumed run's losses are the uninterrupted run's exactly (the trainer keeps DDP from

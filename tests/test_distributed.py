@@ -127,7 +127,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, point):
     assert torch.equal(torch.tensor([a]), torch.tensor([1.0 if step == 1 else 2.0]))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_sigkill_at_a_random_moment_of_staged_background_saves(tmp_path, seed):
     """Staged saves commit on a background thread while the state changes in place; whatever moment a rank dies
     at, every committed checkpoint verifies and the one 'latest' names holds the state of its own step."""
