@@ -72,7 +72,7 @@ def time_saves(args) -> None:
 
     cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
     engine_bench.time_saves(AccelerateTrainer, cfg, args.hidden, args.layers,
-                            lambda trainer, d: trainer.accelerator.save_state(d), args.repeat, args.saves)
+                            lambda trainer, d: trainer.accelerator.save_state(d), args.repeat, args.saves, dcp_reference=True)
 
 
 def collect(args) -> engine_bench.Section:

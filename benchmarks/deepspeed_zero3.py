@@ -7,6 +7,7 @@ interop DeepSpeed trainer, whose checkpoint is DeepSpeed's ``save_checkpoint`` o
 in its own process (wall time, peak RSS):
 
   interop convert CKPT UNI --to universal      vs  ds_to_universal (weights + optimizer state)
+  interop convert ... --workers 2              the same, written by 2 processes (each a share of the bytes)
   interop convert CKPT DSU --to ds-universal   vs  ds_to_universal (the same layout, file for file)
   interop convert CKPT HF --to hf              vs  zero_to_fp32.py --safe_serialization
 
@@ -48,7 +49,7 @@ def collect(args) -> engine_bench.Section:
     """Train (once per workdir), then measure every step; the rows and which row each is compared with."""
     prepared = engine_bench.prepare(args, __file__, "deepspeed", "DeepSpeed ZeRO-3", 29517, {"DS_ACCELERATOR": "cpu"})
     work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
-    outputs = {k: os.path.join(work, k) for k in ("universal", "ds_universal", "hf", "ref_universal", "ref_hf")}
+    outputs = {k: os.path.join(work, k) for k in ("universal", "universal_2", "ds_universal", "hf", "ref_universal", "ref_hf")}
     for d in outputs.values():
         shutil.rmtree(d, ignore_errors=True)
 
@@ -61,6 +62,8 @@ def collect(args) -> engine_bench.Section:
         ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env, n)),
         ("ZeRO-3 -> universal, safetensors (interop)", measure(
             cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+        ("ZeRO-3 -> universal, 2 processes (interop --workers 2)", measure(
+            cli + ["convert", ckpt, outputs["universal_2"], "--to", "universal", "--workers", "2"], None, n, outputs["universal_2"])),
         ("ZeRO-3 -> ds-universal (interop)", measure(
             cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env, n, outputs["ds_universal"])),
         ("ds_to_universal (DeepSpeed)", measure(
@@ -80,6 +83,7 @@ def collect(args) -> engine_bench.Section:
     return engine_bench.Section(rows, {
         **save_reference,
         "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
+        "ZeRO-3 -> universal, 2 processes (interop --workers 2)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",
     }, outputs, work)

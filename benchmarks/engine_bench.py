@@ -67,7 +67,18 @@ def _status_kib(field: str) -> int:
 SAVE_KINDS = ("engine", "interop", "interop-background", "interop-async")
 
 
-def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: int, result: str) -> None:
+def dcp_async_save(trainer, directory: str, group):
+    """torch DCP's own asynchronous save of the model and optimizer (``get_state_dict`` + ``dcp.async_save`` over a
+    gloo group of its own): the reference for --async-save where the engine is DCP-based. Returns its future."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    result = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=directory, process_group=group)
+    return getattr(result, "upload_completion", result)
+
+
+def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: int, result: str, dcp_reference: bool = False) -> None:
     """On each process under torchrun: one training step, then ``repeat`` times each kind of save:
 
     - ``engine``: the engine's own save (``engine_save(trainer, directory)``), as a user's script calls it;
@@ -75,7 +86,8 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
       inside the commit protocol: staging, fsync, every file digested into the manifest, rename, ``latest``);
     - ``interop-background``: the trainer's periodic save (``save(wait=False)``): returns once the engine's files
       are written; the commit runs on a background thread;
-    - ``interop-async``: the same with ``--async-save``: returns once the state is copied in memory.
+    - ``interop-async``: the same with ``--async-save``: returns once the state is copied in memory;
+    - ``dcp-async`` (``dcp_reference``): torch DCP's ``async_save`` of the model and optimizer, for comparison.
 
     For each: the blocking time (until the call returns: what the training loop waits) and the time until the
     checkpoint is on disk (its commit done and ``sync``), on every rank together; memory is the largest rank's RSS
@@ -92,8 +104,10 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
     trainer.train()
-    runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in SAVE_KINDS}
-    for kind in SAVE_KINDS:  # each kind's runs together: the first save after another kind's can pay for its deletes
+    kinds = SAVE_KINDS + (("dcp-async",) if dcp_reference else ())
+    group = dist.new_group(backend="gloo") if dcp_reference else None
+    runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in kinds}
+    for kind in kinds:  # each kind's runs together: the first save after another kind's can pay for its deletes
         for i in range(repeat):
             target = os.path.join(cfg.output_dir, f"engine-{i}")
             trainer.cfg.async_save = kind == "interop-async"
@@ -101,13 +115,18 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             os.sync()
             before = _peak_rss_reset()
             start = time.perf_counter()
+            future = None
             if kind == "engine":
                 engine_save(trainer, target)
                 path = target
+            elif kind == "dcp-async":
+                future, path = dcp_async_save(trainer, target, group), target
             else:
                 path = trainer.save(wait=kind == "interop")
             blocking = time.perf_counter() - start
             trainer.checkpoints.wait()
+            if future is not None:
+                future.result()
             os.sync()
             dist.barrier()
             durable = time.perf_counter() - start
@@ -115,19 +134,24 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             runs[kind].append((_max_over_ranks_f(blocking), durable, growth))
             if trainer.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-    steps: dict[str, list[float]] = {"alone": [], "during-async-save": []}
+    steps: dict[str, list[float]] = {"alone": [], "during-async-save": [], **({"during-dcp-async-save": []} if dcp_reference else {})}
     for i in range(repeat):
         for kind in steps:
             dist.barrier()
             os.sync()
-            path = None
+            path = future = None
             if kind == "during-async-save":
                 trainer.cfg.async_save = True
                 path = trainer.save(wait=False)
+            elif kind == "during-dcp-async-save":
+                path = os.path.join(cfg.output_dir, f"dcp-step-{i}")
+                future = dcp_async_save(trainer, path, group)
             start = time.perf_counter()
             trainer.train(until=trainer.state.step + 1) if kind == "alone" else _one_step_beside_commit(trainer)
             steps[kind].append(_max_over_ranks_f(time.perf_counter() - start))
             trainer.checkpoints.wait()
+            if future is not None:
+                future.result()
             dist.barrier()
             if path and trainer.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -194,9 +218,16 @@ def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[st
             durable = f"save: interop trainer, {'--async-save' if kind == 'interop-async' else 'background commit'}, until committed + sync"
             rows.append((durable, (timings[kind]["durable"], timings[kind]["rss"])))
             reference[durable] = engine_durable
+    if "dcp-async" in timings:
+        rows += [("save: torch DCP async_save (model + optimizer), blocking", (timings["dcp-async"]["blocking"], timings["dcp-async"]["rss"])),
+                 ("save: torch DCP async_save, until written + sync", (timings["dcp-async"]["durable"], timings["dcp-async"]["rss"]))]
     alone, beside = "step: training step, no save running", "step: training step beside an --async-save's commit"
     rows += [(alone, (timings["steps"]["alone"], 0)), (beside, (timings["steps"]["during-async-save"], 0))]
     reference[beside] = alone
+    if "during-dcp-async-save" in timings["steps"]:
+        dcp_beside = "step: training step beside DCP async_save's write"
+        rows.append((dcp_beside, (timings["steps"]["during-dcp-async-save"], 0)))
+        reference[dcp_beside] = alone
     return rows, reference
 
 
@@ -246,9 +277,22 @@ class Section:
     def with_disk_floor(self, repeat: int) -> list:
         """The rows, and below them the floor under the interop outputs: dd writing as many bytes, with fsync."""
         return self.rows + [
-            (f"dd, {name} output's bytes + fsync (disk floor)", disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
+            (floor_row(name), disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
             for name in ("universal", "hf") if name in self.outputs
         ]
+
+    def floors(self) -> dict[str, str]:
+        """Each conversion row writing a universal or HF output, and the disk-floor row of that output's bytes."""
+        out = {}
+        for name, _ in self.rows:
+            for marker, output in (("-> universal", "universal"), ("-> HF", "hf")):
+                if marker in name and output in self.outputs:
+                    out[name] = floor_row(output)
+        return out
+
+
+def floor_row(output: str) -> str:
+    return f"dd, {output} output's bytes + fsync (disk floor)"
 
 
 def main(doc: str, collect, train_and_save, layers: int | None = None, saves=None) -> None:
@@ -270,7 +314,7 @@ def main(doc: str, collect, train_and_save, layers: int | None = None, saves=Non
 
 
 def report(section: Section, repeat: int, kept: bool = True) -> None:
-    print_table(section.with_disk_floor(repeat), section.reference)
+    print_table(section.with_disk_floor(repeat), section.reference, section.floors())
     if kept:  # a temporary work directory is removed at exit
         print(f"\nfiles under {section.work}")
 

@@ -67,15 +67,20 @@ def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, str]) -> None:
-    """``reference``: for a row, the row it is compared with (time ratio > 1: faster; RSS ratio < 1: smaller)."""
+def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, str], floors: dict[str, str] | None = None) -> None:
+    """``reference``: for a row, the row it is compared with (time ratio > 1: faster; RSS ratio < 1: smaller);
+    ``floors``: for a conversion row, the disk-floor row of its output's bytes (the ratio: how far above the floor)."""
     by_name = dict(rows)
-    print(f"\n{'step':<58} {'wall s':>8} {'peak RSS':>10} {'speed-up':>9} {'RSS ratio':>10}")
+    floors = floors or {}
+    print(f"\n{'step':<62} {'wall s':>8} {'peak RSS':>10} {'speed-up':>9} {'RSS ratio':>10} {'vs dd':>7}")
     for name, (wall, rss) in rows:
         ref = reference.get(name)
         speed = f"{by_name[ref][0] / wall:>8.2f}x" if ref else f"{'':>9}"
-        mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref else f"{'':>10}"
-        print(f"{name:<58} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem}")
+        mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref and by_name[ref][1] else f"{'':>10}"
+        floor = f"{wall / by_name[floors[name]][0]:>6.2f}x" if name in floors and floors[name] in by_name else f"{'':>7}"
+        print(f"{name:<62} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem} {floor}")
     for name, ref in reference.items():
         print(f"  {name!r} is compared with {ref!r}")
+    if floors:
+        print("  vs dd: wall time over the disk floor's (dd writing the output's bytes, with fsync) in the same run")
     sys.stdout.flush()

@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     args = p.parse_args()
     work = workdir(args.workdir, "interop-bench-all-")
-    rows, reference = [], {}
+    rows, reference, floors = [], {}, {}
     hf_rows, hf_ref, _ = hf_roundtrip.collect(argparse.Namespace(hidden=args.hidden, layers=16, repeat=args.repeat,
                                                                  workdir=os.path.join(work, "hf")))
     rows += hf_rows
@@ -43,6 +43,7 @@ def main() -> None:
                                                     workdir=os.path.join(work, name), train=None))
         rows += [(f"{r} [{name}]" if r.startswith("dd,") or "(baseline)" in r else r, m) for r, m in section.with_disk_floor(args.repeat)]
         reference.update(section.reference)
+        floors.update({r: f"{dd} [{name}]" for r, dd in section.floors().items()})
         for out in section.outputs.values():  # several GiB each: the next section needs the disk
             shutil.rmtree(out, ignore_errors=True)
     # a MoE model (Mixtral, 8 experts of 2 per token, 260M parameters) through ZeRO-3: the experts fused in the
@@ -57,9 +58,10 @@ def main() -> None:
     moe = {r: f"{r} [MoE]" for r, _ in measured}
     rows += [(moe[r], m) for r, m in measured]
     reference.update({moe[k]: moe[v] for k, v in section.reference.items()})
+    floors.update({moe[r]: moe[dd] for r, dd in section.floors().items()})
     for out in section.outputs.values():
         shutil.rmtree(out, ignore_errors=True)
-    print_table(rows, reference)
+    print_table(rows, reference, floors)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {work}")
 

@@ -30,6 +30,7 @@ from interop.universal import parse_size
 from . import registry
 from .diff import diff_checkpoints, expert_differences
 from . import deepspeed_moe
+from . import workers
 from .models import adapters as adapter_models
 from .models import experts
 
@@ -215,21 +216,45 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
     registry.check_dtype_flag(target, args.dtype)
+    several = args.workers > 1 or workers.launched()
+    if several and not target.spreads:
+        raise ConfigurationError(f"--to {target.name} is written by one process; several processes write "
+                                 f"{', '.join(n for n, f in registry.FORMATS.items() if f.spreads)} (drop --workers / torchrun)")
+    if args.workers > 1 and not workers.launched():
+        return workers.run_workers(workers.without_workers(args.argv), args.workers)
     check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
-    with _parents_of(args.dst), exclusive(destination_lock(args.dst), args.dst):  # one conversion into DST at a time
-        src_fmt, ckpt = registry.read(args.src, options)
-        if args.adapter:
-            ckpt = adapter_models.with_adapter_dir(ckpt, args.adapter, args.src)
-        ckpt = _adapters_for(ckpt, args, target)
-        missing = registry.missing_config(ckpt, target)
-        if missing:
-            ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
-        total = sum(t.spec.nbytes for _, t in ckpt.tensors())
-        options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}")
-        try:
-            target.write(ckpt, args.dst, options)  # type: ignore[misc]
-        finally:
-            close()
+    spread = options.spread = workers.join() if several else None
+    leads = spread is None or spread.leads
+    try:
+        # the lead holds DST's lock (one conversion into DST at a time) and makes its parents
+        with (_parents_of(args.dst) if leads else contextlib.nullcontext()), \
+                (exclusive(destination_lock(args.dst), args.dst) if leads else contextlib.nullcontext()):
+            error = src_fmt = ckpt = None
+            try:
+                src_fmt, ckpt = registry.read(args.src, options)
+                if args.adapter:
+                    ckpt = adapter_models.with_adapter_dir(ckpt, args.adapter, args.src)
+                ckpt = _adapters_for(ckpt, args, target)
+            except Exception as exc:  # noqa: BLE001 - in one process raised as it is; in several, on every rank
+                if spread is None:
+                    raise
+                error = exc
+            if spread is not None:
+                spread.agree(error, what="reading the source")
+            missing = registry.missing_config(ckpt, target)
+            if missing:
+                ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
+            total = sum(t.spec.nbytes for _, t in ckpt.tensors())
+            options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}") if leads else (None, lambda: None)
+            try:
+                target.write(ckpt, args.dst, options)  # type: ignore[misc]
+            finally:
+                close()
+    finally:
+        if spread is not None:
+            workers.leave()
+    if not leads:
+        return 0
     files, written_bytes = _written(args.dst)
     print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): wrote {human_bytes(written_bytes)} in "
           f"{files} file(s) (the source's tensors: {human_bytes(total)})")
@@ -369,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
     p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
     p.add_argument("--max-shard-size", type=_size_arg, default="5GiB", help="largest safetensors file (default 5GiB; e.g. 500MB, 2GiB)")
+    p.add_argument("--workers", type=_positive_int, default=1, help="write the output with N processes on this machine, "
+                   "each a share of the bytes (universal, hf; several machines: torchrun ... -m converters.cli convert ...)")
     g = p.add_argument_group("engine layout (native targets; default: the source's)")
     g.add_argument("--world-size", type=_positive_int, help="number of data-parallel ranks the output is for")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage")
@@ -424,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries(args.verbose)
     try:
@@ -432,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (InteropError, OSError) as exc:
-        print(f"interop {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" or not workers.launched():  # one line from a group: its lead's
+            print(f"interop {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"interop {args.command}: interrupted; nothing was committed", file=sys.stderr)

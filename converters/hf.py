@@ -11,13 +11,13 @@ import logging
 import os
 from typing import Any
 
-from interop.commit import staged_output
 from interop.errors import CorruptCheckpointError, MissingFileError
 from interop.jsonio import read_json
 from interop.paths import inside
 from interop.logical import LogicalCheckpoint
 from interop.tensors import LazyTensor
 from interop.safetensors_io import read_hf_safetensors
+from interop.spread import spread_output
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
 from .models.facts import stored_names, tied_groups, unknown_model
@@ -118,11 +118,13 @@ def write_hf(
     overwrite: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress=None,
+    spread=None,
 ) -> None:
-    """The model part of ``ckpt`` as a Hugging Face directory; optimizer and other state are not exported."""
+    """The model part of ``ckpt`` as a Hugging Face directory; optimizer and other state are not exported. With
+    ``spread`` (``interop.spread.Spread``) every process of it calls this together and writes its share."""
     if ckpt.config is None:
         raise CorruptCheckpointError(None, "the source records no model config, so no Hugging Face directory can be written; "
                                      "pass the model's config with --config CONFIG.json (or the model's directory)")
-    with staged_output(dst, overwrite) as out:
-        write_model_dir(out, "", ckpt, max_shard_size, progress, hashed=False)  # no manifest describes it
+    with spread_output(dst, overwrite, spread) as out:
+        write_model_dir(out, "", ckpt, max_shard_size, progress, hashed=False, spread=spread)  # no manifest describes it
     log.info("wrote Hugging Face model directory %s", dst)

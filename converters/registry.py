@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from interop.dtypes import dtype_from_name
 from interop.errors import ConfigurationError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
@@ -35,6 +35,7 @@ class Options:
     progress: Callable | None = None
     extra: dict = field(default_factory=dict)  # target-specific flags (world size, stage, ...) for later formats
     config: dict | None = None  # --config: the model's config.json, for sources that carry none
+    spread: Any = None  # interop.spread.Spread: the processes writing the output together (None: this one alone)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Format:
     # it has a place for a peft model's state (base + adapter, the adapter's optimizer state): engines that save the
     # peft model's state dict; the others refuse a checkpoint with adapters rather than write what loads wrong
     holds_adapters: bool = False
+    # several processes can write it together (``torchrun ... convert`` / ``--workers``), each a share of the bytes
+    spreads: bool = False
 
 
 def check_dtype_flag(fmt: Format, dtype: str | None) -> None:
@@ -185,7 +188,8 @@ register(
         "interop universal checkpoint (safetensors + JSON, no pickle)",
         _is_universal,
         lambda p, o: read_universal(p, o.verify_digests),
-        lambda c, d, o: write_universal(c, d, o.max_shard_size, o.overwrite, o.progress),
+        lambda c, d, o: write_universal(c, d, o.max_shard_size, o.overwrite, o.progress, o.spread),
+        spreads=True,
         loads_with="interop convert {dst} OUT --to <format>; transformers.AutoModelForCausalLM.from_pretrained('{dst}/model')",
         promises_config=True,
         holds_adapters=True,
@@ -399,7 +403,8 @@ register(
         "Hugging Face model directory (config.json + safetensors or pytorch_model.bin)",
         hf.is_hf_dir,
         lambda p, o: hf.read_hf(p, o.trust_pickle),
-        lambda c, d, o: hf.write_hf(with_dtype(c, o.extra.get("dtype")), d, o.overwrite, o.max_shard_size, o.progress),
+        lambda c, d, o: hf.write_hf(with_dtype(c, o.extra.get("dtype")), d, o.overwrite, o.max_shard_size, o.progress, o.spread),
+        spreads=True,
         takes_dtype=True,
         keeps=frozenset(()),
         loads_with="transformers.AutoModelForCausalLM.from_pretrained('{dst}')",

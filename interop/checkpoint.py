@@ -16,7 +16,7 @@ from typing import Any, Callable
 from . import locking
 from .background import PendingCommit, commit_collective, staged
 from .commit import STAGING_SUFFIX, fsync_path, fsync_tree, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
-from .dist import Collective, default_collective, runtime_topology
+from .dist import Collective, agree, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
 from .manifest import CHECKPOINT_FORMAT, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
 from .pieces import component_files, read_piece, state_fingerprint, write_piece
@@ -106,18 +106,7 @@ class CheckpointManager:
         """All-gather (error, payload) and return the payloads; if any rank failed, every rank raises: ``failure``
         naming the first failed rank, or, on a rank that failed itself, its own exception ``own`` (chained to
         that; unchained in a single process). A collective step for work one rank may do for all."""
-        collective = collective or self.collective
-        if own is not None and collective.world_size == 1:
-            raise own
-        gathered = collective.all_gather_object((error, payload))
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-        if failed:
-            rank, message = failed[0]
-            agreed = failure(f"{what} failed on rank {rank}: {message}")
-            if own is not None:
-                raise own from agreed
-            raise agreed
-        return [p for _, p in gathered]
+        return agree(collective or self.collective, error, payload, failure, what, own)
 
     def on_rank_zero(self, work, what: str, failure=LoadFailedError) -> None:
         """Rank 0 runs ``work()`` (a conversion into a scratch directory, say) while the others wait; every

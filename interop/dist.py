@@ -54,6 +54,26 @@ class TorchCollective:
         self._dist.barrier(group=self.group)
 
 
+def agree(collective: Collective, error: BaseException | str | None, payload: Any = None, failure: type = ComponentError,
+          what: str = "work", own: BaseException | None = None) -> list[Any]:
+    """All-gather (error, payload) and return every rank's payload; if any rank failed, every rank raises: ``failure``
+    naming the first failed rank, or, on a rank that failed itself, its own exception (chained to that; unchained in
+    a single process). What makes one rank's failure the same error everywhere instead of a hang in a collective."""
+    if isinstance(error, BaseException):
+        error, own = f"{type(error).__name__}: {error}", own or error
+    if own is not None and collective.world_size == 1:
+        raise own
+    gathered = collective.all_gather_object((error, payload))
+    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        agreed = failure(f"{what} failed on rank {rank}: {message}")
+        if own is not None:
+            raise own from agreed
+        raise agreed
+    return [p for _, p in gathered]
+
+
 def default_collective() -> Collective:
     import torch.distributed as dist
 

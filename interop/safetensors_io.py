@@ -46,7 +46,7 @@ class WrittenFile:
     tensor_digests: dict[str, str] = field(default_factory=dict)
 
 
-def _header(entries: list[TensorEntry], metadata: dict[str, str] | None) -> bytes:
+def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -110,14 +110,14 @@ def _copy_mapped(f, piece: torch.Tensor, sources: dict[str, int]) -> int | None:
     return position - start
 
 
-def _hash_tensor(data: list[memoryview]) -> bytes:
+def hash_pieces(data: list[memoryview]) -> bytes:
     h = digests.hasher()
     for piece in data:
         h.update(piece)
     return h.digest()
 
 
-def _fetch(entry: TensorEntry) -> list[torch.Tensor]:
+def fetch_pieces(entry: TensorEntry) -> list[torch.Tensor]:
     """The entry's bytes as contiguous tensors: mapped views when the source offers them, else one loaded tensor."""
     if entry.mapped_pieces is not None:
         pieces = entry.mapped_pieces()
@@ -196,16 +196,16 @@ def _write_safetensors(
     total = 0
     sources: dict[str, int] = {}  # mapped source files copied from, open
     with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool, _closing(sources):
-        head = _header(entries, metadata)
+        head = header_bytes(entries, metadata)
         f.write(head)
         file_hash.update(head)
         total += len(head)
-        ahead = pool.submit(_fetch, entries[0]) if entries else None
+        ahead = pool.submit(fetch_pieces, entries[0]) if entries else None
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
-            ahead = pool.submit(_fetch, entries[i + 1]) if i + 1 < len(entries) else None
+            ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
             data = [raw_bytes(p) for p in pieces]  # views: no copy of a contiguous tensor
-            pending = pool.submit(_hash_tensor, data) if hashed else None
+            pending = pool.submit(hash_pieces, data) if hashed else None
             nbytes = 0
             for piece, view in zip(pieces, data):  # a mapped piece goes file to file; hashing reads it meanwhile
                 copied = _copy_mapped(f, piece, sources) if entry.mapped_pieces is not None else None

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from . import codec
-from .commit import durable_write, fsync_path, staged_output, write_manifest
+from .commit import durable_write, fsync_path, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError
 from .logical import AdapterState, ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
@@ -33,7 +33,8 @@ from .planner import pieces_for
 from . import digests
 from .jsonio import read_json
 from .paths import inside, plain_name
-from .safetensors_io import TensorEntry, read_hf_safetensors, write_safetensors
+from .safetensors_io import TensorEntry, WrittenFile, read_hf_safetensors
+from .spread import Spread, TensorFile, spread_output, write_tensor_files
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
 from .tensors import LazyTensor, tensor_digest
 from .topology import Topology
@@ -80,6 +81,87 @@ def shard_groups(entries: list[TensorEntry], max_shard_size: int) -> list[list[T
     return shards if shards[0] else []
 
 
+@dataclass
+class ShardedPlan:
+    """The files ``write_sharded`` writes for one stem, decided before any byte is: what a single process writes
+    one after another, or many processes between them (``interop.spread``)."""
+
+    subdir: str
+    stem: str
+    files: list[TensorFile]
+    index: tuple[str, dict[str, Any]] | None  # (path, content) of the index, for more than one shard
+    checked: dict[str, LazyTensor]  # source tensors whose recorded digest the written one must equal
+    key_of: Callable[[str], str]
+    hashed: bool
+
+    def finish(self, root: str, written: dict[str, WrittenFile], leads: bool = True) -> WriteResult:
+        """The records of what was written (its digests checked against the source's), and the index (the lead's)."""
+        result = WriteResult()
+        for f in self.files:
+            done = written[f.rel]
+            result.files[f.rel] = FileRecord(done.nbytes, done.digest)
+            for entry in f.entries:
+                if entry.name in self.checked:
+                    self.checked[entry.name].check_digest(done.tensor_digests[entry.name])
+                result.tensors[self.key_of(entry.name)] = TensorRecord(
+                    list(entry.spec.shape), dtype_name(entry.spec.dtype), f.rel, done.tensor_digests.get(entry.name)
+                )
+        if self.index is not None and leads:
+            result.files[self.index[0]] = _write_json(root, *self.index)
+        return result
+
+
+def plan_sharded(
+    subdir: str,
+    stem: str,
+    tensors: dict[str, LazyTensor],
+    max_shard_size: int,
+    key_of: Callable[[str], str] = lambda name: name,
+    hashed: bool = True,
+) -> ShardedPlan:
+    """``<stem>.safetensors`` or ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``.
+
+    Without ``hashed`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
+    a recorded digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
+    # a source tensor with a recorded digest of this version's algorithm is checked against what the writer
+    # hashes anyway (no second pass); one of another algorithm checks itself as it loads
+    checked = {name for name, t in tensors.items() if t.digest is not None and digests.parse(t.digest, t.origin)[0] == digests.ALGO}
+    entries = [  # a tensor whose digest this writer cannot check goes through load(), which checks it
+        TensorEntry(name, t.spec, (lambda t=t: t.load(verify=False)) if name in checked else t.load,
+                    t.mapped_pieces if t.digest is None or name in checked else None)
+        for name, t in tensors.items()
+    ]
+    shards = shard_groups(entries, max_shard_size)
+    plain_name(stem, "optimizer state key" if subdir == "optimizer" else "file stem")  # a key from the source names the file
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        files.append(TensorFile(f"{subdir}/{fname}" if subdir else fname, shard, {"format": "pt"}))
+        weight_map.update((entry.name, fname) for entry in shard)
+    index = None
+    if len(shards) > 1:
+        rel = f"{subdir}/{stem}.safetensors.index.json" if subdir else f"{stem}.safetensors.index.json"
+        index = (rel, {"metadata": {"total_size": sum(e.spec.nbytes for e in entries)}, "weight_map": weight_map})
+    return ShardedPlan(subdir, stem, files, index, {n: tensors[n] for n in checked}, key_of, hashed or bool(checked))
+
+
+def write_plans(root: str, plans: list[ShardedPlan], progress=None, spread: Spread | None = None) -> WriteResult:
+    """Write every plan's files (by this process, or each process of ``spread`` its share) and gather their records."""
+    result = WriteResult()
+    for hashed in (True, False):  # one pass over the bytes for each kind (an export's plans are all unhashed)
+        group = [p for p in plans if p.hashed == hashed]
+        if not group:
+            continue
+        for p in group:
+            os.makedirs(os.path.join(root, p.subdir), exist_ok=True)
+        written = write_tensor_files(root, [f for p in group for f in p.files], hashed, progress, spread)
+        for p in group:
+            part = p.finish(root, written, spread is None or spread.leads)
+            result.files.update(part.files)
+            result.tensors.update(part.tensors)
+    return result
+
+
 def write_sharded(
     root: str,
     subdir: str,
@@ -90,41 +172,8 @@ def write_sharded(
     progress: Callable[[TensorEntry], None] | None = None,
     hashed: bool = True,
 ) -> WriteResult:
-    """``<stem>.safetensors`` or ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``.
-
-    Without ``hashed`` (an export no manifest will describe) nothing is hashed, unless a source tensor has
-    a recorded digest: then it is checked, so a corrupted universal checkpoint is not exported silently."""
-    # a source tensor with a recorded digest of this version's algorithm is checked against what the writer
-    # hashes anyway (no second pass); one of another algorithm checks itself as it loads
-    checked = {name for name, t in tensors.items() if t.digest is not None and digests.parse(t.digest, t.origin)[0] == digests.ALGO}
-    hashed = hashed or bool(checked)
-    entries = [  # a tensor whose digest this writer cannot check goes through load(), which checks it
-        TensorEntry(name, t.spec, (lambda t=t: t.load(verify=False)) if name in checked else t.load,
-                    t.mapped_pieces if t.digest is None or name in checked else None)
-        for name, t in tensors.items()
-    ]
-    shards = shard_groups(entries, max_shard_size)
-    plain_name(stem, "optimizer state key" if subdir == "optimizer" else "file stem")  # a key from the source names the file
-    result = WriteResult()
-    os.makedirs(os.path.join(root, subdir), exist_ok=True)
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        rel = f"{subdir}/{fname}" if subdir else fname
-        written = write_safetensors(os.path.join(root, rel), shard, {"format": "pt"}, progress, hashed)
-        result.files[rel] = FileRecord(written.nbytes, written.digest)
-        for entry in shard:
-            if entry.name in checked:
-                tensors[entry.name].check_digest(written.tensor_digests[entry.name])
-            weight_map[entry.name] = fname
-            result.tensors[key_of(entry.name)] = TensorRecord(
-                list(entry.spec.shape), dtype_name(entry.spec.dtype), rel, written.tensor_digests.get(entry.name)
-            )
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(e.spec.nbytes for e in entries)}, "weight_map": weight_map}
-        rel = f"{subdir}/{stem}.safetensors.index.json" if subdir else f"{stem}.safetensors.index.json"
-        result.files[rel] = _write_json(root, rel, index)
-    return result
+    """One stem's files, written by this process (see :func:`plan_sharded`)."""
+    return write_plans(root, [plan_sharded(subdir, stem, tensors, max_shard_size, key_of, hashed)], progress)
 
 
 def _write_json(root: str, rel: str, data: Any) -> FileRecord:
@@ -150,11 +199,12 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
 
 
 def write_model_dir(
-    root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None, hashed: bool = True
+    root: str, subdir: str, ckpt: LogicalCheckpoint, max_shard_size: int, progress=None, hashed: bool = True,
+    spread: Spread | None = None,
 ) -> WriteResult:
     """A Hugging Face model directory: config.json and (sharded) model.safetensors."""
-    result = write_sharded(root, subdir, "model", model_entries(ckpt), max_shard_size, progress=progress, hashed=hashed)
-    if ckpt.config is not None:
+    result = write_plans(root, [plan_sharded(subdir, "model", model_entries(ckpt), max_shard_size, hashed=hashed)], progress, spread)
+    if ckpt.config is not None and (spread is None or spread.leads):
         rel = f"{subdir}/config.json" if subdir else "config.json"
         result.files[rel] = _write_json(root, rel, ckpt.config)
     return result
@@ -196,35 +246,45 @@ def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileReco
     return components
 
 
+def universal_plans(ckpt: LogicalCheckpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[ShardedPlan]:
+    """The tensor files of ``ckpt``'s universal checkpoint: model (the frozen base where there are adapters), the
+    adapter (peft's own layout, one file: PeftModel.from_pretrained reads no shards), each optimizer state key."""
+    adapter = ckpt.adapter
+    held = set(adapter.tensors) if adapter else set()
+    base = replace(ckpt, model={n: t for n, t in ckpt.model.items() if n not in held}) if adapter else ckpt
+    plans = [plan_sharded("model", "model", model_entries(base), max_shard_size)]
+    if adapter is not None:
+        plans.append(plan_sharded(ADAPTER_DIR, "adapter_model", {n: ckpt.model[n] for n in adapter.tensors}, 2**62))
+    opt = ckpt.optimizer
+    for key in sorted(opt.tensors) if opt is not None else []:
+        plans.append(plan_sharded("optimizer", key, opt.tensors[key], max_shard_size, lambda n, k=key: optim_key(k, n)))
+    return plans
+
+
 def write_universal(
     ckpt: LogicalCheckpoint,
     dst: str,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     progress: Callable[[TensorEntry], None] | None = None,
-) -> Manifest:
-    """Write ``ckpt`` as a universal checkpoint at ``dst``, built in staging and moved into place whole."""
-    with staged_output(dst, overwrite) as out:
-        adapter = ckpt.adapter
-        held = set(adapter.tensors) if adapter else set()
-        base = replace(ckpt, model={n: t for n, t in ckpt.model.items() if n not in held}) if adapter else ckpt
-        result = write_model_dir(out, "model", base, max_shard_size, progress)
+    spread: Spread | None = None,
+) -> Manifest | None:
+    """Write ``ckpt`` as a universal checkpoint at ``dst``, built in staging and moved into place whole. With
+    ``spread`` every process of it calls this together and writes its share of the tensor bytes; the lead writes
+    the rest and the manifest (returned there; None on the other ranks)."""
+    with spread_output(dst, overwrite, spread) as out:
+        adapter, opt = ckpt.adapter, ckpt.optimizer
+        result = write_plans(out, universal_plans(ckpt, max_shard_size), progress, spread)
+        if spread is not None and not spread.leads:
+            return None
+        if ckpt.config is not None:
+            result.files["model/config.json"] = _write_json(out, "model/config.json", ckpt.config)
         adapter_section = None
-        if adapter is not None:  # peft's own layout, one file (PeftModel.from_pretrained reads no shards)
-            part = write_sharded(out, ADAPTER_DIR, "adapter_model", {n: ckpt.model[n] for n in adapter.tensors}, 2**62, progress=progress)
-            result.files.update(part.files)
-            result.tensors.update(part.tensors)
+        if adapter is not None:
             result.files[ADAPTER_CONFIG] = _write_json(out, ADAPTER_CONFIG, adapter.config)
             adapter_section = {"config": ADAPTER_CONFIG, "name": adapter.name}
         optimizer_section = None
-        if ckpt.optimizer is not None:
-            opt = ckpt.optimizer
-            for key in sorted(opt.tensors):
-                part = write_sharded(
-                    out, "optimizer", key, opt.tensors[key], max_shard_size, lambda n, k=key: optim_key(k, n), progress
-                )
-                result.files.update(part.files)
-                result.tensors.update(part.tensors)
+        if opt is not None:
             result.files[STATE_JSON] = _write_json(out, STATE_JSON, _optimizer_json(opt))
             optimizer_section = {"class": opt.cls, "state_keys": opt.state_keys, "groups": STATE_JSON}
         components = copy_components(ckpt, out, result.files)

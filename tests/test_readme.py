@@ -92,6 +92,15 @@ def check_moving_a_run(out: str, copy: Path) -> None:
     assert "OK: largest relative difference" in out
 
 
+def check_spread_convert(out: str, copy: Path) -> None:
+    for dst in ("out/spread-universal", "out/spread-hf"):
+        assert out.count(f"-> {dst} (") == 1, out  # one process speaks for the four
+    from interop.verify import verify_checkpoint
+
+    assert verify_checkpoint(str(copy / "out/spread-universal"))[1] == []
+    assert (copy / "out/spread-hf/model.safetensors").is_file()
+
+
 def check_base_trainer(out: str, copy: Path) -> None:
     runs = summaries(out)
     assert runs["out/base"]["step"] == 8 and len(runs["out/base"]["losses"]) == 4
@@ -147,6 +156,7 @@ CHECKS = {
     "megatron-trainer": check_megatron_trainer,
     "megatron-lm": check_megatron_lm,
     "benchmarks": check_benchmarks,
+    "spread-convert": check_spread_convert,
     "benchmark-hf": check_benchmarks,
     "benchmark-engines": check_benchmarks,
     "benchmark-megatron": check_benchmarks,

@@ -1,0 +1,85 @@
+"""``interop convert`` on several processes: joining the group ``torchrun`` started, or starting one (``--workers``).
+
+The processes read the source each and write a share of the output's bytes (``interop.spread``). Under
+``torchrun`` (one machine or several, a shared filesystem assumed) the group comes from its environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``--workers N`` starts N such processes on this machine itself,
+so that a failure is the failing rank's one line, not a launcher's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from interop.dist import TorchCollective
+from interop.spread import Spread
+
+
+def launched() -> bool:
+    """This process is one of several a launcher started (torchrun's or ours)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def join() -> Spread:
+    """The launcher's group (gloo: the conversion exchanges Python objects on the CPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return Spread(TorchCollective())
+
+
+def leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_workers(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--workers N`` (or ``--workers=N``)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--workers":
+            skip = True
+        elif not arg.startswith("--workers="):
+            out.append(arg)
+    return out
+
+
+def run_workers(argv: list[str], n: int) -> int:
+    """Run ``python -m converters.cli ARGV`` as ranks 0..n-1 of one group; the first failure stops the others.
+    Returns rank 0's exit status, or the failing rank's."""
+    env = dict(os.environ, WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    procs = [subprocess.Popen([sys.executable, "-m", "converters.cli", *argv],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(n)]
+    status = None
+    try:
+        while status is None:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                status = failed[0]
+            elif all(c == 0 for c in codes):
+                status = 0
+            else:
+                time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return status

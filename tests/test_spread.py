@@ -1,0 +1,156 @@
+"""Conversion by several processes: the byte plan (down to a 1,000-rank plan of a 70B-shaped checkpoint, from
+metadata only) and `interop convert --workers N` / torchrun writing exactly the single-process output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from converters.cli import main
+from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.safetensors_io import header_bytes
+from interop.spread import FileLayout, plan_spans
+from interop.tensors import LazyTensor, TensorSpec
+from interop.universal import universal_plans
+from trainers.base import BaseTrainer, TrainerConfig
+
+from .conftest import ROOT, worker_env
+
+
+def _metadata_only(shape, dtype=torch.float32) -> LazyTensor:
+    def never():
+        raise AssertionError("planning read a tensor's bytes")
+
+    return LazyTensor(TensorSpec(tuple(shape), dtype), never, "metadata")
+
+
+def llama_70b_shaped() -> LogicalCheckpoint:
+    """Llama-3-70B's shapes (transformers' own model on the meta device): fp32 weights and two Adam moments."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    moments = {k: {n: _metadata_only(s) for n, s in shapes.items()} for k in ("exp_avg", "exp_avg_sq")}
+    return LogicalCheckpoint(model={n: _metadata_only(s) for n, s in shapes.items()},
+                             optimizer=OptimizerState("AdamW", [], moments))
+
+
+def test_a_1000_rank_plan_of_a_70b_checkpoint_writes_every_byte_once_and_balances_the_ranks():
+    ckpt = llama_70b_shaped()
+    files = [f for p in universal_plans(ckpt) for f in p.files]  # the single-process writer's files, 5 GiB shards
+    layouts = [FileLayout(f.rel, len(header_bytes(f.entries, f.metadata)), tuple((e.name, e.spec.nbytes) for e in f.entries))
+               for f in files]
+    total = sum(f.size for f in layouts)
+    assert 840e9 < total < 850e9 and len(layouts) > 150  # ~70.6B parameters x 12 bytes, 5 GiB files
+    plan = plan_spans(layouts, 1000)
+
+    by_file: dict[str, list] = {}
+    for spans in plan:
+        for s in spans:
+            by_file.setdefault(s.rel, []).append(s)
+    for f in layouts:  # each file's spans tile it exactly: no byte unwritten, none written twice
+        spans = sorted(by_file[f.rel], key=lambda s: s.offset)
+        assert spans[0].offset == 0 and sum(s.length for s in spans) == f.size
+        assert all(a.offset + a.length == b.offset for a, b in zip(spans, spans[1:]))
+        position, expected = 0, [(None, f.header)] + list(f.tensors)  # and each span is the tensor bytes at its offset
+        ends = {}
+        for name, nbytes in expected:
+            ends[name] = (position, nbytes)
+            position += nbytes
+        covered: dict = {}
+        for s in spans:
+            begin, nbytes = ends[s.tensor]
+            assert s.offset == begin + s.start and s.start + s.length <= nbytes
+            covered[s.tensor] = covered.get(s.tensor, 0) + s.length
+        assert covered == {name: nbytes for name, nbytes in expected}
+    per_rank = [sum(s.length for s in spans) for spans in plan]
+    mean = total / 1000
+    assert max(per_rank) <= 1.1 * mean and min(per_rank) >= 0.9 * mean, (min(per_rank), max(per_rank), mean)
+    largest = max(n for f in layouts for _, n in f.tensors)
+    assert largest > 4 * mean  # the embedding alone: whole tensors could not have been balanced
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A trained checkpoint with optimizer state, and its single-process conversions (small shards, so tensors and
+    files are cut between the processes)."""
+    root = tmp_path_factory.mktemp("spread")
+    trainer = BaseTrainer(TrainerConfig(steps=2, output_dir=str(root / "run"), tied=True))
+    trainer.train()
+    trainer.save()
+    for fmt in ("universal", "hf"):
+        assert main(["convert", str(root / "run"), str(root / f"one-{fmt}"), "--to", fmt, "--max-shard-size", "100KB"]) == 0
+    return root
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    env = worker_env()
+    return subprocess.run([sys.executable, "-m", "converters.cli", *argv], env=env, capture_output=True, text=True, timeout=300)
+
+
+def files_of(directory) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, n), directory): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(directory) for n in names}
+
+
+def same_manifest(a: bytes, b: bytes) -> bool:
+    """Equal but for the moment of commit (and the self-digest over it)."""
+    da, db = json.loads(a), json.loads(b)
+    for m in (da, db):
+        m.pop("committed_at"), m.pop("digest")
+    return da == db
+
+
+@pytest.mark.parametrize("fmt,launch", [("universal", "workers"), ("hf", "torchrun")])
+def test_several_processes_write_exactly_the_single_process_output(source, fmt, launch):
+    out = source / f"three-{fmt}"
+    args = ["convert", str(source / "run"), str(out), "--to", fmt, "--max-shard-size", "100KB"]
+    if launch == "workers":
+        done = cli(*args, "--workers", "3")
+    else:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                               "-m", "converters.cli", *args], env=dict(worker_env(), OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("converted ") == 1  # the lead's lines only
+    one, three = files_of(source / f"one-{fmt}"), files_of(out)
+    assert sorted(one) == sorted(three) and len([f for f in one if f.endswith(".safetensors")]) >= 3
+    for rel in one:
+        if rel == "manifest.json":
+            assert same_manifest(one[rel], three[rel])
+        else:
+            assert one[rel] == three[rel], rel
+    if fmt == "universal":
+        assert main(["verify", str(out)]) == 0
+
+
+def test_a_failure_on_one_rank_is_one_line_and_publishes_nothing(source, tmp_path):
+    """A flipped byte in one source shard: whichever process reads it fails, every process stops, one line names the
+    file, and neither the output nor a staging directory is left."""
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(source / "one-universal", src)
+    shard = sorted((src / "optimizer").glob("exp_avg-*.safetensors"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    done = cli("convert", str(src), str(tmp_path / "out"), "--to", "universal", "--workers", "2")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and shard.name in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".staging")]
+
+
+def test_a_target_one_process_writes_is_refused_with_workers(source, tmp_path):
+    done = cli("convert", str(source / "run"), str(tmp_path / "out"), "--to", "deepspeed", "--workers", "2")
+    assert done.returncode == 2 and "--to deepspeed is written by one process" in done.stderr
+    assert not (tmp_path / "out").exists()
