@@ -430,17 +430,30 @@ def save_dcp(state: dict[str, Any], directory: str) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=not dist.is_initialized())
 
 
-def stage_dcp(state: dict[str, Any], directory: str, process_group: Any = None) -> Callable[[], None]:
-    """``dcp.async_save`` of a live state dict: DCP stages it (a copy in CPU memory) before returning and writes it
-    on a thread of its own, its collectives over ``process_group``; returns what waits for the write."""
+def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any = None, storage_writer: Any = None,
+              planner: Any = None) -> Callable[[], None]:
+    """DCP's asynchronous save split where a commit thread needs it: the state is staged now (DCP's own stager: a copy
+    in CPU memory that later training steps cannot change) and the returned writer runs ``dcp.save`` of the copy over
+    ``process_group``. Writers run one after another on one thread, so several staged saves of one checkpoint
+    (accelerate saves model and optimizer apart) never issue collectives side by side, as separate ``async_save``
+    threads would on one group."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    with _single_process_quiet():
-        result = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(directory), process_group=process_group,
-                                no_dist=not dist.is_initialized())
-    future = getattr(result, "upload_completion", result)  # an AsyncSaveResponse where a stager answers in parts
-    return lambda: future.result() and None
+    blocking_save = dcp.save  # the function itself: a caller may have patched the module's name meanwhile
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    staged_state = stager.stage(state)
+    stager.close()
+    storage_writer = storage_writer or dcp.FileSystemWriter(directory)
+
+    def write() -> None:
+        with _single_process_quiet():
+            blocking_save(staged_state, storage_writer=storage_writer, planner=planner, process_group=process_group,
+                          no_dist=not dist.is_initialized())
+
+    return write
 
 
 def write_dcp(

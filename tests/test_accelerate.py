@@ -528,3 +528,18 @@ def test_bare_ddp_save_state_converts_with_config(tmp_path):
     h = config["hidden_size"]
     assert re.search(rf"tensor '[\w.]+' is \[\d+, {h}\] in the checkpoint but \[\d+, {2 * h}\] in the --config model", wrong.stderr), wrong.stderr
     assert not (tmp_path / "u2").exists()
+
+
+@pytest.mark.slow
+def test_fsdp2_async_save_writes_what_a_blocking_save_writes_and_resumes(tmp_path):
+    """--async-save on FSDP2: accelerate's DCP saves staged in memory and written on the commit's thread while training
+    goes on hold exactly the state of their step, and accelerate's own load_state resumes them."""
+    blocking = last_json(acc_run(2, "train", *LONG, "--fsdp", "--output-dir", str(tmp_path / "blocking")))
+    staged = last_json(acc_run(2, "train", *LONG, "--fsdp", "--async-save", "--output-dir", str(tmp_path / "staged")))
+    assert staged["losses"] == blocking["losses"]
+    a, b = read(str(tmp_path / "blocking" / "checkpoint-3"))[1], read(str(tmp_path / "staged" / "checkpoint-3"))[1]
+    ta, tb = {k: t.load() for k, t in a.tensors()}, {k: t.load() for k, t in b.tensors()}
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    resumed = last_json(acc_run(2, "train", *LONG, "--fsdp", "--output-dir", str(tmp_path / "resumed"),
+                                "--resume", str(tmp_path / "staged" / "checkpoint-3")))
+    assert resumed["losses"] == blocking["losses"][3:]

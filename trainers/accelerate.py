@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from converters import accelerate as accelerate_format
+from converters import dcp as dcp_format
 from converters.pickle_safety import numpy_allowlist, weights_only_loads
 from interop import SharingPattern, StateComponent, WorldSizePolicy
 from interop.sharding import ShardingMetadata, Strategy
@@ -68,6 +69,30 @@ class AccelerateState:
 
     def save_native(self, directory: str) -> None:
         self.trainer.accelerator.save_state(directory)
+
+    def stage_native(self, directory: str, group: Any = None) -> Callable[[], None]:
+        """accelerate's ``save_state`` as it is, with its DCP saves (FSDP2's sharded model and optimizer) staged in
+        memory now and written later over ``group`` (the commit's process group; see ``converters.dcp.stage_dcp``).
+        What accelerate writes itself (DDP's weights, the scheduler, sampler and RNG files) is written now."""
+        import torch.distributed.checkpoint as dcp
+
+        writers: list[Callable[[], None]] = []
+        blocking_save = dcp.save
+
+        def staged_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, **_):
+            writers.append(dcp_format.stage_dcp(state_dict, checkpoint_id, group, storage_writer=storage_writer, planner=planner))
+
+        dcp.save = staged_save  # accelerate's fsdp_utils calls dcp.save(...) through the module
+        try:
+            self.save_native(directory)
+        finally:
+            dcp.save = blocking_save
+
+        def write() -> None:
+            for writer in writers:
+                writer()
+
+        return write
 
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer
