@@ -76,7 +76,7 @@ def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, 
     for name, (wall, rss) in rows:
         ref = reference.get(name)
         speed = f"{by_name[ref][0] / wall:>8.2f}x" if ref else f"{'':>9}"
-        mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref and by_name[ref][1] else f"{'':>10}"
+        mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref and by_name[ref][1] >= 64 << 20 else f"{'':>10}"  # not of a growth near 0
         floor = f"{wall / by_name[floors[name]][0]:>6.2f}x" if name in floors and floors[name] in by_name else f"{'':>7}"
         print(f"{name:<62} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem} {floor}")
     for name, ref in reference.items():

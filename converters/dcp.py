@@ -444,14 +444,16 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
     blocking_save = dcp.save  # the function itself: a caller may have patched the module's name meanwhile
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                           use_non_blocking_copy=False))
-    staged_state = stager.stage(state)
-    stager.close()
+    held = [stager.stage(state)]
     storage_writer = storage_writer or dcp.FileSystemWriter(directory)
 
     def write() -> None:
-        with _single_process_quiet():
-            blocking_save(staged_state, storage_writer=storage_writer, planner=planner, process_group=process_group,
-                          no_dist=not dist.is_initialized())
+        try:
+            with _single_process_quiet():
+                blocking_save(held.pop(), storage_writer=storage_writer, planner=planner, process_group=process_group,
+                              no_dist=not dist.is_initialized())
+        finally:
+            stager.close()
 
     return write
 

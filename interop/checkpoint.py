@@ -170,18 +170,39 @@ class CheckpointManager:
                     raise ReplicationError(message)
 
         # 2. every rank writes its pieces into the shared staging directory; the engines save (collectively) now,
-        # or, staged, into memory, their files written with the pieces by ``write`` on the background thread
+        # or, staged, into memory, their files written with the pieces by ``write_pieces`` on the background thread
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
         self.collective.barrier()
+
+        def write_pieces() -> tuple[str | None, dict[str, FileRecord]]:
+            """This rank's pieces and staged engine files (no collectives), each file made durable."""
+            records: dict[str, FileRecord] = {}
+            try:
+                for base, state in pieces:
+                    records.update(write_piece(staging, base, state, writer=rank))
+                for writer in writers:
+                    writer()
+                if stage:  # written: the staged copies go (release_freed_memory returns them once the commit ends)
+                    pieces.clear()
+                    writers.clear()
+                for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
+                    fsync_path(d)
+            except Exception as exc:  # noqa: BLE001
+                return describe_error(exc), records
+            return None, records
+
         if not wait and self._commit_group is None:
             self._commit_group = commit_collective(self.collective)  # collective: every rank saves together
         pieces = [(piece.base, states[piece.component]) for piece in plan.writes_of(rank)]
         writers: list[Callable[[], None]] = []
+        # our pieces first: fsyncing a small file after an engine wrote gigabytes makes ext4 write those out first
+        # (one journal commit), which put the engine's whole flush back into the blocking part
+        written = (None, {}) if stage else write_pieces()
         error = None
         try:
-            for comp in native:  # collective: the engine's own save, on every rank
+            for comp in native:  # collective: the engine's own save, on every rank (whatever this rank's pieces did)
                 target = os.path.normpath(os.path.join(staging, native_base(comp)))
                 stage_native = getattr(comp.stateful, "stage_native", None) if stage else None
                 if stage_native is not None:  # its writer may use the commit's process group (DCP's async_save)
@@ -194,25 +215,11 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
 
-        def write() -> tuple[str | None, dict[str, FileRecord]]:
-            """This rank's pieces and staged engine files (no collectives), each file made durable."""
-            records: dict[str, FileRecord] = {}
-            try:
-                for base, state in pieces:
-                    records.update(write_piece(staging, base, state, writer=rank))
-                for writer in writers:
-                    writer()
-                for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
-                    fsync_path(d)
-            except Exception as exc:  # noqa: BLE001
-                return describe_error(exc), records
-            return None, records
-
-        written = (error, {}) if error is not None or stage else write()
-        pieces = [] if not stage else pieces  # written: let the memory go
+        if error is not None and written[0] is None:
+            written = (error, written[1])
 
         def finish(collective: Collective) -> str:
-            outcome = write() if stage and error is None else written
+            outcome = write_pieces() if stage and error is None else written
             self._commit(collective, step, final, staging, specs, topology, plan, outcome, metadata, native, what)
             return final
 
