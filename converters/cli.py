@@ -222,13 +222,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  f"{', '.join(n for n, f in registry.FORMATS.items() if f.spreads)} (drop --workers / torchrun)")
     if args.workers > 1 and not workers.launched():
         return workers.run_workers(workers.without_workers(args.argv), args.workers)
-    check_destination(args.dst, options.overwrite, src=args.src)  # refuse before reading anything
     spread = options.spread = workers.join() if several else None
     leads = spread is None or spread.leads
     try:
-        # the lead holds DST's lock (one conversion into DST at a time) and makes its parents
-        with (_parents_of(args.dst) if leads else contextlib.nullcontext()), \
-                (exclusive(destination_lock(args.dst), args.dst) if leads else contextlib.nullcontext()):
+        with contextlib.ExitStack() as held:
+            error = None
+            try:
+                if leads:  # refuse before reading anything; the lead holds DST's lock (one conversion into it at a
+                    # time: the others would see the lead's) and makes its parents
+                    check_destination(args.dst, options.overwrite, src=args.src)
+                    held.enter_context(_parents_of(args.dst))
+                    held.enter_context(exclusive(destination_lock(args.dst), args.dst))
+            except Exception as exc:  # noqa: BLE001 - in one process raised as it is; in several, on every rank
+                if spread is None:
+                    raise
+                error = exc
+            if spread is not None:
+                spread.agree(error, what="preparing the destination")
             error = src_fmt = ckpt = None
             try:
                 src_fmt, ckpt = registry.read(args.src, options)

@@ -440,8 +440,7 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    blocking_save = dcp.save  # the function itself: a caller may have patched the module's name meanwhile
+    from torch.distributed.checkpoint.state_dict_saver import save as blocking_save  # not dcp.save: a caller may have patched it
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                           use_non_blocking_copy=False))
     held = [stager.stage(state)]

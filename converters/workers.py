@@ -18,6 +18,9 @@ from interop.dist import TorchCollective
 from interop.spread import Spread
 
 
+GRACE_SECONDS = 20  # after one rank failed, how long the others may take to end on their own
+
+
 def launched() -> bool:
     """This process is one of several a launcher started (torchrun's or ours)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
@@ -66,17 +69,19 @@ def run_workers(argv: list[str], n: int) -> int:
                LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     procs = [subprocess.Popen([sys.executable, "-m", "converters.cli", *argv],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(n)]
-    status = None
+    status, deadline = None, None
     try:
-        while status is None:
+        while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                status = failed[0]
-            elif all(c == 0 for c in codes):
-                status = 0
-            else:
-                time.sleep(0.05)
+            if status is None and failed:
+                # the others learn of it in their next collective and end with rank 0's one line: let them
+                status, deadline = failed[0], time.monotonic() + GRACE_SECONDS
+            if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(0.05)
+        if status is None:
+            status = 0
     finally:
         for p in procs:
             if p.poll() is None:

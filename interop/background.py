@@ -95,9 +95,41 @@ def commit_collective(collective: Collective) -> Collective:
 
 
 def staged(state: Any) -> Any:
-    """A copy of ``state`` in memory that later training steps cannot change: tensors are cloned once per storage,
-    so views that shared storage still share it (``torch.save`` of the copy writes what the original would)."""
+    """A copy of ``state`` in host memory that later training steps cannot change: ``copy.deepcopy``, which keeps
+    storage sharing (``torch.save`` of the copy writes what the original would, byte for byte: tested), with tensors
+    on an accelerator copied to the CPU instead of on their device (a copy there would hold device memory until the
+    commit thread wrote it): one host copy per storage, views rebuilt on it, a Parameter's type and a tensor's own
+    attributes kept."""
     import torch
 
+    storages: dict[tuple[Any, int], Any] = {}
+    memo: dict[int, Any] = {}
+
+    def host_copy(t: "torch.Tensor") -> "torch.Tensor":
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in storages:
+            storages[key] = storage.cpu()
+        out = torch.empty(0, dtype=t.dtype)
+        out.set_(storages[key], t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        return out
+
+    def walk(obj: Any) -> None:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter):  # subclasses (DTensor) are left to deepcopy
+            if obj.device.type not in ("cpu", "meta") and id(obj) not in memo:
+                memo[id(obj)] = host_copy(obj.detach() if type(obj) is torch.Tensor else obj)
+                if obj.__dict__:
+                    walk(obj.__dict__)
+                    memo[id(obj)].__dict__.update(copy.deepcopy(obj.__dict__, memo))
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
     with torch.no_grad():
-        return copy.deepcopy(state)
+        walk(state)
+        return copy.deepcopy(state, memo)

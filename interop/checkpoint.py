@@ -156,6 +156,7 @@ class CheckpointManager:
                     states[comp.key] = comp.stateful.state_dict()
                 if spec.validate_replication:
                     prints[comp.key] = state_fingerprint(states[comp.key])
+            metadata = self._metadata(metadata)  # read from the live trainer here, not on the commit's thread
             if stage:  # later steps change the live tensors: what is written later must be a copy
                 states = {k: staged(v) if k in writes else v for k, v in states.items()}
         except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
@@ -177,21 +178,25 @@ class CheckpointManager:
         self.collective.barrier()
 
         def write_pieces() -> tuple[str | None, dict[str, FileRecord]]:
-            """This rank's pieces and staged engine files (no collectives), each file made durable."""
+            """This rank's pieces, then the staged engine files, each file made durable. A staged writer may run
+            collectives (DCP's over the commit group): every rank runs its writers whatever its pieces did."""
             records: dict[str, FileRecord] = {}
+            failed = None
             try:
                 for base, state in pieces:
                     records.update(write_piece(staging, base, state, writer=rank))
-                for writer in writers:
-                    writer()
-                if stage:  # written: the staged copies go (release_freed_memory returns them once the commit ends)
-                    pieces.clear()
-                    writers.clear()
                 for d in {os.path.dirname(os.path.join(staging, rel)) for rel in records}:
                     fsync_path(d)
             except Exception as exc:  # noqa: BLE001
-                return describe_error(exc), records
-            return None, records
+                failed = describe_error(exc)
+            for writer in writers:
+                try:
+                    writer()
+                except Exception as exc:  # noqa: BLE001
+                    failed = failed or describe_error(exc)
+            pieces.clear()  # written: the staged copies go (release_freed_memory returns them once the commit ends)
+            writers.clear()
+            return failed, records
 
         if not wait and self._commit_group is None:
             self._commit_group = commit_collective(self.collective)  # collective: every rank saves together
@@ -219,7 +224,15 @@ class CheckpointManager:
             written = (error, written[1])
 
         def finish(collective: Collective) -> str:
-            outcome = write_pieces() if stage and error is None else written
+            outcome = written
+            if stage:  # every rank staged, or none writes: a writer's collectives need every rank
+                try:
+                    self.agree(error, what=what, collective=collective)
+                except SaveFailedError:
+                    if collective.rank == 0:
+                        shutil.rmtree(staging, ignore_errors=True)
+                    raise
+                outcome = write_pieces()
             self._commit(collective, step, final, staging, specs, topology, plan, outcome, metadata, native, what)
             return final
 
@@ -283,11 +296,16 @@ class CheckpointManager:
             return describe_error(exc), records
         return None, records
 
-    def _manifest(self, step, specs, topology, plan, all_records, metadata, native: dict[str, str]) -> Manifest:
+    def _metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        """The manifest sections the caller and the provider give (``get_checkpoint_metadata``), read now."""
         meta = dict(metadata or {})
         extra = getattr(self.provider, "get_checkpoint_metadata", None)
         if extra is not None:
             meta = {**(extra() or {}), **meta}
+        return meta
+
+    def _manifest(self, step, specs, topology, plan, all_records, meta: dict[str, Any], native: dict[str, str]) -> Manifest:
+        meta = dict(meta)
         if self.resume_notes:
             meta["notes"] = list(dict.fromkeys(list(meta.get("notes") or []) + self.resume_notes))
         unknown = set(meta) - set(_METADATA_FIELDS)

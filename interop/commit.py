@@ -25,6 +25,7 @@ from .paths import check_relative
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+REMOVING_SUFFIX = ".removing"  # a pruned checkpoint, renamed out of the way while it is deleted
 
 
 def fsync_path(path: str) -> None:
@@ -189,7 +190,7 @@ def committed_checkpoints(root: str) -> list[tuple[int, str]]:
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         full = os.path.join(root, name)
-        if name.endswith(STAGING_SUFFIX) or not os.path.isfile(os.path.join(full, MANIFEST)):
+        if name.endswith((STAGING_SUFFIX, REMOVING_SUFFIX)) or not os.path.isfile(os.path.join(full, MANIFEST)):
             continue
         try:
             step = read_manifest(full).step
@@ -203,16 +204,26 @@ def committed_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def prune(root: str, keep_last: int) -> list[str]:
-    """Remove all but the newest ``keep_last`` committed checkpoints; never the one ``latest`` names."""
+    """Remove all but the newest ``keep_last`` committed checkpoints; never the one ``latest`` names. Each is renamed
+    out of the way first (``.<name>.removing``), so a process killed while deleting leaves no half-deleted checkpoint
+    under its own name; such leftovers go at the next prune."""
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1")
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        if entry.startswith(".") and entry.endswith(REMOVING_SUFFIX):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     protected = read_latest(root)
     ckpts = committed_checkpoints(root)
     removed = []
     for _, name in ckpts[: max(0, len(ckpts) - keep_last)]:
         if name == protected:
             continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        trash = os.path.join(root, f".{name}{REMOVING_SUFFIX}")
+        try:
+            os.replace(os.path.join(root, name), trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
         removed.append(name)
     if removed:
         log.info("retention (keep_last=%d) removed %s", keep_last, ", ".join(removed))

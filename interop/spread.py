@@ -19,6 +19,7 @@ first rank creates the files at their final size and, after all have written, co
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                 spans_of[(s.rel, s.tensor)] = spans_of.get((s.rel, s.tensor), 0) + 1
                 first_rank.setdefault((s.rel, s.tensor), r)
 
+    # every rank planned from its own read of the source: the same bytes, or nothing is written
+    fingerprint = hashlib.sha256(repr([(f.rel, f.tensors) for f in layouts]).encode() + b"".join(headers.values())).hexdigest()
     error = None
     if spread.leads:  # the files at their final size, so every rank writes into its own ranges
         try:
@@ -146,7 +149,12 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                     fh.truncate(f.size)
         except OSError as exc:
             error = OutputWriteError.of(os.path.join(out, f.rel), exc)
-    spread.agree(error, what="creating the output files")
+    prints = spread.agree(error, fingerprint, what="creating the output files")
+    if len(set(prints)) > 1:
+        from .errors import ConversionError
+
+        raise ConversionError(f"the processes read different tensors from the source (ranks planned {len(set(prints))} "
+                              "different outputs): is every process reading the same files?")
 
     entries = {(f.rel, e.name): e for f in files for e in f.entries}
     error, tensor_digests = None, {}
@@ -170,6 +178,12 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
     found: dict[tuple[str, str], str] = {}
     for part in gathered:
         found.update(part)
+    for f in files:  # a tensor of no bytes has no span: its digest is that of nothing
+        for e in f.entries:
+            if e.spec.nbytes == 0:
+                found[(f.rel, e.name)] = digests.of_bytes(b"")
+                if on_tensor is not None and spread.leads:
+                    on_tensor(e)
     written = {}
     for f in files:
         by_name = {e.name: found[(f.rel, e.name)] for e in f.entries} if hashed else {}

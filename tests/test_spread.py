@@ -154,3 +154,66 @@ def test_a_target_one_process_writes_is_refused_with_workers(source, tmp_path):
     done = cli("convert", str(source / "run"), str(tmp_path / "out"), "--to", "deepspeed", "--workers", "2")
     assert done.returncode == 2 and "--to deepspeed is written by one process" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+class ThreadCollective:
+    """Ranks as threads of this process (the spread writer needs all_gather_object only): fast enough to try many
+    layouts, while the tests above run real processes."""
+
+    def __init__(self, rank: int, world: int, shared: dict):
+        self.rank, self.world_size, self.shared = rank, world, shared
+
+    def all_gather_object(self, obj):
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = obj
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
+    def barrier(self):
+        self.shared["barrier"].wait()
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path, world):
+    """Tensors cut between ranks, a tensor of no bytes, a file of one small tensor, more ranks than some files have
+    pages: the files and every digest are the single-process writer's."""
+    import threading
+
+    from interop.safetensors_io import TensorEntry
+    from interop.spread import Spread, TensorFile, write_tensor_files
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(3000, 7, generator=g), "empty": torch.zeros(0, 4), "half": torch.randn(1500, generator=g).half(),
+               "ints": torch.arange(2049, dtype=torch.int64), "tiny": torch.ones(1)}
+
+    def files():
+        entry = lambda n: TensorEntry(n, LazyTensor.of(tensors[n]).spec, lambda n=n: tensors[n])  # noqa: E731
+        return [TensorFile("a/one.safetensors", [entry(n) for n in ("big", "empty", "half", "ints")], {"format": "pt"}),
+                TensorFile("b/two.safetensors", [entry("tiny")], {"format": "pt"})]
+
+    for d in ("one", "many"):
+        for sub in ("a", "b"):
+            (tmp_path / d / sub).mkdir(parents=True)
+    alone = write_tensor_files(str(tmp_path / "one"), files())
+    shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
+    results, errors = [None] * world, []
+
+    def rank(r):
+        try:
+            results[r] = write_tensor_files(str(tmp_path / "many"), files(), spread=Spread(ThreadCollective(r, world, shared)))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for rel, written in alone.items():
+        assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "many" / rel).read_bytes(), rel
+        for r in range(world):
+            assert (results[r][rel].digest, results[r][rel].tensor_digests) == (written.digest, written.tensor_digests)
