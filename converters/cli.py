@@ -25,6 +25,7 @@ from interop.usage import OneLineParser
 from interop.logical import LogicalCheckpoint
 from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, Manifest, read_manifest
 from interop.topology import Topology
+from interop.spread import leads, together
 from interop.universal import parse_size
 
 from . import registry
@@ -223,39 +224,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.workers > 1 and not workers.launched():
         return workers.run_workers(workers.without_workers(args.argv), args.workers)
     spread = options.spread = workers.join() if several else None
-    leads = spread is None or spread.leads
+    lead = leads(spread)
     try:
         with contextlib.ExitStack() as held:
-            error = None
-            try:
-                if leads:  # refuse before reading anything; the lead holds DST's lock (one conversion into it at a
+            def prepare() -> None:
+                if lead:  # refuse before reading anything; the lead holds DST's lock (one conversion into it at a
                     # time: the others would see the lead's) and makes its parents
                     check_destination(args.dst, options.overwrite, src=args.src)
                     held.enter_context(_parents_of(args.dst))
                     held.enter_context(exclusive(destination_lock(args.dst), args.dst))
-            except Exception as exc:  # noqa: BLE001 - in one process raised as it is; in several, on every rank
-                if spread is None:
-                    raise
-                error = exc
-            if spread is not None:
-                spread.agree(error, what="preparing the destination")
-            error = src_fmt = ckpt = None
-            try:
-                src_fmt, ckpt = registry.read(args.src, options)
+
+            def read() -> tuple[registry.Format, LogicalCheckpoint]:
+                fmt, ckpt = registry.read(args.src, options)
                 if args.adapter:
                     ckpt = adapter_models.with_adapter_dir(ckpt, args.adapter, args.src)
-                ckpt = _adapters_for(ckpt, args, target)
-            except Exception as exc:  # noqa: BLE001 - in one process raised as it is; in several, on every rank
-                if spread is None:
-                    raise
-                error = exc
-            if spread is not None:
-                spread.agree(error, what="reading the source")
+                return fmt, _adapters_for(ckpt, args, target)
+
+            together(spread, "preparing the destination", prepare)
+            src_fmt, ckpt = together(spread, "reading the source", read)
             missing = registry.missing_config(ckpt, target)
             if missing:
                 ckpt.notes.append(missing)  # printed below and recorded in the output's manifest
             total = sum(t.spec.nbytes for _, t in ckpt.tensors())
-            options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}") if leads else (None, lambda: None)
+            options.progress, close = _bytes_progress(total, f"{src_fmt.name} -> {target.name}") if lead else (None, lambda: None)
             try:
                 target.write(ckpt, args.dst, options)  # type: ignore[misc]
             finally:
@@ -263,7 +254,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     finally:
         if spread is not None:
             workers.leave()
-    if not leads:
+    if not lead:
         return 0
     files, written_bytes = _written(args.dst)
     print(f"converted {args.src} ({src_fmt.name}) -> {args.dst} ({target.name}): wrote {human_bytes(written_bytes)} in "

@@ -52,7 +52,7 @@ def _free_port() -> int:
 def without_workers(argv: list[str]) -> list[str]:
     """``argv`` less its ``--workers N`` (or ``--workers=N``)."""
     out, skip = [], False
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
         elif arg == "--workers":

@@ -12,23 +12,16 @@ come in the same order on every rank, and the training thread keeps issuing its 
 from __future__ import annotations
 
 import copy
-import logging
 import threading
-import time
 from typing import Any, Callable
 
 from .dist import Collective, LocalCollective, TorchCollective
-
-log = logging.getLogger(__name__)
 
 
 class PendingCommit:
     """``work()`` on a thread of its own; :meth:`wait` joins it and raises what it raised."""
 
     def __init__(self, work: Callable[[], Any], name: str):
-        self.name = name
-        self.started = time.perf_counter()
-        self.finished: float | None = None
         self._error: BaseException | None = None
         self._result: Any = None
         # not a daemon: an interpreter that exits normally finishes the commit first
@@ -43,10 +36,6 @@ class PendingCommit:
             self._error = exc
         finally:
             release_freed_memory()
-            self.finished = time.perf_counter()
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     def wait(self) -> Any:
         self._thread.join()

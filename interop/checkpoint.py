@@ -210,7 +210,7 @@ class CheckpointManager:
             for comp in native:  # collective: the engine's own save, on every rank (whatever this rank's pieces did)
                 target = os.path.normpath(os.path.join(staging, native_base(comp)))
                 stage_native = getattr(comp.stateful, "stage_native", None) if stage else None
-                if stage_native is not None:  # its writer may use the commit's process group (DCP's async_save)
+                if stage_native is not None:  # its writer may use the commit's process group (a staged DCP save)
                     writers.append(stage_native(target, getattr(self._commit_group, "group", None)))
                 else:
                     if stage:
@@ -276,10 +276,6 @@ class CheckpointManager:
         if pending is None:
             return None
         return pending.wait()
-
-    @property
-    def pending(self) -> PendingCommit | None:
-        return self._pending
 
     def _native_records(self, staging: str, native: list[StateComponent], collective: Collective) -> tuple[str | None, dict[str, FileRecord]]:
         """List what the engines wrote and digest it, each rank a share of the bytes (after every rank wrote)."""

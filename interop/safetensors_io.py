@@ -154,11 +154,17 @@ def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tu
 def composite_digest(st: "SafetensorsFile", tensor_digests: dict[str, str], algo: str) -> str:
     """The file digest of ``st`` from its header bytes and its tensors' digests (as recorded or computed):
     with a manifest's tensor digests this checks every header byte without reading the tensors again."""
-    h = digests.hasher(algo)
     with open(st.path, "rb") as f:
-        h.update(f.read(st.data_start))
-    for name in st.in_file_order():
-        h.update(bytes.fromhex(tensor_digests[name].split(":", 1)[1]))
+        header = f.read(st.data_start)
+    return composite_of(header, [tensor_digests[name] for name in st.in_file_order()], algo)
+
+
+def composite_of(header: bytes, tensor_digests: list[str], algo: str = digests.ALGO) -> str:
+    """A safetensors file's digest (``interop.digests``): its header bytes, then each tensor's raw digest in file order."""
+    h = digests.hasher(algo)
+    h.update(header)
+    for digest in tensor_digests:
+        h.update(bytes.fromhex(digest.split(":", 1)[1]))
     return digests.label(algo, h.hexdigest(), composite=True)
 
 

@@ -29,7 +29,7 @@ from . import digests
 from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
-from .safetensors_io import TensorEntry, WrittenFile, fetch_pieces, hash_pieces, header_bytes, write_safetensors
+from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
 from .tensors import raw_bytes
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,39 @@ class Spread:
 
         return agree(self.collective, error, payload, ConversionError, what)
 
+    def each(self, what: str, work: Callable[[], Any]) -> list[Any]:
+        """``work()`` on this rank, and every rank's result (sent to all: small ones only); a failure on any rank is
+        raised on every rank, once all have tried (none is left waiting in a collective)."""
+        return self.agree(*_attempt(work), what)
+
+
+def _attempt(work: Callable[[], Any]) -> tuple[BaseException | None, Any]:
+    try:
+        return None, work()
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it
+        return exc, None
+
+
+def leads(spread: Spread | None) -> bool:
+    """This process writes what one process writes for all (small files, the manifest): alone, or rank 0."""
+    return spread is None or spread.leads
+
+
+def together(spread: Spread | None, what: str, work: Callable[[], Any]) -> Any:
+    """``work()``'s result on this rank: raised as it is in one process; with several, a failure on any rank is
+    raised on every rank, once all have tried."""
+    if spread is None:
+        return work()
+    error, result = _attempt(work)
+    spread.agree(error, what=what)
+    return result
+
 
 def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                        on_tensor: Callable[[TensorEntry], None] | None = None, spread: Spread | None = None) -> dict[str, WrittenFile]:
     """Write ``files`` under ``out``: one after another in one process, or each rank its share of the bytes."""
+    for f in files if leads(spread) else []:
+        os.makedirs(os.path.dirname(os.path.join(out, f.rel)), exist_ok=True)
     if spread is None or spread.world_size == 1:
         return {f.rel: write_safetensors(os.path.join(out, f.rel), f.entries, f.metadata, on_tensor, hashed) for f in files}
     headers = {f.rel: header_bytes(f.entries, f.metadata) for f in files}
@@ -139,17 +168,18 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
 
     # every rank planned from its own read of the source: the same bytes, or nothing is written
     fingerprint = hashlib.sha256(repr([(f.rel, f.tensors) for f in layouts]).encode() + b"".join(headers.values())).hexdigest()
-    error = None
-    if spread.leads:  # the files at their final size, so every rank writes into its own ranges
-        try:
-            for f in layouts:
-                path = os.path.join(out, f.rel)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def create() -> str:
+        for f in layouts if spread.leads else []:  # the files at their final size: every rank writes its own ranges
+            path = os.path.join(out, f.rel)
+            try:
                 with open(path, "wb") as fh:
                     fh.truncate(f.size)
-        except OSError as exc:
-            error = OutputWriteError.of(os.path.join(out, f.rel), exc)
-    prints = spread.agree(error, fingerprint, what="creating the output files")
+            except OSError as exc:
+                raise OutputWriteError.of(path, exc) from None
+        return fingerprint
+
+    prints = spread.each("creating the output files", create)
     if len(set(prints)) > 1:
         from .errors import ConversionError
 
@@ -157,26 +187,21 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                               "different outputs): is every process reading the same files?")
 
     entries = {(f.rel, e.name): e for f in files for e in f.entries}
-    error, tensor_digests = None, {}
-    try:
-        tensor_digests = _write_spans(out, mine, headers, entries, spans_of, hashed, on_tensor)
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it
-        error = exc
-    spread.agree(error, what="writing")
+    tensor_digests = together(spread, "writing", lambda: _write_spans(out, mine, headers, entries, spans_of, hashed, on_tensor))
 
-    error = None
-    if hashed:  # the tensors split between ranks, each hashed whole by the rank with its first byte
-        try:
-            offsets = {(f.rel, name): (f.header + sum(n for _, n in f.tensors[:i]), nbytes)
-                       for f in layouts for i, (name, nbytes) in enumerate(f.tensors)}
-            for key, count in spans_of.items():
-                if count > 1 and first_rank[key] == spread.rank:
-                    tensor_digests[key] = _hash_range(os.path.join(out, key[0]), *offsets[key])
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    gathered = spread.agree(error, tensor_digests, what="hashing")
+    def hash_split() -> dict[tuple[str, str], str]:
+        """The tensors split between ranks, each hashed whole by the rank with its first byte."""
+        for f in layouts if hashed else []:
+            offset = f.header
+            for name, nbytes in f.tensors:
+                key = (f.rel, name)
+                if spans_of.get(key, 0) > 1 and first_rank[key] == spread.rank:
+                    tensor_digests[key] = _hash_range(os.path.join(out, f.rel), offset, nbytes)
+                offset += nbytes
+        return tensor_digests
+
     found: dict[tuple[str, str], str] = {}
-    for part in gathered:
+    for part in spread.each("hashing", hash_split):
         found.update(part)
     for f in files:  # a tensor of no bytes has no span: its digest is that of nothing
         for e in f.entries:
@@ -185,16 +210,10 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                 if on_tensor is not None and spread.leads:
                     on_tensor(e)
     written = {}
-    for f in files:
+    for f, layout in zip(files, layouts):
         by_name = {e.name: found[(f.rel, e.name)] for e in f.entries} if hashed else {}
-        digest = ""
-        if hashed:
-            h = digests.hasher()
-            h.update(headers[f.rel])
-            for e in f.entries:
-                h.update(bytes.fromhex(by_name[e.name].split(":", 1)[1]))
-            digest = digests.label(digests.ALGO, h.hexdigest(), composite=True)
-        written[f.rel] = WrittenFile(os.path.join(out, f.rel), next(x.size for x in layouts if x.rel == f.rel), digest, by_name)
+        digest = composite_of(headers[f.rel], list(by_name.values())) if hashed else ""
+        written[f.rel] = WrittenFile(os.path.join(out, f.rel), layout.size, digest, by_name)
     return written
 
 
@@ -269,18 +288,8 @@ def spread_output(dst: str, overwrite: bool, spread: Spread | None) -> Iterator[
         with staged_output(dst, overwrite) as out:
             yield out
         return
-    staging = None
-    error: BaseException | None = None
-    if spread.leads:
-        staging = staged_output(dst, overwrite)
-        try:
-            out = staging.__enter__()
-        except Exception as exc:  # noqa: BLE001 - every rank learns of it
-            error, staging = exc, None
-            out = None
-    else:
-        out = None
-    out = spread.agree(error, out, what="preparing the output")[0]
+    staging = staged_output(dst, overwrite) if spread.leads else None
+    out = spread.each("preparing the output", staging.__enter__ if staging is not None else lambda: None)[0]
     failure: BaseException | None = None
     try:
         yield out
@@ -292,10 +301,4 @@ def spread_output(dst: str, overwrite: bool, spread: Spread | None) -> Iterator[
         if staging is not None:
             staging.__exit__(type(exc), exc, exc.__traceback__)  # removes the staging directory
         raise
-    error = None
-    if staging is not None:
-        try:
-            staging.__exit__(None, None, None)  # fsync, publish
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    spread.agree(error, what="publishing the output")
+    together(spread, "publishing the output", lambda: staging.__exit__(None, None, None) if staging is not None else None)  # fsync, publish

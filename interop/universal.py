@@ -34,7 +34,7 @@ from . import digests
 from .jsonio import read_json
 from .paths import inside, plain_name
 from .safetensors_io import TensorEntry, WrittenFile, read_hf_safetensors
-from .spread import Spread, TensorFile, spread_output, write_tensor_files
+from .spread import Spread, TensorFile, leads, spread_output, write_tensor_files
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
 from .tensors import LazyTensor, tensor_digest
 from .topology import Topology
@@ -86,8 +86,6 @@ class ShardedPlan:
     """The files ``write_sharded`` writes for one stem, decided before any byte is: what a single process writes
     one after another, or many processes between them (``interop.spread``)."""
 
-    subdir: str
-    stem: str
     files: list[TensorFile]
     index: tuple[str, dict[str, Any]] | None  # (path, content) of the index, for more than one shard
     checked: dict[str, LazyTensor]  # source tensors whose recorded digest the written one must equal
@@ -142,7 +140,7 @@ def plan_sharded(
     if len(shards) > 1:
         rel = f"{subdir}/{stem}.safetensors.index.json" if subdir else f"{stem}.safetensors.index.json"
         index = (rel, {"metadata": {"total_size": sum(e.spec.nbytes for e in entries)}, "weight_map": weight_map})
-    return ShardedPlan(subdir, stem, files, index, {n: tensors[n] for n in checked}, key_of, hashed or bool(checked))
+    return ShardedPlan(files, index, {n: tensors[n] for n in checked}, key_of, hashed or bool(checked))
 
 
 def write_plans(root: str, plans: list[ShardedPlan], progress=None, spread: Spread | None = None) -> WriteResult:
@@ -152,11 +150,9 @@ def write_plans(root: str, plans: list[ShardedPlan], progress=None, spread: Spre
         group = [p for p in plans if p.hashed == hashed]
         if not group:
             continue
-        for p in group:
-            os.makedirs(os.path.join(root, p.subdir), exist_ok=True)
         written = write_tensor_files(root, [f for p in group for f in p.files], hashed, progress, spread)
         for p in group:
-            part = p.finish(root, written, spread is None or spread.leads)
+            part = p.finish(root, written, leads(spread))
             result.files.update(part.files)
             result.tensors.update(part.tensors)
     return result
@@ -204,7 +200,7 @@ def write_model_dir(
 ) -> WriteResult:
     """A Hugging Face model directory: config.json and (sharded) model.safetensors."""
     result = write_plans(root, [plan_sharded(subdir, "model", model_entries(ckpt), max_shard_size, hashed=hashed)], progress, spread)
-    if ckpt.config is not None and (spread is None or spread.leads):
+    if ckpt.config is not None and leads(spread):
         rel = f"{subdir}/config.json" if subdir else "config.json"
         result.files[rel] = _write_json(root, rel, ckpt.config)
     return result
@@ -275,7 +271,7 @@ def write_universal(
     with spread_output(dst, overwrite, spread) as out:
         adapter, opt = ckpt.adapter, ckpt.optimizer
         result = write_plans(out, universal_plans(ckpt, max_shard_size), progress, spread)
-        if spread is not None and not spread.leads:
+        if not leads(spread):
             return None
         if ckpt.config is not None:
             result.files["model/config.json"] = _write_json(out, "model/config.json", ckpt.config)

@@ -73,8 +73,8 @@ class DCPModelOptimizer:
         dcp_format.save_dcp(self.trainer.model_and_optimizer_state(), directory)
 
     def stage_native(self, directory: str, group: Any = None):
-        """DCP's ``async_save``: the state is copied to memory now, written on DCP's thread over ``group`` (the
-        commit's process group, not the one training uses meanwhile)."""
+        """Staged by DCP's own stager now, written by ``dcp.save`` on the commit's thread over ``group`` (the commit's
+        process group, not the one training uses meanwhile): ``converters.dcp.stage_dcp``."""
         return dcp_format.stage_dcp(self.trainer.model_and_optimizer_state(), directory, group)
 
     def load_native(self, load: NativeLoad) -> None:
