@@ -91,8 +91,10 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     For each: the blocking time (until the call returns: what the training loop waits) and the time until the
     checkpoint is on disk (its commit done and ``sync``), on every rank together; memory is the largest rank's RSS
-    growth. Then the step time: a training step alone, and the step started as an --async-save returns (its
-    write and commit running beside it). Rank 0 writes medians to ``result`` as JSON."""
+    growth. Then the step time: a training step alone, the step started as an --async-save returns (its
+    write and commit running beside it), and the step beside ``dd`` writing (and fsyncing) as many bytes as a
+    rank's save writes: the floor for any writer on this machine, whose cores the step already uses. Rank 0
+    writes medians to ``result`` as JSON."""
     import json
     import shutil
     import statistics
@@ -132,17 +134,25 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             os.sync()
             dist.barrier()
             durable = time.perf_counter() - start
+            if kind == "interop-async":
+                written = tree_bytes(path)
             growth = _max_over_ranks(_status_kib("VmHWM") * 1024 - before)
             runs[kind].append((_max_over_ranks_f(blocking), durable, growth))
             if trainer.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-    steps: dict[str, list[float]] = {"alone": [], "during-async-save": [], **({"during-dcp-async-save": []} if dcp_reference else {})}
+    steps: dict[str, list[float]] = {"alone": [], "during-async-save": [], "during-dd": [],
+                                     **({"during-dcp-async-save": []} if dcp_reference else {})}
+    share = written // trainer.world_size  # what an --async-save writes from one rank
     for i in range(repeat):
         for kind in steps:
             dist.barrier()
             os.sync()
-            path = future = None
-            if kind == "during-async-save":
+            path = future = writer = None
+            if kind == "during-dd":  # the floor: only the bytes written (no copy, no digest, no commit)
+                path = os.path.join(cfg.output_dir, f"dd-{trainer.rank}.bin")
+                writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={max(1, share >> 24)}",
+                                           "conv=fsync", "status=none"])
+            elif kind == "during-async-save":
                 trainer.cfg.async_save = True
                 path = trainer.save(wait=False)
             elif kind == "during-dcp-async-save":
@@ -155,6 +165,10 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             if future is not None:
                 future.result()
                 release_freed_memory()  # as our commit does: staged copies freed on DCP's threads stay in their arenas
+            if writer is not None:
+                writer.wait()
+                os.remove(path)
+                path = None
             dist.barrier()
             if path and trainer.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -231,6 +245,10 @@ def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[st
         dcp_beside = "step: training step beside DCP async_save's write"
         rows.append((dcp_beside, (timings["steps"]["during-dcp-async-save"], 0)))
         reference[dcp_beside] = alone
+    if "during-dd" in timings["steps"]:
+        dd_beside = "step: training step beside dd writing a save's bytes (floor)"
+        rows.append((dd_beside, (timings["steps"]["during-dd"], 0)))
+        reference[dd_beside] = alone
     return rows, reference
 
 

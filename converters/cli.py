@@ -15,6 +15,11 @@ from typing import Callable
 
 import os
 
+if __name__ == "__main__":  # python -m converters.cli: the source's digests start before torch is imported below
+    from converters.console import check_ahead
+
+    check_ahead(sys.argv[1:])
+
 from interop import __version__
 from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir

@@ -13,7 +13,10 @@ and gets the file's and every tensor's digest together.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import threading
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from .errors import CorruptCheckpointError
@@ -63,9 +66,74 @@ _CHUNK = 8 << 20
 
 
 def of_file(path: str, algo: str = ALGO) -> str:
-    """The plain digest of a whole file's bytes."""
+    """The plain digest of a whole file's bytes: the one :func:`hash_ahead` computed if the file is the same file,
+    unchanged (inode, size, modification and change times), else computed now."""
+    ahead = _AHEAD.pop(os.path.abspath(path), None)
+    if ahead is not None and ahead[0] == algo and ahead[1] == _identity(path):
+        try:
+            return ahead[2].result()
+        except Exception:  # noqa: BLE001 - computed again below, where an error is raised for what it is
+            pass
+    return _of_file(path, algo)
+
+
+def _of_file(path: str, algo: str) -> str:
     h = hasher(algo)
+    if hasattr(h, "update_mmap"):  # BLAKE3 reads the mapped file itself, GIL released: 1.5x faster than reads
+        h.update_mmap(path)
+        return label(algo, h.hexdigest())
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return label(algo, h.hexdigest())
+
+
+# --- digests started early -------------------------------------------------------------------------------
+# path -> (algorithm, the file's identity when hashing began, the digest to come)
+_AHEAD: dict[str, tuple[str, tuple[int, ...] | None, Future]] = {}
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None:
+    """Start digesting ``files`` ((path, algorithm), largest first) on ``threads`` daemon threads (default: one
+    core fewer than the machine has, the other left to what runs meanwhile) now, for
+    :func:`of_file` to take later. Why: a conversion's first second is spent importing torch on one core, and
+    checking the source's digests (which needs no torch) fits beside it. Nothing is trusted early: a digest
+    is only a digest of the bytes, compared with the manifest where it always was; a file changed since is
+    hashed again. The threads are daemons: an early exit does not wait for them."""
+    pending = []
+    for path, algo in files:
+        identity = _identity(path)
+        started = _AHEAD.get(os.path.abspath(path))
+        if started is not None and started[:2] == (algo, identity):
+            continue  # asked twice: already under way
+        if identity is not None and algo in _HASHERS:
+            future: Future = Future()
+            _AHEAD[os.path.abspath(path)] = (algo, identity, future)
+            pending.append((identity[2], path, algo, future))
+    pending.sort(key=lambda p: -p[0])
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                _, path, algo, future = pending.pop(0)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(_of_file(path, algo))
+            except BaseException as exc:  # noqa: BLE001 - handed to of_file, which hashes again
+                future.set_exception(exc)
+
+    threads = threads or max(1, (os.cpu_count() or 2) - 1)
+    for i in range(min(threads, len(pending))):
+        threading.Thread(target=work, name=f"digest-ahead-{i}", daemon=True).start()

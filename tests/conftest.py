@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,11 @@ import pytest
 from trainers.launch import free_port  # noqa: F401  (the tests' one port helper)
 
 ROOT = Path(__file__).resolve().parent.parent
+# what transformers says about each model is kept between conversions (converters.models.facts): the suite keeps
+# it in a directory of its own, not the user's cache, and every test process (and its children) shares it
+if "INTEROP_CACHE_DIR" not in os.environ:
+    os.environ["INTEROP_CACHE_DIR"] = tempfile.mkdtemp(prefix="interop-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["INTEROP_CACHE_DIR"], True)
 WORKER = str(ROOT / "tests" / "dist_worker.py")
 
 

@@ -10,7 +10,6 @@ is expert 2 of ``...experts.gate_up_proj``; a tensor stored fused (GPT-OSS) hold
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,19 +83,7 @@ class LayerCount:
 
 def expert_tensors(config: dict[str, Any] | None) -> dict[str, ExpertTensor]:
     """The model's expert tensors by module name; empty for a dense model or one transformers cannot build."""
-    if facts._known(config) is None:
-        return {}
-    meta = facts.meta_model(config)
-    plan = [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p, style in (getattr(meta, "_ep_plan", None) or {}).items()
-            if style == "grouped_gemm"]
-    out = {}
-    for module_name, module in meta.named_modules():
-        marked = hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)
-        for pname, p in module.named_parameters(recurse=False):
-            name = f"{module_name}.{pname}" if module_name else pname
-            if p.dim() and ((marked and p.shape[0] == module.num_experts) or any(r.fullmatch(name) for r in plan)):
-                out[name] = ExpertTensor(name, module_name, int(p.shape[0]))
-    return out
+    return {name: ExpertTensor(name, layer, experts) for name, (layer, experts) in facts.expert_parameters(config).items()}
 
 
 def count(config: dict[str, Any] | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, LayerCount]:

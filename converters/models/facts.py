@@ -3,12 +3,19 @@ meta device (no memory), and from it the tied parameters, the base-model prefix,
 order and the stored keys ``from_pretrained`` ignores.
 
 No table of model types: a new architecture is known as soon as the installed transformers knows it.
+
+Asking costs seconds (importing transformers and the model's module is most of a conversion's start-up), so the
+answers a conversion needs (the facts, and transformers' renaming of the model's own keys) are kept on disk per
+transformers version and config (see ``_Answers``); a question they do not answer (a key the model does not
+have, MoE experts to fuse, the meta model itself) asks transformers as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -107,7 +114,154 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
     """None when there is no config to ask about; one line (ConversionError) when transformers cannot build it."""
     if not config or "model_type" not in config:
         return None
-    return _facts(_key(config))[0]
+    answers = _answers(_key(config))
+    if isinstance(answers, ConversionError):
+        raise answers
+    return answers.facts
+
+
+# --- the answers kept on disk ------------------------------------------------------------------------------
+
+CACHE_ENV = "INTEROP_CACHE_DIR"  # where answers are kept; "off": nowhere (every conversion asks transformers)
+_SCHEMA = 1  # of the file below: a change makes every kept answer unread (asked again)
+
+
+@dataclass(frozen=True)
+class _Answers:
+    """What conversions ask transformers about one model: its facts; save_pretrained's name for each of the
+    module's keys (``to_stored``) and from_pretrained's renaming of each of those stored names back
+    (``to_module``: module name and the fusing converter's source pattern or None); and whether transformers fuses
+    any stored keys (MoE experts: the fusion itself runs transformers' converters on the model)."""
+
+    facts: ModelFacts
+    to_stored: dict[str, str]
+    to_module: dict[str, tuple[str, str | None]]
+    fuses: bool
+    experts: dict[str, tuple[str, int]]  # expert parameters (module names): (their layer's module, experts)
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.facts
+        return {"schema": _SCHEMA, "model_type": f.model_type, "cls": f.cls, "tied": [list(t) for t in f.tied],
+                "prefix": f.prefix, "names": list(f.names), "ignore_unexpected": list(f.ignore_unexpected),
+                "to_stored": self.to_stored, "to_module": {k: list(v) for k, v in self.to_module.items()}, "fuses": self.fuses,
+                "experts": {k: list(v) for k, v in self.experts.items()}}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "_Answers":
+        """Every field checked: a damaged or foreign file is a ValueError (and is asked again), never a wrong answer
+        taken on trust."""
+        def strings(v: Any) -> list[str]:
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ValueError("not a list of strings")
+            return v
+
+        def string_map(v: Any) -> dict[str, Any]:
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise ValueError("not a map")
+            return v
+
+        if not isinstance(raw, dict) or raw.get("schema") != _SCHEMA:
+            raise ValueError("another schema")
+        tied = [tuple(strings(t)) for t in raw["tied"]] if isinstance(raw.get("tied"), list) else None
+        if tied is None or any(len(t) != 2 for t in tied):
+            raise ValueError("tied is not a list of pairs")
+        to_module = {}
+        for k, v in string_map(raw["to_module"]).items():
+            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and (v[1] is None or isinstance(v[1], str))):
+                raise ValueError(f"to_module[{k!r}]")
+            to_module[k] = (v[0], v[1])
+        to_stored = string_map(raw["to_stored"])
+        if not all(isinstance(v, str) for v in to_stored.values()) or not isinstance(raw.get("fuses"), bool):
+            raise ValueError("to_stored or fuses")
+        experts = {}
+        for k, v in string_map(raw["experts"]).items():
+            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and type(v[1]) is int):
+                raise ValueError(f"experts[{k!r}]")
+            experts[k] = (v[0], v[1])
+        for field in ("model_type", "cls", "prefix"):
+            if not isinstance(raw.get(field), str):
+                raise ValueError(field)
+        facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
+                           tuple(strings(raw["ignore_unexpected"])))
+        return cls(facts, to_stored, to_module, raw["fuses"], experts)
+
+
+def _answers_path(key: str) -> str | None:
+    """The file keeping ``key``'s answers under this transformers version (read from its metadata, without
+    importing it), or None when keeping is off or transformers is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    root = os.environ.get(CACHE_ENV)
+    if root == "off":
+        return None
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "interop")
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return None
+    name = hashlib.sha256(f"{_SCHEMA}\0{installed}\0{key}".encode()).hexdigest()
+    return os.path.join(root, "model-facts", f"{name}.json")
+
+
+def _asked(key: str) -> _Answers | ConversionError:
+    """The answers from transformers itself (building the model on the meta device)."""
+    built = _built(key)
+    if isinstance(built, ConversionError):
+        return built
+    facts, _ = built
+    to_module, to_stored = _live_renamers(key)
+    stored = {n: to_stored(n) for n in facts.names}
+    return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys(stored.values())}, bool(_live_converters(key)),
+                    _expert_parameters(built[1]))
+
+
+def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """The model's expert parameters: those of a module transformers marks expert-parallel whose first dimension
+    is its expert count, or that its expert-parallel plan shards as grouped GEMM."""
+    plan = [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p, style in (getattr(meta, "_ep_plan", None) or {}).items()
+            if style == "grouped_gemm"]
+    out = {}
+    for module_name, module in meta.named_modules():
+        marked = hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if p.dim() and ((marked and p.shape[0] == module.num_experts) or any(r.fullmatch(name) for r in plan)):
+                out[name] = (module_name, int(p.shape[0]))
+    return out
+
+
+def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int]]:
+    """The expert parameters (module name -> (layer module, experts)) of the model ``config`` describes; empty for
+    a dense model or one transformers cannot build."""
+    if _known(config) is None:
+        return {}
+    answers = _answers(_key(config))
+    return answers.experts if isinstance(answers, _Answers) else {}
+
+
+@lru_cache(maxsize=16)
+def _answers(key: str) -> _Answers | ConversionError:
+    """``key``'s answers: kept ones if there are (one small file read), else asked and kept. Keeping is best effort:
+    an unwritable cache directory costs the next conversion the question again, nothing else."""
+    path = _answers_path(key)
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return _Answers.from_json(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("model facts kept in %s are unreadable (%s); asking transformers", path, exc)
+    answers = _asked(key)
+    if path is not None and not isinstance(answers, ConversionError):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(answers.to_json(), f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("could not keep model facts in %s (%s)", path, exc)
+    return answers
 
 
 def meta_model(config: dict[str, Any] | None) -> torch.nn.Module | None:
@@ -148,6 +302,24 @@ def tied_groups(config: dict[str, Any] | None) -> list[list[str]]:
 
 @lru_cache(maxsize=16)
 def _renamers(key: str) -> tuple[Callable[[str], tuple[str, str | None]], Callable[[str], str]]:
+    """:func:`_live_renamers`, answered from the kept answers where they have the name."""
+    answers = _answers(key)
+    if isinstance(answers, ConversionError):
+        raise answers
+
+    def to_module(name: str) -> tuple[str, str | None]:
+        found = answers.to_module.get(name)
+        return found if found is not None else _live_renamers(key)[0](name)
+
+    def to_stored(name: str) -> str:
+        found = answers.to_stored.get(name)
+        return found if found is not None else _live_renamers(key)[1](name)
+
+    return to_module, to_stored
+
+
+@lru_cache(maxsize=16)
+def _live_renamers(key: str) -> tuple[Callable[[str], tuple[str, str | None]], Callable[[str], str]]:
     """transformers' own key renaming for this model: stored -> module name (what from_pretrained applies,
     with the base-model prefix added or stripped; and the source pattern of the WeightConverter that fuses
     the key, as MoE experts are, or None), and module -> stored name (what save_pretrained applies)."""
@@ -205,8 +377,17 @@ def module_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, s
     return {name: module for name in names for module, fused in [to_module(name)] if fused is None}
 
 
-@lru_cache(maxsize=16)
 def _converters(key: str) -> list[Any]:
+    """transformers' converters fusing stored keys into module tensors (none asked for when the kept answers say
+    there are none)."""
+    answers = _answers(key)
+    if isinstance(answers, _Answers) and not answers.fuses:
+        return []
+    return _live_converters(key)
+
+
+@lru_cache(maxsize=16)
+def _live_converters(key: str) -> list[Any]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
@@ -230,15 +411,13 @@ def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     plans = fusion.plan(names, to_module, _converters(key))
     fused = {n for p in plans for n in p.names}
     renamed = ckpt.renamed({n: m for n, m in module_names(config, names).items() if n not in fused})
-    return fusion.fuse(renamed, plans, _facts(key)[1])
+    return fusion.fuse(renamed, plans, _facts(key)[1] if plans else None)
 
 
 def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     """``ckpt`` read under the module's names, under universal's (save_pretrained's) names: fused module
     tensors (MoE experts) split back into the stored per-expert tensors (matched by transformers' own
     rename_source_key on the reversed converters, as save_pretrained matches them), the rest renamed."""
-    from transformers.core_model_loading import rename_source_key
-
     config = config or ckpt.config
     facts = _known(config)
     if facts is None:
@@ -246,10 +425,13 @@ def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     key = _key(config)
     _, to_stored = _renamers(key)
     reversed_ = [c.reverse_transform() for c in _converters(key)]
-    known, meta = set(facts.names), _facts(key)[1]
-    shapes = fusion.parameter_shapes(meta)
+    known = set(facts.names)
+    meta = _facts(key)[1] if reversed_ else None  # nothing to split: no model needed
+    shapes = fusion.parameter_shapes(meta) if reversed_ else {}
     splits = []
-    for name in sorted(n for n in ckpt.model if n in known):
+    if reversed_:
+        from transformers.core_model_loading import rename_source_key
+    for name in sorted(n for n in ckpt.model if n in known) if reversed_ else ():
         pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
         if pattern is not None:
             if name in shapes and tuple(ckpt.model[name].spec.shape) != shapes[name]:  # split by its size, it would

@@ -1,0 +1,95 @@
+"""What transformers says about a model, kept on disk per transformers version and config: every answer a
+conversion takes from the kept file is the one transformers gives, a damaged file is asked again, and a
+conversion that finds its answers kept never imports transformers (seconds of every conversion's start-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from converters.models import facts
+from tests.architectures import ROOT, build, saved
+
+
+def config_of(name: str) -> dict:
+    return build(name).config.to_dict()
+
+
+def forget() -> None:
+    """This process's memory of every answer (the disk's stays)."""
+    for cached in (facts._answers, facts._built, facts._renamers, facts._live_renamers, facts._live_converters):
+        cached.cache_clear()
+
+
+def questions(config: dict, own_only: bool = False) -> dict:
+    """Every question conversions ask, answered by whichever source is in use. ``own_only``: about the model's own
+    keys only (a bare model's keys and keys the model lacks are not kept: those are always asked of transformers)."""
+    f = facts.model_facts(config)
+    key = facts._key(config)
+    renamed = {n: facts._renamers(key)[1](n) for n in f.names}  # save_pretrained's names (an engine reader's question)
+    files = list(dict.fromkeys(renamed.values()))  # a Hugging Face file's keys
+    out = {"facts": f, "tied": facts.tied_groups(config), "renamed": renamed, "stored": facts.stored_names(config, files),
+           "module": facts.module_names(config, files), "experts": facts.expert_parameters(config),
+           "fuses": bool(facts._converters(key))}
+    if not own_only:
+        bare = [n.removeprefix(f"{f.prefix}.") for n in f.names]  # an old file's keys, and keys no model has
+        out["others"] = facts.stored_names(config, [*bare, *f.names, "not.a.key"])
+    return out
+
+
+def no_transformers(*_, **__):
+    raise AssertionError("transformers was asked")
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "gpt2", "t5", "llava", "mixtral", "gpt_oss"])
+def test_kept_answers_are_transformers_answers(tmp_path, monkeypatch, name):
+    config = config_of(name)
+    monkeypatch.setenv(facts.CACHE_ENV, "off")
+    forget()
+    asked = questions(config)
+    monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
+    forget()
+    assert questions(config) == asked  # asked again, and kept
+    assert len(list((tmp_path / "model-facts").iterdir())) == 1
+    forget()
+    assert questions(config) == asked  # from the kept file, falling back to transformers for the rest
+    forget()
+    if not asked["fuses"]:  # a dense model's own keys: never asked of transformers
+        monkeypatch.setattr(facts, "_build", no_transformers)
+        own = {k: v for k, v in asked.items() if k != "others"}
+        assert questions(config, own_only=True) == own
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"schema": 1}', "tied", "names"])
+def test_a_damaged_kept_file_is_asked_again(tmp_path, monkeypatch, damage):
+    config = config_of("gpt2")
+    monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
+    forget()
+    asked = questions(config)
+    (path,) = (tmp_path / "model-facts").iterdir()
+    raw = json.loads(path.read_text())
+    text = {"tied": json.dumps(dict(raw, tied=[["lm_head.weight"]])), "names": json.dumps(dict(raw, names=[1, 2]))}.get(damage, damage)
+    path.write_text(text)
+    forget()
+    assert questions(config) == asked
+    assert json.loads(path.read_text()) == raw  # rewritten
+
+
+def test_a_conversion_with_its_answers_kept_does_not_import_transformers(tmp_path):
+    """A Hugging Face directory to universal, twice, and back: only the first conversion of the model asks
+    transformers; the others find its answers kept."""
+    _, src = saved(tmp_path, "llama-tied")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{facts.CACHE_ENV: str(tmp_path / "kept")})
+    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
+             "print('transformers imported' if 'transformers' in sys.modules else 'transformers not imported'); sys.exit(rc)")
+    seen = []
+    for source, out, target in ((src, "uni", "universal"), (src, "uni-again", "universal"), (tmp_path / "uni", "hf", "hf")):
+        done = subprocess.run([sys.executable, "-c", probe, "convert", str(source), str(tmp_path / out), "--to", target],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip().splitlines()[-1])
+    assert seen == ["transformers imported", "transformers not imported", "transformers not imported"]
