@@ -7,6 +7,7 @@ interop DeepSpeed trainer, whose checkpoint is DeepSpeed's ``save_checkpoint`` o
 in its own process (wall time, peak RSS):
 
   interop convert CKPT UNI --to universal      vs  ds_to_universal (weights + optimizer state)
+  the same, with INTEROP_CACHE_DIR=off         the first conversion of a model: transformers asked (2-3 s)
   interop convert ... --workers 2              the same, written by 2 processes (each a share of the bytes)
   interop convert CKPT DSU --to ds-universal   vs  ds_to_universal (the same layout, file for file)
   interop convert CKPT HF --to hf              vs  zero_to_fp32.py --safe_serialization
@@ -62,6 +63,8 @@ def collect(args) -> engine_bench.Section:
         ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env, n)),
         ("ZeRO-3 -> universal, safetensors (interop)", measure(
             cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+        ("ZeRO-3 -> universal, first conversion of the model (interop)", measure(  # transformers asked, not its kept answers
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], {"INTEROP_CACHE_DIR": "off"}, n, outputs["universal"])),
         ("ZeRO-3 -> universal, 2 processes (interop --workers 2)", measure(
             cli + ["convert", ckpt, outputs["universal_2"], "--to", "universal", "--workers", "2"], None, n, outputs["universal_2"])),
         ("ZeRO-3 -> ds-universal (interop)", measure(
@@ -83,6 +86,7 @@ def collect(args) -> engine_bench.Section:
     return engine_bench.Section(rows, {
         **save_reference,
         "ZeRO-3 -> universal, safetensors (interop)": "ds_to_universal (DeepSpeed)",
+        "ZeRO-3 -> universal, first conversion of the model (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> universal, 2 processes (interop --workers 2)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> ds-universal (interop)": "ds_to_universal (DeepSpeed)",
         "ZeRO-3 -> HF safetensors (interop)": "zero_to_fp32.py --safe_serialization (DeepSpeed)",

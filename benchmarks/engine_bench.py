@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from hf_roundtrip import EXPERTS_ENV, describe, model_config
-from measure import disk_floor, measure, print_table, tree_bytes, workdir
+from measure import Section, measure, print_table, tree_bytes, workdir  # noqa: F401  (Section: the engine scripts')
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -283,37 +283,6 @@ def prepare(args, script: str, native_key: str, engine: str, port: int, env: dic
     print(f"model: {describe(args.hidden, args.layers)}, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
           f"{engine} checkpoint on 2 processes: {size / 2**30:.2f} GiB")
     return Prepared(work, ckpt, native)
-
-
-@dataclass
-class Section:
-    """One benchmark's measurements: rows (name, (wall s, peak RSS bytes)), the row each interop row is
-    compared with, the output directories, and where the files are."""
-
-    rows: list
-    reference: dict[str, str]
-    outputs: dict[str, str]
-    work: str
-
-    def with_disk_floor(self, repeat: int) -> list:
-        """The rows, and below them the floor under the interop outputs: dd writing as many bytes, with fsync."""
-        return self.rows + [
-            (floor_row(name), disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
-            for name in ("universal", "hf") if name in self.outputs
-        ]
-
-    def floors(self) -> dict[str, str]:
-        """Each conversion row writing a universal or HF output, and the disk-floor row of that output's bytes."""
-        out = {}
-        for name, _ in self.rows:
-            for marker, output in (("-> universal", "universal"), ("-> HF", "hf")):
-                if marker in name and output in self.outputs:
-                    out[name] = floor_row(output)
-        return out
-
-
-def floor_row(output: str) -> str:
-    return f"dd, {output} output's bytes + fsync (disk floor)"
 
 
 def main(doc: str, collect, train_and_save, layers: int | None = None, saves=None) -> None:

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import measure, print_table, workdir  # noqa: E402
+from measure import Section, measure, print_table, workdir  # noqa: E402
 
 REFERENCE = """
 import sys, transformers
@@ -68,8 +68,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def collect(args) -> tuple[list, dict[str, str], str]:
-    """Build the model (once per workdir), then measure; the rows, which row each is compared with, the files."""
+def collect(args) -> Section:
+    """Build the model (once per workdir), then measure: the rows, which row each is compared with, the outputs."""
     work = workdir(args.workdir, "interop-bench-")
     src, uni, out, ref = (os.path.join(work, d) for d in ("src_hf", "universal", "out_hf", "ref_hf"))
     for d in (uni, out, ref):
@@ -88,7 +88,7 @@ def collect(args) -> tuple[list, dict[str, str], str]:
         ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref], None, n, ref)),
     ]
     reference = rows[-1][0]
-    return rows, {name: reference for name, _ in rows[1:-1]}, work
+    return Section(rows, {name: reference for name, _ in rows[1:-1]}, {"universal": uni, "hf": out, "ref_hf": ref}, work)
 
 
 def main() -> None:
@@ -96,10 +96,10 @@ def main() -> None:
     if args.build:
         build(args.build, args.hidden, args.layers)
         return
-    rows, reference, work = collect(args)
-    print_table(rows, reference)
+    section = collect(args)
+    print_table(section.with_disk_floor(args.repeat), section.reference, section.floors())
     if args.workdir:  # a temporary one is removed at exit
-        print(f"\nfiles under {work}")
+        print(f"\nfiles under {section.work}")
 
 
 if __name__ == "__main__":

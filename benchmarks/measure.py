@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -72,15 +73,47 @@ def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, 
     ``floors``: for a conversion row, the disk-floor row of its output's bytes (the ratio: how far above the floor)."""
     by_name = dict(rows)
     floors = floors or {}
-    print(f"\n{'step':<62} {'wall s':>8} {'peak RSS':>10} {'speed-up':>9} {'RSS ratio':>10} {'vs dd':>7}")
+    width = max([62, *(len(name) for name, _ in rows)])
+    print(f"\n{'step':<{width}} {'wall s':>8} {'peak RSS':>10} {'speed-up':>9} {'RSS ratio':>10} {'vs dd':>7}")
     for name, (wall, rss) in rows:
         ref = reference.get(name)
         speed = f"{by_name[ref][0] / wall:>8.2f}x" if ref else f"{'':>9}"
         mem = f"{rss / by_name[ref][1]:>9.2f}x" if ref and by_name[ref][1] >= 64 << 20 else f"{'':>10}"  # not of a growth near 0
         floor = f"{wall / by_name[floors[name]][0]:>6.2f}x" if name in floors and floors[name] in by_name else f"{'':>7}"
-        print(f"{name:<62} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem} {floor}")
+        print(f"{name:<{width}} {wall:>8.2f} {rss / 2**20:>7.0f} MiB {speed} {mem} {floor}")
     for name, ref in reference.items():
         print(f"  {name!r} is compared with {ref!r}")
     if floors:
         print("  vs dd: wall time over the disk floor's (dd writing the output's bytes, with fsync) in the same run")
     sys.stdout.flush()
+
+
+@dataclass
+class Section:
+    """One benchmark's measurements: rows (name, (wall s, peak RSS bytes)), the row each interop row is
+    compared with, the output directories, and where the files are."""
+
+    rows: list
+    reference: dict[str, str]
+    outputs: dict[str, str]
+    work: str
+
+    def with_disk_floor(self, repeat: int) -> list:
+        """The rows, and below them the floor under the interop outputs: dd writing as many bytes, with fsync."""
+        return self.rows + [
+            (floor_row(name), disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
+            for name in ("universal", "ds_universal", "hf") if name in self.outputs
+        ]
+
+    def floors(self) -> dict[str, str]:
+        """Each interop conversion row, and the disk-floor row of its output's bytes."""
+        out = {}
+        for name, _ in self.rows:
+            for marker, output in (("-> universal", "universal"), ("-> ds-universal", "ds_universal"), ("-> HF", "hf")):
+                if marker in name and output in self.outputs:
+                    out[name] = floor_row(output)
+        return out
+
+
+def floor_row(output: str) -> str:
+    return f"dd, {output} output's bytes + fsync (disk floor)"

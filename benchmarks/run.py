@@ -34,33 +34,30 @@ def main() -> None:
     args = p.parse_args()
     work = workdir(args.workdir, "interop-bench-all-")
     rows, reference, floors = [], {}, {}
-    hf_rows, hf_ref, _ = hf_roundtrip.collect(argparse.Namespace(hidden=args.hidden, layers=16, repeat=args.repeat,
-                                                                 workdir=os.path.join(work, "hf")))
-    rows += hf_rows
-    reference.update(hf_ref)
-    for name, module, layers in ENGINES:
-        section = module.collect(argparse.Namespace(hidden=args.hidden, layers=layers, repeat=args.repeat,
-                                                    workdir=os.path.join(work, name), train=None))
-        rows += [(f"{r} [{name}]" if r.startswith("dd,") or "(baseline)" in r else r, m) for r, m in section.with_disk_floor(args.repeat)]
-        reference.update(section.reference)
-        floors.update({r: f"{dd} [{name}]" for r, dd in section.floors().items()})
+
+    def add(section, tag: str) -> None:
+        """The section's rows, each tagged where names repeat across sections; its outputs removed after."""
+        measured = section.with_disk_floor(args.repeat)
+        named = {r: f"{r} [{tag}]" if r.startswith(("dd,", "save:", "step:")) or "(baseline)" in r or tag == "MoE" else r
+                 for r, _ in measured}
+        rows.extend((named[r], m) for r, m in measured)
+        reference.update({named[k]: named[v] for k, v in section.reference.items()})
+        floors.update({named[r]: named[dd] for r, dd in section.floors().items()})
         for out in section.outputs.values():  # several GiB each: the next section needs the disk
             shutil.rmtree(out, ignore_errors=True)
+
+    add(hf_roundtrip.collect(argparse.Namespace(hidden=args.hidden, layers=16, repeat=args.repeat, workdir=os.path.join(work, "hf"))), "hf")
+    for name, module, layers in ENGINES:
+        add(module.collect(argparse.Namespace(hidden=args.hidden, layers=layers, repeat=args.repeat,
+                                              workdir=os.path.join(work, name), train=None)), name)
     # a MoE model (Mixtral, 8 experts of 2 per token, 260M parameters) through ZeRO-3: the experts fused in the
     # engine's files, one tensor per expert in universal and Hugging Face files
     os.environ[hf_roundtrip.EXPERTS_ENV] = "8"
     try:
-        section = deepspeed_zero3.collect(argparse.Namespace(hidden=args.hidden, layers=7, repeat=args.repeat,
-                                                             workdir=os.path.join(work, "deepspeed-moe"), train=None))
+        add(deepspeed_zero3.collect(argparse.Namespace(hidden=args.hidden, layers=7, repeat=args.repeat,
+                                                       workdir=os.path.join(work, "deepspeed-moe"), train=None)), "MoE")
     finally:
         del os.environ[hf_roundtrip.EXPERTS_ENV]
-    measured = section.with_disk_floor(args.repeat)
-    moe = {r: f"{r} [MoE]" for r, _ in measured}
-    rows += [(moe[r], m) for r, m in measured]
-    reference.update({moe[k]: moe[v] for k, v in section.reference.items()})
-    floors.update({moe[r]: moe[dd] for r, dd in section.floors().items()})
-    for out in section.outputs.values():
-        shutil.rmtree(out, ignore_errors=True)
     print_table(rows, reference, floors)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {work}")

@@ -18,7 +18,7 @@ from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 
 from .models.adapters import engine_model
-from .models.facts import meta_model
+from .models.facts import meta_model, parameter_layout
 
 ADAMW_DEFAULTS = {
     "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
@@ -79,8 +79,11 @@ def regroup(order: EngineOrder, ckpt: LogicalCheckpoint, grouping: str, hyper: d
 
 def engine_order(ckpt: LogicalCheckpoint) -> EngineOrder:
     aliases = {t: s for t, *sources in ckpt.tied for s in sources[:1] if s in ckpt.model}
-    model = engine_model(ckpt)  # peft's model of the base model when the checkpoint holds adapters
-    if model is not None:
+    layout = parameter_layout(ckpt.config) if ckpt.adapter is None else None  # transformers' (kept) answer
+    model = engine_model(ckpt) if layout is None else None  # peft's model of the base model when the checkpoint holds adapters
+    if layout is not None:
+        params, buffers = list(layout[0]), list(layout[1])
+    elif model is not None:
         params = [n for n, _ in model.named_parameters()]  # a tied alias appears once, under its source
         buffers = [n for n, _ in model.state_dict().items() if n not in dict(model.named_parameters(remove_duplicate=False))]
     else:  # no config: optimizer groups and the frozen list say which tensors are parameters

@@ -34,6 +34,7 @@ def questions(config: dict, own_only: bool = False) -> dict:
     files = list(dict.fromkeys(renamed.values()))  # a Hugging Face file's keys
     out = {"facts": f, "tied": facts.tied_groups(config), "renamed": renamed, "stored": facts.stored_names(config, files),
            "module": facts.module_names(config, files), "experts": facts.expert_parameters(config),
+           "layout": facts.parameter_layout(config),
            "fuses": bool(facts._converters(key))}
     if not own_only:
         bare = [n.removeprefix(f"{f.prefix}.") for n in f.names]  # an old file's keys, and keys no model has

@@ -123,7 +123,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
 CACHE_ENV = "INTEROP_CACHE_DIR"  # where answers are kept; "off": nowhere (every conversion asks transformers)
-_SCHEMA = 1  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 2  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -138,13 +138,16 @@ class _Answers:
     to_module: dict[str, tuple[str, str | None]]
     fuses: bool
     experts: dict[str, tuple[str, int]]  # expert parameters (module names): (their layer's module, experts)
+    parameters: tuple[str, ...]  # named_parameters(): a tied alias once, under its source
+    buffers: tuple[str, ...]  # the state dict's keys that are no parameter under any name
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
         return {"schema": _SCHEMA, "model_type": f.model_type, "cls": f.cls, "tied": [list(t) for t in f.tied],
                 "prefix": f.prefix, "names": list(f.names), "ignore_unexpected": list(f.ignore_unexpected),
                 "to_stored": self.to_stored, "to_module": {k: list(v) for k, v in self.to_module.items()}, "fuses": self.fuses,
-                "experts": {k: list(v) for k, v in self.experts.items()}}
+                "experts": {k: list(v) for k, v in self.experts.items()}, "parameters": list(self.parameters),
+                "buffers": list(self.buffers)}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -183,7 +186,8 @@ class _Answers:
                 raise ValueError(field)
         facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
                            tuple(strings(raw["ignore_unexpected"])))
-        return cls(facts, to_stored, to_module, raw["fuses"], experts)
+        return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
+                   tuple(strings(raw["buffers"])))
 
 
 def _answers_path(key: str) -> str | None:
@@ -212,8 +216,11 @@ def _asked(key: str) -> _Answers | ConversionError:
     facts, _ = built
     to_module, to_stored = _live_renamers(key)
     stored = {n: to_stored(n) for n in facts.names}
+    model = built[1]
+    named = dict(model.named_parameters(remove_duplicate=False))
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys(stored.values())}, bool(_live_converters(key)),
-                    _expert_parameters(built[1]))
+                    _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
+                    tuple(n for n in model.state_dict() if n not in named))
 
 
 def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:
@@ -229,6 +236,15 @@ def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:
             if p.dim() and ((marked and p.shape[0] == module.num_experts) or any(r.fullmatch(name) for r in plan)):
                 out[name] = (module_name, int(p.shape[0]))
     return out
+
+
+def parameter_layout(config: dict[str, Any] | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The model's parameters (``named_parameters()``: a tied alias once, under its source) and buffers, in module
+    order: the order an engine sees them in. None without a model transformers can build."""
+    if _known(config) is None:
+        return None
+    answers = _answers(_key(config))
+    return (answers.parameters, answers.buffers) if isinstance(answers, _Answers) else None
 
 
 def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int]]:
