@@ -119,8 +119,8 @@ def hash_pieces(data: list[memoryview]) -> bytes:
 
 def fetch_pieces(entry: TensorEntry) -> list[torch.Tensor]:
     """The entry's bytes as contiguous tensors: mapped views when the source offers them, else one loaded tensor."""
-    if entry.mapped_pieces is not None:
-        pieces = entry.mapped_pieces()
+    pieces = entry.mapped_pieces() if entry.mapped_pieces is not None else None  # None: not viewable after all
+    if pieces is not None:
         if sum(p.numel() for p in pieces) != entry.spec.numel or any(p.dtype != entry.spec.dtype for p in pieces):
             raise ValueError(f"{entry.name}: mapped pieces do not make up {entry.spec.describe()}")
         return pieces
@@ -258,6 +258,7 @@ class SafetensorsFile:
             raise CorruptCheckpointError(self.path, "corrupt safetensors header: __metadata__ is not a map of strings")
         self.metadata: dict[str, str] = metadata
         self.data_start = 8 + header_len
+        self._map: torch.Tensor | None = None  # the whole file, mapped on first use by ``mapped``
         self._entries: dict[str, tuple[TensorSpec, int, int]] = {
             name: self._entry(name, info) for name, info in header.items()
         }
@@ -316,7 +317,33 @@ class SafetensorsFile:
         return tensor_from_bytes(buffer, spec)
 
     def lazy(self, name: str) -> LazyTensor:
-        return LazyTensor(self.spec(name), lambda: self.read(name), f"{self.path}:{name}")
+        return LazyTensor(self.spec(name), lambda: self.read(name), f"{self.path}:{name}", mapped_pieces=lambda: self.mapped(name))
+
+    def mapped(self, name: str) -> list[torch.Tensor] | None:
+        """The tensor as a view of the file mapped read-only (LazyTensor.mapped_pieces): a writer copies it file to
+        file in the kernel and hashes it without a copy (two copies through this process fewer than ``read``).
+        None where no such view can be made (an empty tensor, an offset its dtype cannot start at, no mmap)."""
+        spec, begin, end = self._entries[name]
+        if end == begin:
+            return None
+        if self._map is None:
+            import mmap
+            import warnings
+
+            try:
+                with open(self.path, "rb") as f:
+                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                return None
+            with warnings.catch_warnings():  # a read-only buffer: torch warns that writes would fail; none are made
+                warnings.simplefilter("ignore")
+                self._map = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        if self.data_start + end > self._map.numel():  # the file shrank since it was checked
+            raise CorruptCheckpointError(self.path, f"truncated while reading tensor {name!r}")
+        try:
+            return [self._map[self.data_start + begin:self.data_start + end].view(spec.dtype).view(spec.shape)]
+        except RuntimeError:  # misaligned for its dtype: read it instead
+            return None
 
     def read_all(self) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self._entries}

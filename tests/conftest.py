@@ -84,3 +84,17 @@ def tiny_llama():
         return transformers.AutoModelForCausalLM.from_config(tiny_config("llama", tied))
 
     return make
+
+
+def held_commit_cmd(out_json, module: str, *args: str) -> list[str]:
+    """``module`` run as __main__ with every background commit held until awaited (tests/held_commit.py)."""
+    return [str(ROOT / "tests" / "held_commit.py"), str(out_json), module, *args]
+
+
+def native_files(checkpoint) -> dict[str, bytes]:
+    """The engine's own files of one of our checkpoints (everything but our manifest and folders), by name."""
+    from interop.manifest import MANIFEST, OUR_FOLDERS
+
+    root = Path(checkpoint)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and p.relative_to(root).parts[0] not in OUR_FOLDERS}

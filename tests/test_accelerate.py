@@ -22,7 +22,7 @@ from converters.registry import detect, read  # noqa: E402
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError  # noqa: E402
 from interop.tensors import LazyTensor  # noqa: E402
 
-from .conftest import ROOT, free_port, reseal, run_workers, worker_env  # noqa: E402
+from .conftest import ROOT, free_port, held_commit_cmd, native_files, reseal, run_workers, worker_env  # noqa: E402
 from .odd_model import FROZEN  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -528,6 +528,30 @@ def test_bare_ddp_save_state_converts_with_config(tmp_path):
     h = config["hidden_size"]
     assert re.search(rf"tensor '[\w.]+' is \[\d+, {h}\] in the checkpoint but \[\d+, {2 * h}\] in the --config model", wrong.stderr), wrong.stderr
     assert not (tmp_path / "u2").exists()
+
+
+def test_ddp_async_save_stages_what_accelerate_writes(tmp_path):
+    """--async-save on DDP, 2 ranks: the weights, optimizer, scheduler and sampler state that save_state hands
+    accelerate's save() are copied in memory (not on disk when save() returns) and written by that same function
+    only when the commit is awaited, after later steps changed every tensor in place: byte for byte the files
+    of a blocking save at that step."""
+    short = ["--steps", "4", "--save-every", "2", "--batch-size", "4", "--seq-len", "16"]
+    blocking = last_json(acc_run(2, "train", *short, "--output-dir", str(tmp_path / "blocking")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *held_commit_cmd(tmp_path / "returned.json", "tests.acc_worker", "train", *short,
+                                                             "--async-save", "--output-dir", str(tmp_path / "staged"))]
+    staged = last_json(run_workers(cmd, worker_env(), 300))
+    assert staged["losses"] == blocking["losses"]
+    returned_with = json.loads((tmp_path / "returned.json").read_text())[0]  # the step-2 save's staging directory
+    assert not {"model.safetensors", "optimizer.bin", "scheduler.bin"} & set(returned_with), returned_with
+    a, b = native_files(tmp_path / "blocking" / "checkpoint-2"), native_files(tmp_path / "staged" / "checkpoint-2")
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= set(a) and sorted(a) == sorted(b)
+    # random_states_<rank>.pkl also hold Python's and numpy's generators, which no trainer seeds: each process's own
+    rng = [n for n in a if n.startswith("random_states_")]
+    assert len(rng) == 2 and [n for n in a if a[n] != b[n] and n not in rng] == []
+    for name in rng:
+        ra, rb = (torch.load(d / "checkpoint-2" / name, weights_only=False) for d in (tmp_path / "blocking", tmp_path / "staged"))
+        assert ra["step"] == rb["step"] and torch.equal(ra["torch_manual_seed"], rb["torch_manual_seed"])
 
 
 @pytest.mark.slow

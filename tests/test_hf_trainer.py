@@ -14,7 +14,7 @@ from converters.registry import detect, read
 from interop.errors import CorruptCheckpointError
 from trainers.base import BaseTrainer, TrainerConfig
 
-from .conftest import worker_env
+from .conftest import held_commit_cmd, native_files, worker_env
 
 SIZES = ["--steps", "4", "--batch-size", "4", "--seq-len", "16"]
 
@@ -43,6 +43,23 @@ def test_trainer_losses_are_the_base_trainers_and_resume_is_exact(runs):
     assert detect(str(out / "hf" / "checkpoint-2")).name == "hf-trainer"
     resumed = hf_run("--resume", str(out / "hf" / "checkpoint-2"), "--output-dir", str(out / "resumed"))
     assert resumed["losses"] == base[2:]
+
+
+def test_async_save_stages_what_trainer_writes(runs, tmp_path):
+    """--async-save: the weights, optimizer, scheduler, RNG state and training arguments Trainer hands torch.save and
+    safetensors are copied in memory (not on disk when the save returns) and written by those functions only when
+    the commit is awaited, after later steps changed the tensors in place: byte for byte a blocking save's files."""
+    out, base, _ = runs
+    cmd = [sys.executable, *held_commit_cmd(tmp_path / "returned.json", "trainers.hf_trainer", *SIZES, "--save-every", "2",
+                                            "--async-save", "--output-dir", str(tmp_path / "staged"))]
+    result = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads([line for line in result.stdout.splitlines() if line.startswith('{"')][-1])["losses"] == base
+    returned_with = json.loads((tmp_path / "returned.json").read_text())[0]  # the step-2 save's staging directory
+    assert not {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"} & set(returned_with), returned_with
+    a, b = native_files(out / "hf" / "checkpoint-2"), native_files(tmp_path / "staged" / "checkpoint-2")
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"} <= set(a)
+    assert sorted(a) == sorted(b) and [n for n in a if a[n] != b[n] and n != "training_args.bin"] == []
 
 
 def test_checkpoint_reads_as_the_base_trainers_state(runs):

@@ -37,6 +37,7 @@ from .accelerate_compat import enable_cpu_fsdp, has_accelerator
 from .base import flag, BaseTrainer, TrainerConfig, configure_logging, param_group_names, run
 from .base import parse_config as base_parse_config
 from .comm_hooks import register_compression
+from .staging import deferred_writes, run_all
 from .state import OptimizerStateful
 
 log = logging.getLogger(__name__)
@@ -71,28 +72,32 @@ class AccelerateState:
         self.trainer.accelerator.save_state(directory)
 
     def stage_native(self, directory: str, group: Any = None) -> Callable[[], None]:
-        """accelerate's ``save_state`` as it is, with its DCP saves (FSDP2's sharded model and optimizer) staged in
-        memory now and written later over ``group`` (the commit's process group; see ``converters.dcp.stage_dcp``).
-        What accelerate writes itself (DDP's weights, the scheduler, sampler and RNG files) is written now."""
+        """accelerate's ``save_state`` as it is, with what it hands its writers staged in memory now and written
+        later: its DCP saves (FSDP2's sharded model and optimizer) over ``group`` (the commit's process group; see
+        ``converters.dcp.stage_dcp``), and what it hands ``accelerate.utils.save`` (DDP's weights and optimizer,
+        the scheduler, samplers) to that same function. The small files it writes with ``torch.save`` itself
+        (RNG states, dataloader and scaler states) are written now."""
+        import accelerate.checkpointing as checkpointing
         import torch.distributed.checkpoint as dcp
+        from accelerate.state import PartialState
 
         writers: list[Callable[[], None]] = []
-        blocking_save = dcp.save
+        blocking_dcp_save = dcp.save
 
-        def staged_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, **_):
+        def staged_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, **_):
             writers.append(dcp_format.stage_dcp(state_dict, checkpoint_id, group, storage_writer=storage_writer, planner=planner))
 
-        dcp.save = staged_save  # accelerate's fsdp_utils calls dcp.save(...) through the module
-        try:
-            self.save_native(directory)
+        def writes(obj, f, save_on_each_node: bool = False, **_) -> bool:
+            process = PartialState()  # the process accelerate's save writes from
+            return process.is_local_main_process if save_on_each_node else process.is_main_process
+
+        dcp.save = staged_dcp_save  # accelerate's fsdp_utils calls dcp.save(...) through the module
+        try:  # save_accelerator_state calls the save it imported
+            with deferred_writes((checkpointing, "save"), writes=writes) as saves:
+                self.save_native(directory)
         finally:
-            dcp.save = blocking_save
-
-        def write() -> None:
-            for writer in writers:
-                writer()
-
-        return write
+            dcp.save = blocking_dcp_save
+        return run_all(writers + saves)
 
     def load_native(self, load: NativeLoad) -> None:
         trainer = self.trainer

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +35,7 @@ from interop.state import NativeLoad
 
 from .base import BETAS, TrainerConfig, build_model, check_adapter, configure_logging, described, import_checkpoint, model_metadata, param_group_names, run
 from .base import parse_config as base_parse_config
+from .staging import deferred_writes, run_all
 from .state import DataPosition, TokenDataset, TrainerState
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,24 @@ class TrainerCheckpoint:
         trainer._save_optimizer_and_scheduler(directory)
         trainer._save_rng_state(directory)
         trainer.state.save_to_json(os.path.join(directory, hf_format.TRAINER_STATE))
+
+    def stage_native(self, directory: str, group: Any = None) -> Callable[[], None]:
+        """The Trainer's own save (``save_native``) as it is, with the state it hands safetensors' ``save_file``
+        and ``torch.save`` staged in memory now and written by those functions later (``trainers.staging``):
+        the weights, the optimizer and scheduler state, RNG states and training arguments."""
+        import safetensors.torch
+        import transformers.modeling_utils
+
+        writers = [(torch, "save"), (safetensors.torch, "save_file"), (transformers.modeling_utils, "safe_save_file")]
+        try:
+            import peft.peft_model
+
+            writers.append((peft.peft_model, "safe_save_file"))  # an adapter's file, as peft writes it
+        except ImportError:
+            pass
+        with deferred_writes(*[(ns, name) for ns, name in writers if hasattr(ns, name)]) as saves:
+            self.save_native(directory)
+        return run_all(saves)
 
     def load_native(self, load: NativeLoad) -> None:
         written_for = int((load.manifest.sharding or {}).get("world_size") or 1)
