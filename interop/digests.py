@@ -69,55 +69,73 @@ def of_file(path: str, algo: str = ALGO) -> str:
     """The plain digest of a whole file's bytes: the one :func:`hash_ahead` computed if the file is the same file,
     unchanged (inode, size, modification and change times), else computed now."""
     ahead = _AHEAD.pop(os.path.abspath(path), None)
-    if ahead is not None and ahead[0] == algo and ahead[1] == _identity(path):
+    if ahead is not None and ahead[0] == algo:
         try:
-            return ahead[2].result()
-        except Exception:  # noqa: BLE001 - computed again below, where an error is raised for what it is
-            pass
+            identity, digest = ahead[1].result()
+        except Exception:  # noqa: BLE001 - unsettled or unreadable: computed again below, where an error is raised for what it is
+            identity = digest = None
+        if identity is not None and identity == _identity(path):
+            return digest
     return _of_file(path, algo)
 
 
 def _of_file(path: str, algo: str) -> str:
-    """Read through a map of the file, a chunk at a time, each chunk's pages released once hashed: 1.3x faster
-    than reads into a buffer (no copy; BLAKE3 and sha256 release the GIL on large inputs), and resident memory
-    stays at one chunk (a whole-file map left the file's gigabytes in the process's RSS)."""
-    import mmap
-
-    h = hasher(algo)
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return label(algo, h.hexdigest())
-        try:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError:  # a filesystem that cannot map it: read it
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-            return label(algo, h.hexdigest())
-        with mapped:
-            view = memoryview(mapped)
-            try:
-                for offset in range(0, size, _CHUNK):
-                    n = min(_CHUNK, size - offset)
-                    h.update(view[offset:offset + n])
-                    if hasattr(mapped, "madvise"):
-                        mapped.madvise(mmap.MADV_DONTNEED, offset, n)  # clean file pages: still in the page cache
-            finally:
-                view.release()
+        return _of_handle(f, algo)
+
+
+def _of_handle(f: Any, algo: str) -> str:
+    """Read into one reused buffer (resident memory stays at one chunk; reading and BLAKE3 / sha256 release the
+    GIL). Not through a map: a file shortened meanwhile would kill the process with SIGBUS, where a read ends
+    short and the digest simply differs."""
+    h = hasher(algo)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        h.update(view[:n])
     return label(algo, h.hexdigest())
 
 
 # --- digests started early -------------------------------------------------------------------------------
-# path -> (algorithm, the file's identity when hashing began, the digest to come)
-_AHEAD: dict[str, tuple[str, tuple[int, ...] | None, Future]] = {}
+# path -> (algorithm, the (identity, digest) to come: see _hash_if_settled)
+_AHEAD: dict[str, tuple[str, Future]] = {}
 
 
 def _identity(path: str) -> tuple[int, ...] | None:
     try:
-        st = os.stat(path)
+        return _of_stat(os.stat(path))
     except OSError:
         return None
+
+
+def _of_stat(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+RACY_SECONDS = 2.0  # a file changed this recently may change again within its timestamps' resolution (git's rule)
+
+
+def _hash_if_settled(path: str, algo: str) -> tuple[tuple[int, ...], str]:
+    """(identity, digest) of the file as hashed through one handle: the identity is the handle's, taken before
+    and after hashing, and the digest is refused (ValueError: of_file hashes again) if the file changed while it
+    was read or had changed too recently for its times to show a later change."""
+    import time
+
+    with open(path, "rb") as f:
+        before = _of_stat(os.fstat(f.fileno()))
+        if time.time() - max(before[3], before[4]) / 1e9 < RACY_SECONDS:
+            raise ValueError(f"{path}: changed {RACY_SECONDS} s ago or less")
+        digest = _of_handle(f, algo)
+        if _of_stat(os.fstat(f.fileno())) != before:
+            raise ValueError(f"{path}: changed while it was read")
+    return before, digest
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None:
@@ -125,18 +143,17 @@ def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None
     core fewer than the machine has, the other left to what runs meanwhile) now, for
     :func:`of_file` to take later. Why: a conversion's first second is spent importing torch on one core, and
     checking the source's digests (which needs no torch) fits beside it. Nothing is trusted early: a digest
-    is only a digest of the bytes, compared with the manifest where it always was; a file changed since is
-    hashed again. The threads are daemons: an early exit does not wait for them."""
+    is only a digest of the bytes, compared with the manifest where it always was; a file changed since, while
+    it was hashed or shortly before (its times could hide a later change) is hashed again. The threads are
+    daemons: an early exit does not wait for them."""
     pending = []
     for path, algo in files:
-        identity = _identity(path)
-        started = _AHEAD.get(os.path.abspath(path))
-        if started is not None and started[:2] == (algo, identity):
+        key = os.path.abspath(path)
+        if key in _AHEAD or algo not in _HASHERS:
             continue  # asked twice: already under way
-        if identity is not None and algo in _HASHERS:
-            future: Future = Future()
-            _AHEAD[os.path.abspath(path)] = (algo, identity, future)
-            pending.append((identity[2], path, algo, future))
+        future: Future = Future()
+        _AHEAD[key] = (algo, future)
+        pending.append((_size(path), path, algo, future))
     pending.sort(key=lambda p: -p[0])
     lock = threading.Lock()
 
@@ -149,7 +166,7 @@ def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(_of_file(path, algo))
+                future.set_result(_hash_if_settled(path, algo))
             except BaseException as exc:  # noqa: BLE001 - handed to of_file, which hashes again
                 future.set_exception(exc)
 

@@ -65,7 +65,7 @@ def test_kept_answers_are_transformers_answers(tmp_path, monkeypatch, name):
         assert questions(config, own_only=True) == own
 
 
-@pytest.mark.parametrize("damage", ["not json", '{"schema": 1}', "tied", "names"])
+@pytest.mark.parametrize("damage", ["not json", '{"schema": 1}', "tied", "names", "another model's"])
 def test_a_damaged_kept_file_is_asked_again(tmp_path, monkeypatch, damage):
     config = config_of("gpt2")
     monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
@@ -73,7 +73,9 @@ def test_a_damaged_kept_file_is_asked_again(tmp_path, monkeypatch, damage):
     asked = questions(config)
     (path,) = (tmp_path / "model-facts").iterdir()
     raw = json.loads(path.read_text())
-    text = {"tied": json.dumps(dict(raw, tied=[["lm_head.weight"]])), "names": json.dumps(dict(raw, names=[1, 2]))}.get(damage, damage)
+    other = facts._answers_path(facts._key(config_of("llama-tied")))[1]  # a file copied from another model's
+    text = {"tied": json.dumps(dict(raw, tied=[["lm_head.weight"]])), "names": json.dumps(dict(raw, names=[1, 2])),
+            "another model's": json.dumps(dict(raw, identity=other))}.get(damage, damage)
     path.write_text(text)
     forget()
     assert questions(config) == asked

@@ -13,21 +13,36 @@ from interop import digests
 from tests.architectures import ROOT, saved
 
 
-def test_an_early_digest_is_used_only_for_the_file_it_was_taken_of(tmp_path):
-    same, changed, gone = (tmp_path / n for n in ("same.bin", "changed.bin", "gone.bin"))
-    for p in (same, changed, gone):
+def test_an_early_digest_is_used_only_for_the_file_it_was_taken_of(tmp_path, monkeypatch):
+    """An early digest is taken (no second hash) for a file unchanged since; a file rewritten at the same size with
+    its times put back (its change time moves regardless), replaced, or changed too recently for its times to
+    show a later change is hashed again."""
+    names = ("same", "rewritten", "replaced", "recent")
+    paths = {n: tmp_path / f"{n}.bin" for n in names}
+    old = 1_600_000_000
+    for n, p in paths.items():
         p.write_bytes(os.urandom(1 << 20))
-    digests.hash_ahead([(str(p), "blake3") for p in (same, changed, gone)], threads=1)
-    for p in (same, changed, gone):
-        digests._AHEAD[str(p)][2].result(timeout=60)
-    expected_same = digests._of_file(str(same), "blake3")
-    changed.write_bytes(b"x" * (1 << 20))  # same size: the change is seen by its times
-    os.utime(changed, ns=(1, 1))
-    gone.unlink()
-    gone.write_bytes(b"y")  # another file at the same path
-    assert digests.of_file(str(same)) == expected_same
-    assert digests.of_file(str(changed)) == digests.of_bytes(b"x" * (1 << 20))
-    assert digests.of_file(str(gone)) == digests.of_bytes(b"y")
+        if n != "recent":
+            os.utime(p, (old, old))
+    expected_same = digests._of_file(str(paths["same"]), "blake3")
+    # (utime moves each file's change time to now: the files are "recent" unless the window is shut)
+    for names_, window in ((("same", "rewritten", "replaced"), 0.0), (("recent",), 3600.0)):
+        monkeypatch.setattr(digests, "RACY_SECONDS", window)
+        digests.hash_ahead([(str(paths[n]), "blake3") for n in names_], threads=1)
+        for n in names_:
+            digests._AHEAD[str(paths[n])][1].exception(timeout=60)  # done, whatever its outcome
+    paths["rewritten"].write_bytes(b"x" * (1 << 20))
+    os.utime(paths["rewritten"], (old, old))
+    paths["replaced"].unlink()
+    paths["replaced"].write_bytes(b"y")
+    hashed_again = []
+    real = digests._of_file
+    monkeypatch.setattr(digests, "_of_file", lambda path, algo: hashed_again.append(os.path.basename(path)) or real(path, algo))
+    assert digests.of_file(str(paths["same"])) == expected_same
+    assert digests.of_file(str(paths["rewritten"])) == digests.of_bytes(b"x" * (1 << 20))
+    assert digests.of_file(str(paths["replaced"])) == digests.of_bytes(b"y")
+    assert digests.of_file(str(paths["recent"])) == real(str(paths["recent"]), "blake3")
+    assert hashed_again == ["rewritten.bin", "replaced.bin", "recent.bin"]  # not same.bin: its early digest was taken
     assert not digests._AHEAD  # each taken once
 
 

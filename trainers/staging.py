@@ -6,6 +6,8 @@ So the files are the engine's own, byte for byte, and the step after the save on
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from typing import Any, Callable, Iterator
 
 from interop.background import staged
@@ -13,17 +15,27 @@ from interop.background import staged
 
 @contextlib.contextmanager
 def deferred_writes(*targets: tuple[Any, str], writes: Callable[..., bool] | None = None) -> Iterator[list[Callable[[], None]]]:
-    """While open, each ``(namespace, name)`` writer function takes a staged copy of its first argument and is
-    called with it later by one of the yielded writers, in call order. ``writes(*args, **kwargs)``: whether the
-    call would write anything on this process (a call that writes nothing stages nothing)."""
+    """While open, each ``(namespace, name)`` writer function, called on this thread, takes a staged copy of its
+    first argument and is called with it later by one of the yielded writers, in call order (other threads' calls
+    write at once, as asked). ``writes(**arguments)`` (the call's arguments by
+    parameter name): whether the call would write anything on this process (a call that writes nothing stages nothing)."""
     writers: list[Callable[[], None]] = []
     originals = [(namespace, name, getattr(namespace, name)) for namespace, name in targets]
+    owner = threading.get_ident()  # the saving thread: another thread's call in the meantime writes as it asked
 
     def stager(original: Callable[..., Any]) -> Callable[..., None]:
-        def stage(obj: Any, *args: Any, **kwargs: Any) -> None:
-            if writes is None or writes(obj, *args, **kwargs):
-                kept = staged(obj)
-                writers.append(lambda: original(kept, *args, **kwargs))
+        signature = inspect.signature(original)
+        first = next(iter(signature.parameters))
+
+        def stage(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != owner:
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)  # the state may come by keyword (save_file(tensors=...))
+            if writes is None or writes(**bound.arguments):
+                bound.arguments[first] = staged(bound.arguments[first])
+                call_args, call_kwargs = bound.args, bound.kwargs
+                writers.append(lambda: original(*call_args, **call_kwargs))
+            return None
 
         return stage
 

@@ -190,10 +190,15 @@ class _Answers:
                    tuple(strings(raw["buffers"])))
 
 
-def _answers_path(key: str) -> str | None:
-    """The file keeping ``key``'s answers under this transformers version (read from its metadata, without
-    importing it), or None when keeping is off or transformers is not installed."""
+def _answers_path(key: str) -> tuple[str, str] | None:
+    """(the file keeping ``key``'s answers, the answers' identity), or None when keeping is off or transformers is
+    not installed. The identity covers what the answers depend on: the config, this code (interop's version and
+    the schema) and the installed transformers (its version, read from its metadata without importing it, and
+    the time its package was last written, which a development install's version string does not change with)."""
     from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    from interop import __version__
 
     root = os.environ.get(CACHE_ENV)
     if root == "off":
@@ -202,10 +207,12 @@ def _answers_path(key: str) -> str | None:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "interop")
     try:
         installed = version("transformers")
-    except PackageNotFoundError:
+        spec = find_spec("transformers")
+        written = os.stat(spec.origin).st_mtime_ns if spec is not None and spec.origin else 0
+    except (PackageNotFoundError, ValueError, OSError):
         return None
-    name = hashlib.sha256(f"{_SCHEMA}\0{installed}\0{key}".encode()).hexdigest()
-    return os.path.join(root, "model-facts", f"{name}.json")
+    identity = hashlib.sha256(f"{_SCHEMA}\0{__version__}\0{installed}\0{written}\0{key}".encode()).hexdigest()
+    return os.path.join(root, "model-facts", f"{identity}.json"), identity
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -260,11 +267,15 @@ def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int
 def _answers(key: str) -> _Answers | ConversionError:
     """``key``'s answers: kept ones if there are (one small file read), else asked and kept. Keeping is best effort:
     an unwritable cache directory costs the next conversion the question again, nothing else."""
-    path = _answers_path(key)
+    kept = _answers_path(key)
+    path, identity = kept if kept is not None else (None, None)
     if path is not None and os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
-                return _Answers.from_json(json.load(f))
+                raw = json.load(f)
+            if not isinstance(raw, dict) or raw.get("identity") != identity:
+                raise ValueError("kept for another config, interop or transformers (a copied file)")
+            return _Answers.from_json(raw)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.debug("model facts kept in %s are unreadable (%s); asking transformers", path, exc)
     answers = _asked(key)
@@ -273,7 +284,7 @@ def _answers(key: str) -> _Answers | ConversionError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(answers.to_json(), f)
+                json.dump({**answers.to_json(), "identity": identity}, f)
             os.replace(tmp, path)
         except OSError as exc:
             log.debug("could not keep model facts in %s (%s)", path, exc)
