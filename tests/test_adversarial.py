@@ -837,8 +837,14 @@ def run_flips(bench, kind, cases, capsys):
     assert not problems, f"{len(problems)} problems in {len(cases)} flips:\n" + "\n".join(problems[:40])
 
 
-@pytest.mark.parametrize("region", ["safetensors-length", "safetensors-header", "safetensors-data", "json", "manifest"])
-@pytest.mark.parametrize("kind", ["universal", "trainer"])
+# every region of each kind runs under -m slow; the default run keeps each region once (suite time)
+FLIP_DEFAULT = {("universal", "safetensors-length"), ("universal", "manifest"), ("trainer", "safetensors-header"),
+                ("trainer", "safetensors-data"), ("trainer", "json")}
+
+
+@pytest.mark.parametrize("kind,region", [
+    pytest.param(k, r, id=f"{k}-{r}", marks=[] if (k, r) in FLIP_DEFAULT else [pytest.mark.slow])
+    for k in ("universal", "trainer") for r in ("safetensors-length", "safetensors-header", "safetensors-data", "json", "manifest")])
 def test_flipped_byte(flip_bench, capsys, kind, region):
     per_region = 8 if region == "manifest" else 2
     cases = flip_cases(flip_bench[kind]["work"], region, per_region, None, f"{kind}-{region}")
