@@ -220,10 +220,9 @@ def _asked(key: str) -> _Answers | ConversionError:
     built = _built(key)
     if isinstance(built, ConversionError):
         return built
-    facts, _ = built
+    facts, model = built
     to_module, to_stored = _live_renamers(key)
     stored = {n: to_stored(n) for n in facts.names}
-    model = built[1]
     named = dict(model.named_parameters(remove_duplicate=False))
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys(stored.values())}, bool(_live_converters(key)),
                     _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
@@ -248,19 +247,20 @@ def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:
 def parameter_layout(config: dict[str, Any] | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """The model's parameters (``named_parameters()``: a tied alias once, under its source) and buffers, in module
     order: the order an engine sees them in. None without a model transformers can build."""
-    if _known(config) is None:
-        return None
-    answers = _answers(_key(config))
-    return (answers.parameters, answers.buffers) if isinstance(answers, _Answers) else None
+    answers = _kept(config)
+    return (answers.parameters, answers.buffers) if answers is not None else None
 
 
 def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int]]:
     """The expert parameters (module name -> (layer module, experts)) of the model ``config`` describes; empty for
     a dense model or one transformers cannot build."""
-    if _known(config) is None:
-        return {}
-    answers = _answers(_key(config))
-    return answers.experts if isinstance(answers, _Answers) else {}
+    answers = _kept(config)
+    return answers.experts if answers is not None else {}
+
+
+def _kept(config: dict[str, Any] | None) -> _Answers | None:
+    """The answers about ``config``'s model; None without a config or for a model transformers cannot build."""
+    return _answers(_key(config)) if _known(config) is not None else None
 
 
 @lru_cache(maxsize=16)
