@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from interop.lazy_import import torch
 
 from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError

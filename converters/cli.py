@@ -131,7 +131,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {'key':<20} {'pattern':<11} {'on world-size change':<21} pieces")
         for key, rec in comps.items():
             print(f"  {key:<20} {rec.pattern:<11} {rec.policy:<21} {len(rec.pieces)}")
-    rows = [(key, list(t.spec.shape), str(t.spec.dtype).replace("torch.", ""), t.spec.nbytes) for key, t in ckpt.tensors()]
+    rows = [(key, list(t.spec.shape), t.spec.dtype_name, t.spec.nbytes) for key, t in ckpt.tensors()]
     if rows:
         width = min(max(len(r[0]) for r in rows), 70)
         print(f"\n  {'tensor':<{width}} {'shape':<18} {'dtype':<9} {'bytes':>10}")

@@ -54,25 +54,74 @@ def check_ahead(argv: list[str]) -> None:
         return
 
 
+class _TorchImportHeld:
+    """A finder that finds ``torch`` as the others do and runs its import (on the main thread: signals arrive
+    there) with Ctrl-C held. torch loads when a conversion first needs a tensor, wherever that is, or never."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        import threading
+
+        if fullname != "torch" or threading.current_thread() is not threading.main_thread():
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _HeldLoader(spec.loader)
+                return spec
+        return None
+
+
+class _HeldLoader:
+    """The loader it was found with, its ``exec_module`` under ``_interrupts_held``."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        with _interrupts_held(in_import=True):
+            self._loader.exec_module(module)
+
+
+def hold_interrupts_in_torch_import() -> None:
+    if not any(isinstance(f, _TorchImportHeld) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportHeld())
+
+
 @contextlib.contextmanager
-def _interrupts_held():
+def _interrupts_held(in_import: bool = False):
     """Ctrl-C while torch is being imported is acted on once the import is done: raised inside torch's C
     initialisation, a KeyboardInterrupt is swallowed there (torch then runs without numpy) or aborts the process
-    through a C++ exception."""
+    through a C++ exception. Where SIGINT is ignored, nothing is held."""
     held: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
+    if held and previous is not signal.SIG_IGN:
+        if not in_import:
+            raise KeyboardInterrupt
+        # raised inside an import, it would undo the import that just completed (sys.modules loses torch, whose C
+        # extension stays loaded); sent again from a thread 50 ms on, it reaches the previous handler once the main
+        # thread has run the few microseconds left of the import machinery (starting the thread lets signals in)
+        import threading
+
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
 def run() -> None:
     """``converters.cli.main``, then exit without the interpreter's teardown. Unloading torch costs about 0.4 s
     per call, a tenth of a large conversion; every output is fsynced before ``main`` returns, and the streams
     are flushed here."""
+    hold_interrupts_in_torch_import()
     try:
         with _interrupts_held():
             check_ahead(sys.argv[1:])

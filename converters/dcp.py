@@ -22,12 +22,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.paths import inside
-from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
+from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages
 from interop.universal import scalar_value, split_optimizer_state
 
 from .param_order import EngineOrder
@@ -130,10 +130,10 @@ def is_dcp_dir(path: str) -> bool:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+_STORAGE_DTYPES = {  # torch's typed storages -> the dtype's name
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
 }
 
 
@@ -153,7 +153,7 @@ class _TensorUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+            return getattr(torch, _STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
             import collections
 
@@ -278,7 +278,7 @@ class DCPReader:
         return TensorSpec(tuple(md.size), md.properties.dtype)
 
     def lazy(self, key: str) -> LazyTensor:
-        pieces = (lambda: self.row_pieces(key)) if self._rows_tile(key) else None
+        pieces = (lambda: [Piece.of_tensor(t, mapped=True) for t in self.row_pieces(key)]) if self._rows_tile(key) else None
         return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]", mapped_pieces=pieces)
 
     def _rows_tile(self, key: str) -> bool:

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from interop.lazy_import import torch
 
 from interop.commit import read_tag, resolve_checkpoint_dir
 from interop.errors import (
@@ -38,7 +38,7 @@ from interop.errors import (
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import MANIFEST, Manifest
 from interop.paths import inside
-from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
+from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
@@ -537,7 +537,7 @@ def _mapped_pieces(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None):
     """LazyTensor.mapped_pieces for ``p``, when every rank file is memory-mapped (torch's zip format)."""
     if not all(o.mapped for o in ckpt.optims):
         return None
-    return lambda: _param_views(ckpt, p, key)
+    return lambda: [Piece.of_tensor(v, mapped=True) for v in _param_views(ckpt, p, key)]
 
 
 def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatView]:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-import torch
+from interop.lazy_import import torch
 
 from interop.dtypes import dtype_from_name
 from interop.errors import ConversionError

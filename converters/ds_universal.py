@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.commit import LATEST_UNIVERSAL, read_tag
 from interop.manifest import MANIFEST

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.commit import MEGATRON_TRACKER, durable_write, read_iteration_tracker
 from interop.dtypes import dtype_from_name, dtype_name

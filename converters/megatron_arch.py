@@ -14,6 +14,7 @@ from typing import Any
 from interop.errors import ConversionError
 
 from .models.facts import tied_groups
+from .models.kept import kept
 from .models.megatron_family import Family, family_for
 
 DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -31,6 +32,13 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
         raise ConversionError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
     per = num_layers // pp
     return [range(p * per, (p + 1) * per) for p in range(pp)]
+
+
+def _kept_config(raw: dict[str, Any]) -> dict[str, Any]:
+    config = raw["config"]
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError("not a config.json")
+    return config
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,16 @@ class MegatronArch:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """A config.json built by transformers' config class from the sizes (what differs from its defaults)."""
+        """A config.json built by transformers' config class from the sizes (what differs from its defaults): asked
+        once per architecture and installed transformers, then kept (``models.kept``), since importing transformers
+        costs every conversion of a Megatron checkpoint seconds."""
+        import dataclasses
+        import json
+
+        key = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return kept("megatron-config", 1, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
+
+    def _asked_hf(self) -> dict[str, Any]:
         import transformers
 
         fam = self.spec

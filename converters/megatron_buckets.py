@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConversionError, CorruptCheckpointError
 from interop.tensors import LazyTensor, TensorSpec

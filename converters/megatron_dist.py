@@ -27,7 +27,7 @@ import logging
 import os
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.commit import durable_write, read_iteration_tracker
 from interop.sharding import ShardingMetadata, Strategy

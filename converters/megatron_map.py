@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConversionError
 

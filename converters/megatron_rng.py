@@ -17,8 +17,9 @@ import random
 import struct
 from typing import Any
 
-import numpy as np
-import torch
+from interop.lazy_import import LazyModule, torch
+
+np = LazyModule("numpy")
 
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 

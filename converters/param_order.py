@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint, OptimizerState

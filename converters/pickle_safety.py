@@ -16,12 +16,16 @@ import re
 import zipfile
 from typing import Any, Iterable, Iterator
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 
-# Types beyond tensors and builtin containers that engine checkpoints legitimately hold. Extended per engine.
-ALLOWLIST: list[Any] = [collections.OrderedDict, collections.defaultdict, torch.Size]
+
+
+def allowlist() -> list[Any]:
+    """Types beyond tensors and builtin containers that engine checkpoints legitimately hold (extended per engine
+    by the ``allow`` arguments below). A function: torch.Size is torch's, imported only when a pickle is loaded."""
+    return [collections.OrderedDict, collections.defaultdict, torch.Size]
 
 
 def numpy_allowlist() -> list[Any]:
@@ -49,7 +53,7 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(ALLOWLIST + list(allow or [])):
+        with torch.serialization.safe_globals(allowlist() + list(allow or [])):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -101,7 +105,7 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
     saved = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(ALLOWLIST + list(allow or [])):
+        with torch.serialization.safe_globals(allowlist() + list(allow or [])):
             yield
     except pickle.UnpicklingError as exc:
         raise UnsafePickleError(None, f"an engine's load met a pickle beyond the allowlist ({str(exc).strip().splitlines()[-1]}); "

@@ -13,11 +13,11 @@ import base64
 import math
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 from .dtypes import dtype_from_name, dtype_name
 from .errors import UnsupportedStateError
+from .lazy_import import LazyModule, instance_of, torch
+
+np = LazyModule("numpy")  # only RNG states and numpy values need it
 
 _TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__")
 
@@ -39,7 +39,7 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         return name
 
     def enc(obj: Any, path: list[str]) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if instance_of(obj, "torch", "Tensor"):  # no torch imported: no tensor here (plain values need none)
             obj = obj.detach()
             if obj.device.type != "meta" and obj.numel() > 0:
                 ident = _tensor_identity(obj)
@@ -50,12 +50,12 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             if obj.numel() > 0:
                 seen[_tensor_identity(obj)] = name
             return {"__tensor__": name}
-        if isinstance(obj, np.ndarray):
+        if instance_of(obj, "numpy", "ndarray"):
             name = tensor_name(path)
             arr = np.ascontiguousarray(obj)
             tensors[name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "u" else arr).clone()
             return {"__ndarray__": name, "dtype": arr.dtype.str}
-        if isinstance(obj, np.generic):
+        if instance_of(obj, "numpy", "generic"):
             return enc(obj.item(), path)
         if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
             return obj
@@ -63,9 +63,9 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             return obj if math.isfinite(obj) else {"__float__": repr(obj)}
         if isinstance(obj, (bytes, bytearray)):
             return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
-        if isinstance(obj, torch.dtype):
+        if instance_of(obj, "torch", "dtype"):
             return {"__dtype__": dtype_name(obj)}
-        if isinstance(obj, torch.Size):
+        if instance_of(obj, "torch", "Size"):
             return {"__tuple__": [int(d) for d in obj]}
         if isinstance(obj, tuple):
             return {"__tuple__": [enc(v, path + [str(i)]) for i, v in enumerate(obj)]}

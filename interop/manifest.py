@@ -227,11 +227,17 @@ def now_iso() -> str:
 
 
 def producer_versions(**extra: str) -> dict[str, str]:
-    import torch
+    from importlib.metadata import PackageNotFoundError, version
 
     from . import __version__
 
-    versions = {"interop": __version__, "torch": torch.__version__.split("+")[0]}
+    try:
+        torch_version = version("torch")  # without importing torch
+    except PackageNotFoundError:  # torch on a path of its own, without install metadata
+        import torch
+
+        torch_version = torch.__version__
+    versions = {"interop": __version__, "torch": torch_version.split("+")[0]}
     versions.update({k: v for k, v in extra.items() if v})
     return versions
 

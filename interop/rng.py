@@ -8,8 +8,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
-import torch
+from .lazy_import import LazyModule, torch
+
+np = LazyModule("numpy")
 
 
 def python_state_dict(state: tuple) -> dict[str, Any]:

@@ -12,18 +12,18 @@ import contextlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import torch
-
 from . import digests
-from .dtypes import from_st_code, st_code
+from .dtypes import name_of_st_code, st_code
 from .errors import CorruptCheckpointError, MissingFileError, OutputWriteError
 from .jsonio import loads as json_loads
 from .jsonio import read_json
 from .paths import inside
-from .tensors import LazyTensor, TensorSpec, mapped_file_range, raw_bytes, release_mapped_pages, tensor_from_bytes
+from .lazy_import import torch
+from .tensors import LazyTensor, Piece, TensorSpec, tensor_from_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -35,7 +35,7 @@ class TensorEntry:
     name: str
     spec: TensorSpec
     fetch: Callable[[], torch.Tensor]
-    mapped_pieces: Callable[[], list[torch.Tensor]] | None = None  # LazyTensor.mapped_pieces: written without a copy
+    mapped_pieces: Callable[[], list[Piece] | None] | None = None  # LazyTensor.mapped_pieces: written without a copy
 
 
 @dataclass
@@ -56,7 +56,7 @@ def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) ->
             raise ValueError(f"duplicate tensor name {entry.name!r}")
         size = entry.spec.nbytes
         header[entry.name] = {
-            "dtype": st_code(entry.spec.dtype),
+            "dtype": st_code(entry.spec.dtype_name),
             "shape": list(entry.spec.shape),
             "data_offsets": [offset, offset + size],
         }
@@ -83,18 +83,19 @@ def _closing(fds: dict[str, int]):
             os.close(fd)
 
 
-def _copy_mapped(f, piece: torch.Tensor, sources: dict[str, int]) -> int | None:
-    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no
-    copy through this process); the bytes written, or None when it is not such a view or the kernel refuses."""
-    where = mapped_file_range(piece) if hasattr(os, "copy_file_range") else None
-    if where is None:
+def _copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
+    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no copy
+    through this process); the bytes written, or None when the kernel refuses (another filesystem, an old kernel)."""
+    if piece.source is None or not hasattr(os, "copy_file_range"):
         return None
-    path, offset = where
+    path, offset, inode = piece.source
     if path not in sources:
         sources[path] = os.open(path, os.O_RDONLY)
+    if os.fstat(sources[path]).st_ino != inode:  # replaced since it was mapped: the mapping's bytes are the ones hashed
+        return None
     f.flush()
     start = position = f.tell()
-    remaining = piece.numel() * piece.element_size()
+    remaining = piece.data.nbytes
     try:
         while remaining:
             n = os.copy_file_range(sources[path], f.fileno(), remaining, offset + position - start, position)
@@ -105,7 +106,7 @@ def _copy_mapped(f, piece: torch.Tensor, sources: dict[str, int]) -> int | None:
     except OSError:
         if position != start:
             raise
-        return None  # nothing copied (another filesystem, an old kernel): written the ordinary way
+        return None  # nothing copied: written the ordinary way
     f.seek(position)
     return position - start
 
@@ -117,17 +118,17 @@ def hash_pieces(data: list[memoryview]) -> bytes:
     return h.digest()
 
 
-def fetch_pieces(entry: TensorEntry) -> list[torch.Tensor]:
-    """The entry's bytes as contiguous tensors: mapped views when the source offers them, else one loaded tensor."""
+def fetch_pieces(entry: TensorEntry) -> list[Piece]:
+    """The entry's bytes: mapped views when the source offers them (no torch needed), else one loaded tensor's."""
     pieces = entry.mapped_pieces() if entry.mapped_pieces is not None else None  # None: not viewable after all
     if pieces is not None:
-        if sum(p.numel() for p in pieces) != entry.spec.numel or any(p.dtype != entry.spec.dtype for p in pieces):
+        if sum(p.data.nbytes for p in pieces) != entry.spec.nbytes or any(p.dtype not in (None, entry.spec.dtype_name) for p in pieces):
             raise ValueError(f"{entry.name}: mapped pieces do not make up {entry.spec.describe()}")
         return pieces
     tensor = entry.fetch()
     if tuple(tensor.shape) != entry.spec.shape or tensor.dtype != entry.spec.dtype:
         raise ValueError(f"{entry.name}: source gave {tensor.dtype}{list(tensor.shape)}, expected {entry.spec.describe()}")
-    return [tensor]
+    return [Piece.of_tensor(tensor)]
 
 
 def safetensors_digests(path: str | os.PathLike, algo: str = digests.ALGO) -> tuple[str, dict[str, str]]:
@@ -210,20 +211,20 @@ def _write_safetensors(
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
-            data = [raw_bytes(p) for p in pieces]  # views: no copy of a contiguous tensor
+            data = [p.data for p in pieces]  # views: no copy of a contiguous tensor
             pending = pool.submit(hash_pieces, data) if hashed else None
             nbytes = 0
-            for piece, view in zip(pieces, data):  # a mapped piece goes file to file; hashing reads it meanwhile
-                copied = _copy_mapped(f, piece, sources) if entry.mapped_pieces is not None else None
-                nbytes += f.write(view) if copied is None else copied
+            for piece in pieces:  # a mapped piece goes file to file; hashing reads it meanwhile
+                copied = _copy_range(f, piece, sources)
+                nbytes += f.write(piece.data) if copied is None else copied
             _start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()
                 file_hash.update(raw)
                 tensor_digests[entry.name] = digests.label(digests.ALGO, raw.hex())
-            if entry.mapped_pieces is not None:
-                for p in pieces:
-                    release_mapped_pages(p)  # written and hashed: out of RSS, still in the page cache
+            for p in pieces:
+                if p.release is not None:
+                    p.release()  # written and hashed: out of RSS, still in the page cache
             total += nbytes
             del pieces, data
             if on_tensor is not None:
@@ -231,6 +232,17 @@ def _write_safetensors(
         f.flush()
         os.fsync(f.fileno())
     return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), composite=True) if hashed else "", tensor_digests)
+
+
+def _release(mapping, lo: int, hi: int) -> None:
+    """Let go of the resident pages wholly inside ``lo .. hi`` of a read-only mapping (a neighbour may share the
+    edge pages): they leave this process's RSS and stay in the page cache."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    start, stop = -(-lo // page) * page, hi // page * page
+    if stop > start and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 class SafetensorsFile:
@@ -258,7 +270,8 @@ class SafetensorsFile:
             raise CorruptCheckpointError(self.path, "corrupt safetensors header: __metadata__ is not a map of strings")
         self.metadata: dict[str, str] = metadata
         self.data_start = 8 + header_len
-        self._map: torch.Tensor | None = None  # the whole file, mapped on first use by ``mapped``
+        self._map = None  # the whole file mapped (mmap.mmap) on first use by ``mapped``, and the inode mapped
+        self._mapping_lock = threading.Lock()
         self._entries: dict[str, tuple[TensorSpec, int, int]] = {
             name: self._entry(name, info) for name, info in header.items()
         }
@@ -271,7 +284,7 @@ class SafetensorsFile:
         try:
             if not isinstance(info, dict) or not ints(info["shape"]) or not ints(info["data_offsets"]) or len(info["data_offsets"]) != 2:
                 raise ValueError("needs dtype, shape and data_offsets [begin, end] of non-negative integers")
-            spec = TensorSpec(tuple(info["shape"]), from_st_code(info["dtype"]))
+            spec = TensorSpec(tuple(info["shape"]), name_of_st_code(info["dtype"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(self.path, f"bad header entry for tensor {name!r}: {exc}") from None
         begin, end = info["data_offsets"]
@@ -319,31 +332,27 @@ class SafetensorsFile:
     def lazy(self, name: str) -> LazyTensor:
         return LazyTensor(self.spec(name), lambda: self.read(name), f"{self.path}:{name}", mapped_pieces=lambda: self.mapped(name))
 
-    def mapped(self, name: str) -> list[torch.Tensor] | None:
-        """The tensor as a view of the file mapped read-only (LazyTensor.mapped_pieces): a writer copies it file to
-        file in the kernel and hashes it without a copy (two copies through this process fewer than ``read``).
-        None where no such view can be made (an empty tensor, an offset its dtype cannot start at, no mmap)."""
+    def mapped(self, name: str) -> list[Piece] | None:
+        """The tensor's bytes as a view of the file mapped read-only (LazyTensor.mapped_pieces): a writer copies them
+        file to file in the kernel and hashes them without a copy (two copies through this process fewer than
+        ``read``) and without torch. None for an empty tensor, or where the file cannot be mapped."""
+        import mmap
+
         spec, begin, end = self._entries[name]
         if end == begin:
             return None
-        if self._map is None:
-            import mmap
-            import warnings
-
-            try:
-                with open(self.path, "rb") as f:
-                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):
-                return None
-            with warnings.catch_warnings():  # a read-only buffer: torch warns that writes would fail; none are made
-                warnings.simplefilter("ignore")
-                self._map = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-        if self.data_start + end > self._map.numel():  # the file shrank since it was checked
+        with self._mapping_lock:
+            if self._map is None:
+                try:
+                    with open(self.path, "rb") as f:
+                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), os.fstat(f.fileno()).st_ino
+                except (OSError, ValueError):
+                    return None
+        mapping, inode = self._map
+        lo, hi = self.data_start + begin, self.data_start + end
+        if hi > len(mapping):  # the file shrank since it was checked
             raise CorruptCheckpointError(self.path, f"truncated while reading tensor {name!r}")
-        try:
-            return [self._map[self.data_start + begin:self.data_start + end].view(spec.dtype).view(spec.shape)]
-        except RuntimeError:  # misaligned for its dtype: read it instead
-            return None
+        return [Piece(memoryview(mapping)[lo:hi], (self.path, lo, inode), lambda: _release(mapping, lo, hi), spec.dtype_name)]
 
     def read_all(self) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self._entries}

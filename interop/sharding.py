@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-import torch
+from .lazy_import import torch
 
 from .dtypes import dtype_name
 

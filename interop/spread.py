@@ -30,7 +30,6 @@ from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
 from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
-from .tensors import raw_bytes
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +233,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
                     continue
                 key = (span.rel, span.tensor)
                 entry = entries[key]
-                data = [raw_bytes(p) for p in fetch_pieces(entry)]
+                data = [p.data for p in fetch_pieces(entry)]
                 position = 0  # in the tensor's bytes, across its pieces
                 for view in data:
                     lo, hi = max(span.start, position), min(span.start + span.length, position + len(view))

@@ -5,18 +5,33 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
-import torch
-
 from . import digests
-from .dtypes import dtype_name, itemsize
+from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize
+
+_dtype_name = dtype_name  # TensorSpec's field of that name hides it in __init__
+from .lazy_import import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorSpec:
+    """A tensor's shape and dtype. The dtype is kept by name, so a spec read from a file header needs no torch;
+    ``dtype`` is torch's, for code that makes tensors."""
+
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str  # torch's name: "bfloat16"
+
+    def __init__(self, shape: tuple[int, ...], dtype: "torch.dtype | str | None" = None, *, dtype_name: str | None = None):
+        if (dtype is None) == (dtype_name is None):
+            raise TypeError("TensorSpec takes a dtype, or a dtype_name (dataclasses.replace)")
+        object.__setattr__(self, "shape", tuple(shape))
+        object.__setattr__(self, "dtype_name", _dtype_name(dtype if dtype is not None else dtype_name))
+
+    @cached_property
+    def dtype(self) -> "torch.dtype":
+        return dtype_from_name(self.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -24,10 +39,34 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype_name)
+
+    @property
+    def is_floating_point(self) -> bool:
+        return is_floating(self.dtype_name)
 
     def describe(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+        return f"{self.dtype_name}{list(self.shape)}"
+
+
+@dataclass
+class Piece:
+    """Some of a tensor's bytes, in order: ``data`` to hash or write, and where they lie in a file when they are a
+    view of its mapping (``source``: path and offset), so a writer copies them file to file in the kernel and then
+    lets their pages go (``release``: out of this process's memory, still in the page cache)."""
+
+    data: memoryview
+    source: tuple[str, int, int] | None = None  # path, offset, and the inode mapped (a file replaced since is not copied)
+    release: Callable[[], None] | None = field(default=None, repr=False)
+    dtype: str | None = None  # the dtype the bytes were viewed as, where they came from a tensor
+
+    @classmethod
+    def of_tensor(cls, tensor: "torch.Tensor", mapped: bool = False) -> "Piece":
+        """A tensor's bytes; with ``mapped``, a contiguous view of a mapped file (``torch.load(mmap=True)``)."""
+        data, dtype = raw_bytes(tensor), dtype_name(tensor.dtype)
+        if not mapped:
+            return cls(data, dtype=dtype)
+        return cls(data, mapped_file_range(tensor), lambda: release_mapped_pages(tensor), dtype)
 
 
 @dataclass
@@ -38,9 +77,9 @@ class LazyTensor:
     loader: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""  # file (and key) it comes from, for error messages and `inspect`
     digest: str | None = None  # the digest a manifest records for these bytes: ``load`` checks it
-    # Optional: the bytes as contiguous 1-D views of memory-mapped files, in order, without a copy. A writer
-    # that only streams bytes out (safetensors) writes and hashes these directly, then releases their pages.
-    mapped_pieces: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
+    # Optional: the bytes as views of memory-mapped files, in order, without a copy (None when they cannot be had
+    # after all). A writer that only streams bytes out (safetensors) copies and hashes these, needing no torch.
+    mapped_pieces: Callable[[], list[Piece] | None] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, origin: str = "memory") -> "LazyTensor":
@@ -50,7 +89,7 @@ class LazyTensor:
     def cast(self, dtype: torch.dtype) -> "LazyTensor":
         """This tensor in ``dtype`` (a floating tensor; others and same-dtype ones are returned as they are),
         read and checked only when loaded."""
-        if self.spec.dtype == dtype or not self.spec.dtype.is_floating_point:
+        if self.spec.dtype_name == dtype_name(dtype) or not self.spec.is_floating_point:
             return self
         return LazyTensor(TensorSpec(self.spec.shape, dtype), lambda: self.load().to(dtype), f"{self.origin} as {dtype_name(dtype)}")
 
@@ -68,6 +107,21 @@ class LazyTensor:
         if verify and self.digest is not None:
             self.check_digest(tensor_digest(tensor, digests.parse(self.digest, self.origin)[0]))
         return tensor
+
+    def bytes_digest(self) -> str:
+        """``tensor_digest`` of this tensor, hashed from its mapped pieces where it has them (no copy, no torch),
+        and checked against the digest its manifest records, as ``load`` checks it."""
+        pieces = self.mapped_pieces() if self.mapped_pieces is not None else None
+        if pieces is None or (self.digest is not None and digests.parse(self.digest, self.origin)[0] != digests.ALGO):
+            return tensor_digest(self.load())
+        h = digests.hasher()
+        for piece in pieces:
+            h.update(piece.data)
+            if piece.release is not None:
+                piece.release()
+        computed = digests.label(digests.ALGO, h.hexdigest())
+        self.check_digest(computed)
+        return computed
 
     def check_digest(self, computed: str) -> None:
         """Raise naming the origin when ``computed`` (by the recorded digest's algorithm) is not the recorded one."""
@@ -115,8 +169,8 @@ def _file_backed(lo: int, hi: int) -> bool:
     return _mapping(lo, hi) is not None
 
 
-def mapped_file_range(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """(path, byte offset) of a contiguous tensor that is a view of a mapped file (``torch.load(mmap=True)``):
+def mapped_file_range(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """(path, byte offset, inode) of a contiguous tensor that is a view of a mapped file (``torch.load(mmap=True)``):
     its bytes can then be copied file to file by the kernel. None for anything else, and off Linux."""
     import sys
 
@@ -132,7 +186,7 @@ def mapped_file_range(tensor: torch.Tensor) -> tuple[str, int] | None:
             return None
     except OSError:  # " (deleted)", or gone
         return None
-    return path, offset + start - map_start
+    return path, offset + start - map_start, inode
 
 
 def release_mapped_pages(tensor: torch.Tensor) -> None:
@@ -158,7 +212,7 @@ def release_mapped_pages(tensor: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: "torch.Tensor") -> memoryview:
     """The tensor's bytes in C order and native (little-endian) byte order, with no copy when contiguous."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:

@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-import torch
+from .lazy_import import torch
 
 from . import codec
 from .commit import durable_write, fsync_path, write_manifest
@@ -36,7 +36,7 @@ from .paths import inside, plain_name
 from .safetensors_io import TensorEntry, WrittenFile, read_hf_safetensors
 from .spread import Spread, TensorFile, leads, spread_output, write_tensor_files
 from .state import ComponentSpec, SharingPattern, WorldSizePolicy
-from .tensors import LazyTensor, tensor_digest
+from .tensors import LazyTensor
 from .topology import Topology
 from .verify import digest_as, open_checkpoint
 
@@ -102,7 +102,7 @@ class ShardedPlan:
                 if entry.name in self.checked:
                     self.checked[entry.name].check_digest(done.tensor_digests[entry.name])
                 result.tensors[self.key_of(entry.name)] = TensorRecord(
-                    list(entry.spec.shape), dtype_name(entry.spec.dtype), f.rel, done.tensor_digests.get(entry.name)
+                    list(entry.spec.shape), entry.spec.dtype_name, f.rel, done.tensor_digests.get(entry.name)
                 )
         if self.index is not None and leads:
             result.files[self.index[0]] = _write_json(root, *self.index)
@@ -185,7 +185,7 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
         target, *sources = group
         source = next((s for s in sources if s in model), None)
         if target in model and source is not None:
-            if tensor_digest(model[target].load()) != tensor_digest(model[source].load()):
+            if model[target].bytes_digest() != model[source].bytes_digest():
                 raise ConversionError(
                     f"{target} and {source} are declared tied but hold different values; "
                     "untie them in config.json (tie_word_embeddings=false) to keep both"

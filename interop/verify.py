@@ -181,7 +181,6 @@ def tensor_problems(directory: str, manifest: Manifest, files: Iterable[str], ha
 
 
 def _tensor_file_problems(directory: str, rel: str, manifest: Manifest, expected: dict[str, str], hashed: bool) -> list[CheckpointError]:
-    from .dtypes import dtype_name
 
     path = os.path.join(directory, rel)
     problems: list[CheckpointError] = []
@@ -194,7 +193,7 @@ def _tensor_file_problems(directory: str, rel: str, manifest: Manifest, expected
             problems.append(CorruptCheckpointError(path, f"lacks tensor {name!r} that the manifest lists (missing or renamed)"))
         for name in sorted(found & set(expected)):
             rec, spec = manifest.tensors[expected[name]], st.spec(name)
-            if list(spec.shape) != rec.shape or dtype_name(spec.dtype) != rec.dtype:
+            if list(spec.shape) != rec.shape or spec.dtype_name != rec.dtype:
                 problems.append(CorruptCheckpointError(path, f"tensor {name!r} is {spec.describe()}, the manifest says {rec.dtype}{rec.shape}"))
         recorded = manifest.files[rel].digest
         algo = digests.parse(recorded, path)[0]

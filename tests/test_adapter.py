@@ -317,13 +317,14 @@ def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
     without digests copies those ranges in the kernel: the file equals the one written through memory, and
     an in-memory tensor mixed in is written the ordinary way."""
     from interop.safetensors_io import TensorEntry, write_safetensors
-    from interop.tensors import TensorSpec, mapped_file_range
+    from interop.tensors import Piece, TensorSpec, mapped_file_range
 
     data = torch.arange(3 << 18, dtype=torch.float32)
     torch.save({"t": data}, tmp_path / "t.pt")
     mapped = torch.load(tmp_path / "t.pt", mmap=True, weights_only=True)["t"]
     piece = mapped[1000:(1 << 18) + 1000]
-    path, offset = mapped_file_range(piece)
+    path, offset, inode = mapped_file_range(piece)
+    assert inode == os.stat(path).st_ino
     assert path == str(tmp_path / "t.pt")
     with open(path, "rb") as f:
         f.seek(offset)
@@ -331,9 +332,11 @@ def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
     assert mapped_file_range(data) is None and mapped_file_range(mapped[::2]) is None
 
     tail = torch.randn(5, 7)
-    pieces = lambda: [piece, mapped[-100:]]  # noqa: E731
+    views = [piece, mapped[-100:]]
+    pieces = lambda: [Piece.of_tensor(v, mapped=True) for v in views]  # noqa: E731
+    assert [p.source for p in pieces()] == [(path, offset, inode), mapped_file_range(views[1])]
     entries = [
-        TensorEntry("a", TensorSpec((piece.numel() + 100,), torch.float32), lambda: torch.cat(pieces()), pieces),
+        TensorEntry("a", TensorSpec((piece.numel() + 100,), torch.float32), lambda: torch.cat(views), pieces),
         TensorEntry("b", TensorSpec((5, 7), torch.float32), lambda: tail),
     ]
     write_safetensors(tmp_path / "copied.safetensors", entries, hashed=False)
@@ -342,4 +345,4 @@ def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
     from safetensors.torch import load_file
 
     loaded = load_file(tmp_path / "copied.safetensors")
-    assert torch.equal(loaded["a"], torch.cat(pieces())) and torch.equal(loaded["b"], tail)
+    assert torch.equal(loaded["a"], torch.cat(views)) and torch.equal(loaded["b"], tail)

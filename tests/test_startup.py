@@ -70,3 +70,61 @@ def test_the_source_is_digested_before_torch_is_imported_and_a_flip_is_still_ref
     assert done.stderr.strip().splitlines()[-1] == (f"interop convert: error: {config}: content digest differs from the manifest "
                                                     "(the file was altered or corrupted)")
     assert not (tmp_path / "out").exists()
+
+
+NO_TORCH = "import sys; sys.modules['torch'] = None; from converters.console import run; run()"  # `import torch` fails
+
+
+def test_a_conversion_that_moves_bytes_never_imports_torch(tmp_path):
+    """Safetensors to safetensors (HF -> universal -> HF, a tied model among them) copies each tensor's bytes as
+    they lie and never needs torch (a second and more of every such conversion): run with torch made unimportable,
+    each writes what the ordinary run writes, byte for byte, and transformers loads the result."""
+    import torch
+    import transformers
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in ("llama", "llama-tied"):
+        model, src = saved(tmp_path, name)
+        ordinary, uni, out = tmp_path / name / "ordinary", tmp_path / name / "uni", tmp_path / name / "out"
+        # the first conversion of a model asks transformers about it (torch and all), and keeps the answers
+        subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(src), str(ordinary), "--to", "universal"],
+                       env=env, check=True, capture_output=True, timeout=300)
+        for cmd in (["convert", str(src), str(uni), "--to", "universal"], ["verify", str(uni)],
+                    ["convert", str(uni), str(out), "--to", "hf"]):
+            done = subprocess.run([sys.executable, "-c", NO_TORCH, *cmd], env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (cmd, done.stderr)
+        for rel in sorted(p.relative_to(ordinary) for p in ordinary.rglob("*.safetensors")):
+            assert (uni / rel).read_bytes() == (ordinary / rel).read_bytes(), rel
+        records = [json.loads((d / "manifest.json").read_text())["tensors"] for d in (ordinary, uni)]
+        assert records[0] == records[1]
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert loaded.state_dict().keys() == model.state_dict().keys()
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items()), name
+
+
+def test_an_interrupt_during_torchs_import_arrives_once_torch_is_imported():
+    """The console script holds Ctrl-C while torch is imported wherever a conversion first needs it (torch's C
+    initialisation swallows an interrupt raised inside it or aborts on it), then delivers it: the KeyboardInterrupt
+    comes after the import, with torch whole in sys.modules."""
+    probe = """
+import os, signal, sys, threading, time
+from converters.console import hold_interrupts_in_torch_import
+hold_interrupts_in_torch_import()
+during = []  # whether torch was being imported when the signal was sent
+
+def interrupt():
+    during.append(getattr(getattr(sys.modules.get("torch"), "__spec__", None), "_initializing", False))
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Timer(0.2, interrupt).start()
+try:
+    import torch
+    time.sleep(10)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted", during == [True], "torch" in sys.modules, float(sys.modules["torch"].ones(2).sum()))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.split() == ["interrupted", "True", "True", "2.0"]

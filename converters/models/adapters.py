@@ -25,7 +25,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConfigurationError, ConversionError
 from interop.jsonio import read_json

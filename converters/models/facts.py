@@ -12,21 +12,20 @@ have, MoE experts to fuse, the meta model itself) asks transformers as before.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 
 from . import fusion
+from .kept import CACHE_ENV, kept, kept_path  # noqa: F401 - CACHE_ENV: the variable's name, for callers
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,6 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-CACHE_ENV = "INTEROP_CACHE_DIR"  # where answers are kept; "off": nowhere (every conversion asks transformers)
 _SCHEMA = 2  # of the file below: a change makes every kept answer unread (asked again)
 
 
@@ -191,28 +189,8 @@ class _Answers:
 
 
 def _answers_path(key: str) -> tuple[str, str] | None:
-    """(the file keeping ``key``'s answers, the answers' identity), or None when keeping is off or transformers is
-    not installed. The identity covers what the answers depend on: the config, this code (interop's version and
-    the schema) and the installed transformers (its version, read from its metadata without importing it, and
-    the time its package was last written, which a development install's version string does not change with)."""
-    from importlib.metadata import PackageNotFoundError, version
-    from importlib.util import find_spec
-
-    from interop import __version__
-
-    root = os.environ.get(CACHE_ENV)
-    if root == "off":
-        return None
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "interop")
-    try:
-        installed = version("transformers")
-        spec = find_spec("transformers")
-        written = os.stat(spec.origin).st_mtime_ns if spec is not None and spec.origin else 0
-    except (PackageNotFoundError, ValueError, OSError):
-        return None
-    identity = hashlib.sha256(f"{_SCHEMA}\0{__version__}\0{installed}\0{written}\0{key}".encode()).hexdigest()
-    return os.path.join(root, "model-facts", f"{identity}.json"), identity
+    """(the file keeping ``key``'s answers, their identity): see ``kept``."""
+    return kept_path("model", _SCHEMA, key)
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -265,30 +243,9 @@ def _kept(config: dict[str, Any] | None) -> _Answers | None:
 
 @lru_cache(maxsize=16)
 def _answers(key: str) -> _Answers | ConversionError:
-    """``key``'s answers: kept ones if there are (one small file read), else asked and kept. Keeping is best effort:
-    an unwritable cache directory costs the next conversion the question again, nothing else."""
-    kept = _answers_path(key)
-    path, identity = kept if kept is not None else (None, None)
-    if path is not None and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-            if not isinstance(raw, dict) or raw.get("identity") != identity:
-                raise ValueError("kept for another config, interop or transformers (a copied file)")
-            return _Answers.from_json(raw)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.debug("model facts kept in %s are unreadable (%s); asking transformers", path, exc)
-    answers = _asked(key)
-    if path is not None and not isinstance(answers, ConversionError):
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({**answers.to_json(), "identity": identity}, f)
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.debug("could not keep model facts in %s (%s)", path, exc)
-    return answers
+    """``key``'s answers: kept ones if there are (one small file read), else asked and kept (see ``kept``)."""
+    return kept("model", _SCHEMA, key, lambda: _asked(key), _Answers.to_json, _Answers.from_json,
+                keep=lambda answers: not isinstance(answers, ConversionError))
 
 
 def meta_model(config: dict[str, Any] | None) -> torch.nn.Module | None:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-import torch
+from interop.lazy_import import torch
 
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint, OptimizerState

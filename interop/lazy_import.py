@@ -1,0 +1,36 @@
+"""Modules imported on first use.
+
+``import torch`` takes about a second (more than writing a GiB to disk), and a conversion that only moves bytes
+(safetensors to safetensors, a tensor's bytes copied as they lie) never touches a tensor. Modules on that path
+name ``torch`` through this proxy, so torch loads the first time anything of it is used, and never otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+
+class LazyModule:
+    """Stands for the module ``name``: each attribute is the module's, the module imported at the first."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        # import_module, not a look in sys.modules: a module another thread is still importing is waited for
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"<{self._name}, imported on first use>"
+
+
+torch: Any = LazyModule("torch")
+
+
+def instance_of(obj: Any, module: str, *names: str) -> bool:
+    """``isinstance(obj, module.name...)`` without importing ``module``: nothing is an instance of a class of a
+    module no one has imported."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(obj, tuple(getattr(loaded, n) for n in names))
