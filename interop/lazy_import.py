@@ -19,8 +19,13 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        # import_module, not a look in sys.modules: a module another thread is still importing is waited for
-        return getattr(importlib.import_module(self._name), attr)
+        module = self.__dict__.get("_module")
+        if module is None:
+            # import_module, not a look in sys.modules: a module another thread is still importing is waited for
+            module = importlib.import_module(self._name)
+            if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+                self.__dict__["_module"] = module  # whole: later uses skip the import machinery
+        return getattr(module, attr)
 
     def __repr__(self) -> str:
         return f"<{self._name}, imported on first use>"

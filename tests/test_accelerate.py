@@ -189,6 +189,7 @@ def test_resume_matches_uninterrupted_run(runs, tmp_path, source, target, world)
         assert resumed == pytest.approx(losses[2:], rel=1e-5)
 
 
+@pytest.mark.slow  # the suite's time: growing the world through a conversion is the resume matrix's FSDP2 -> TP2xPP2
 def test_resume_one_process_to_two_through_universal(runs, tmp_path):
     """1 -> 2 processes: a 1-process DDP run's checkpoint, through universal and `--to accelerate --world-size 2
     --fsdp`, resumes on 2 FSDP2 processes with the 1-process run's losses (to rounding)."""

@@ -234,7 +234,10 @@ def test_bf16_torch_dist_with_fp32_main_params_round_trips_and_loads(tmp_path, p
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["dp_reshardable", pytest.param("fully_reshardable", marks=pytest.mark.slow)])
+# both layouts under -m slow (the suite's time): the default run keeps the legacy distrib_optim.pt test above and
+# megatron-core loading our torch_dist on another layout
+@pytest.mark.parametrize("layout", [pytest.param("dp_reshardable", marks=pytest.mark.slow),
+                                    pytest.param("fully_reshardable", marks=pytest.mark.slow)])
 def test_torch_dist_distributed_optimizer_continues_on_another_layout(tmp_path, layout):
     """megatron-core's DistributedOptimizer at DP2 saved to torch_dist in Megatron-LM's default dp_reshardable layout
     (flat fp32 buckets per TP x PP rank) or in fully_reshardable (optimizer.state.{param,exp_avg,exp_avg_sq}.*) ->

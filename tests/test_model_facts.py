@@ -98,29 +98,22 @@ def test_a_conversion_with_its_answers_kept_does_not_import_transformers(tmp_pat
     assert seen == ["transformers imported", "transformers not imported", "transformers not imported"]
 
 
-def test_a_megatron_checkpoints_config_is_asked_once(tmp_path):
-    """The config.json transformers builds from a Megatron checkpoint's sizes is kept too: the second conversion of
-    the same architecture imports no transformers and writes the same config.json; a damaged kept file is asked
-    again."""
-    from converters import registry
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_megatron_checkpoints_config_is_asked_once(tmp_path, monkeypatch, name):
+    """The config.json transformers builds from a Megatron checkpoint's sizes is kept too (every Megatron conversion
+    needs it, and importing transformers for it cost seconds): asked once, then read, the same; a damaged kept
+    file is asked again."""
+    from converters.megatron_arch import MegatronArch
 
-    _, src = saved(tmp_path, "llama")
-    mega = tmp_path / "megatron"
-    registry.writer("megatron").write(registry.read(str(src))[1], str(mega), registry.Options(extra={"tp": 1, "pp": 1}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{facts.CACHE_ENV: str(tmp_path / "kept")})
-    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
-             "print('transformers imported' if 'transformers' in sys.modules else 'transformers not imported'); sys.exit(rc)")
-    seen, configs = [], []
-    for i in range(3):
-        out = tmp_path / f"hf{i}"
-        done = subprocess.run([sys.executable, "-c", probe, "convert", str(mega), str(out), "--to", "hf"],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        seen.append(done.stdout.strip().splitlines()[-1])
-        configs.append(json.loads((out / "config.json").read_text()))
-        if i == 1:
-            for path in (tmp_path / "kept" / "model-facts").iterdir():
-                if '"config"' in path.read_text():
-                    path.write_text('{"config": 3}')
-    assert seen == ["transformers imported", "transformers not imported", "transformers imported"]
-    assert configs[0] == configs[1] == configs[2]
+    arch = MegatronArch.from_hf(config_of(name))
+    monkeypatch.setenv(facts.CACHE_ENV, "off")
+    asked = arch.to_hf()
+    monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
+    calls = []
+    real = MegatronArch._asked_hf
+    monkeypatch.setattr(MegatronArch, "_asked_hf", lambda self: calls.append(1) or real(self))
+    answers = [arch.to_hf(), arch.to_hf()]
+    (path,) = (tmp_path / "model-facts").iterdir()
+    path.write_text('{"config": 3}')
+    answers.append(arch.to_hf())
+    assert answers == [asked] * 3 and len(calls) == 2  # asked, read, asked again

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.dist
 # A LoRA run (peft, r=4: frozen base, adapters and their Adam moments) moves ZeRO-3 -> FSDP2 by conversion, and
 # ZeRO-3 -> transformers' Trainer by a direct resume (below), each against the source's losses; the 20 LoRA pairs
 # (ZeRO-1, ZeRO-3, FSDP2 and DDP into ZeRO-2/3, FSDP2, DDP and the Trainer) under -m slow.
-CI_SLICE = [("fsdp2", "tp2pp2"), ("ds-z3@moe", "ep2@moe"), ("ds-z3@lora", "fsdp2@lora")]
+# (ZeRO-3 -> FSDP2 of the LoRA run by conversion runs under -m slow for the suite's time: the LoRA run's resume
+# into the Trainer below is the default run's LoRA pair.)
+CI_SLICE = [("fsdp2", "tp2pp2"), ("ds-z3@moe", "ep2@moe")]
 
 
 @pytest.fixture(scope="module")
