@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from interop.lazy_import import torch
 
+from interop.dtypes import dtype_from_name
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.paths import inside
@@ -153,7 +154,7 @@ class _TensorUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild
         if module == "torch" and name in _STORAGE_DTYPES:
-            return getattr(torch, _STORAGE_DTYPES[name])
+            return dtype_from_name(_STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
             import collections
 

@@ -17,10 +17,8 @@ import random
 import struct
 from typing import Any
 
-from interop.lazy_import import LazyModule, torch
-
-np = LazyModule("numpy")
-
+from interop.lazy_import import numpy as np
+from interop.lazy_import import torch
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 
 DEFAULT_SEED = 1234  # Megatron-LM's --seed

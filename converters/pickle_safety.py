@@ -21,7 +21,6 @@ from interop.lazy_import import torch
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 
 
-
 def allowlist() -> list[Any]:
     """Types beyond tensors and builtin containers that engine checkpoints legitimately hold (extended per engine
     by the ``allow`` arguments below). A function: torch.Size is torch's, imported only when a pickle is loaded."""

@@ -15,9 +15,8 @@ from typing import Any, Callable
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import UnsupportedStateError
-from .lazy_import import LazyModule, instance_of, torch
-
-np = LazyModule("numpy")  # only RNG states and numpy values need it
+from .lazy_import import instance_of, torch
+from .lazy_import import numpy as np
 
 _TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__")
 

@@ -32,6 +32,7 @@ class LazyModule:
 
 
 torch: Any = LazyModule("torch")
+numpy: Any = LazyModule("numpy")  # RNG states and numpy values need it; safetensors bytes do not
 
 
 def instance_of(obj: Any, module: str, *names: str) -> bool:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from .lazy_import import LazyModule, torch
-
-np = LazyModule("numpy")
+from .lazy_import import numpy as np
+from .lazy_import import torch
 
 
 def python_state_dict(state: tuple) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from typing import Callable
 
 from . import digests
 from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize
+from .lazy_import import torch
 
 _dtype_name = dtype_name  # TensorSpec's field of that name hides it in __init__
-from .lazy_import import torch
 
 
 @dataclass(frozen=True, init=False)

@@ -181,7 +181,6 @@ def tensor_problems(directory: str, manifest: Manifest, files: Iterable[str], ha
 
 
 def _tensor_file_problems(directory: str, rel: str, manifest: Manifest, expected: dict[str, str], hashed: bool) -> list[CheckpointError]:
-
     path = os.path.join(directory, rel)
     problems: list[CheckpointError] = []
     try:

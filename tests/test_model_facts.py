@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from converters.models import facts
+from converters.models.kept import kept_path
 from tests.architectures import ROOT, build, saved
 
 
@@ -73,7 +74,7 @@ def test_a_damaged_kept_file_is_asked_again(tmp_path, monkeypatch, damage):
     asked = questions(config)
     (path,) = (tmp_path / "model-facts").iterdir()
     raw = json.loads(path.read_text())
-    other = facts._answers_path(facts._key(config_of("llama-tied")))[1]  # a file copied from another model's
+    other = kept_path("model", facts._SCHEMA, facts._key(config_of("llama-tied")))[1]  # a file copied from another model's
     text = {"tied": json.dumps(dict(raw, tied=[["lm_head.weight"]])), "names": json.dumps(dict(raw, names=[1, 2])),
             "another model's": json.dumps(dict(raw, identity=other))}.get(damage, damage)
     path.write_text(text)

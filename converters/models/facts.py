@@ -25,7 +25,7 @@ from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 
 from . import fusion
-from .kept import CACHE_ENV, kept, kept_path  # noqa: F401 - CACHE_ENV: the variable's name, for callers
+from .kept import CACHE_ENV, kept  # noqa: F401 - CACHE_ENV: the variable's name, for callers
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +186,6 @@ class _Answers:
                            tuple(strings(raw["ignore_unexpected"])))
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
                    tuple(strings(raw["buffers"])))
-
-
-def _answers_path(key: str) -> tuple[str, str] | None:
-    """(the file keeping ``key``'s answers, their identity): see ``kept``."""
-    return kept_path("model", _SCHEMA, key)
 
 
 def _asked(key: str) -> _Answers | ConversionError:
