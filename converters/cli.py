@@ -20,7 +20,7 @@ if __name__ == "__main__":  # python -m converters.cli: the source's digests sta
 
     check_ahead(sys.argv[1:])
 
-from interop import __version__
+from interop import __version__, ranged
 from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
 from interop.errors import ConfigurationError, ConversionError, InteropError, UnknownFormatError, one_line
@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interop {args.command}: error: unexpected {type(exc).__name__}: {one_line(exc)} "
               "(the input may be damaged; rerun with -v for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        ranged.clear()  # the files registered to be checked as they are read: this command is done with them
 
 
 if __name__ == "__main__":

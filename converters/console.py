@@ -44,10 +44,10 @@ def check_ahead(argv: list[str]) -> None:
         manifest = read_manifest(directory)
         files = []
         for rel, record in manifest.files.items():
-            algo, composite = digests.parse(record.digest, rel)
+            algo, kind = digests.parse(record.digest, rel)
             path = inside(directory, rel, os.path.join(directory, MANIFEST))
             st = os.lstat(path)
-            if not composite and stat.S_ISREG(st.st_mode) and st.st_size == record.bytes:  # else the real check says why
+            if kind == digests.PLAIN and stat.S_ISREG(st.st_mode) and st.st_size == record.bytes:  # else the real check says why
                 files.append((path, algo))
         digests.hash_ahead(files)
     except Exception:  # noqa: BLE001 - the real checks report it properly

@@ -38,7 +38,8 @@ from interop.errors import (
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import MANIFEST, Manifest
 from interop.paths import inside
-from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages
+from interop.dtypes import dtype_from_name
+from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
@@ -47,6 +48,7 @@ from .engine_checkpoint import carried_components, owning_checkpoint, holds_nati
 from .models.facts import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
+from .torch_zip import as_torch, copy_into, dtype_name_of, is_tensor, lazy_of, materialize, piece_of
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ DEEPSPEED_ALLOWLIST: list[Any] = [
 
 
 def load_ds_file(path: str, trust_pickle: bool = False) -> Any:
-    return load_torch_file(path, trust_pickle, allow=DEEPSPEED_ALLOWLIST)
+    """A DeepSpeed file, tensors as torch_zip.StoredTensors where torch is not needed to read them."""
+    return load_torch_file(path, trust_pickle, allow=DEEPSPEED_ALLOWLIST, stored=True)
 
 
 # --- where the files are ------------------------------------------------------------------------------------
@@ -225,10 +228,11 @@ def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
 
 # --- flat partitions -----------------------------------------------------------------------------------------
 class FlatView:
-    """Several 1-D tensors seen as one vector. Reading copies only the pieces a range touches; over ``mapped``
-    parts (views of mmapped files) the pages read are then released, so RSS stays at one tensor."""
+    """Several 1-D tensors (torch's or torch_zip's stored ones) seen as one vector. Reading copies only the pieces a
+    range touches; over ``mapped`` parts (views of mmapped files) the pages read are then released, so RSS stays
+    at one tensor."""
 
-    def __init__(self, parts: list[torch.Tensor], origin: str, mapped: bool = False):
+    def __init__(self, parts: list[Any], origin: str, mapped: bool = False):
         self.parts = [p.reshape(-1) for p in parts]
         self.origin = origin
         self.mapped = mapped
@@ -240,7 +244,7 @@ class FlatView:
     def numel(self) -> int:
         return self.starts[-1]
 
-    def views(self, offset: int, numel: int) -> list[torch.Tensor]:
+    def views(self, offset: int, numel: int) -> list[Any]:
         """Elements ``offset .. offset + numel`` as views of the parts, no copy."""
         if offset + numel > self.numel:
             raise CorruptCheckpointError(
@@ -262,10 +266,7 @@ class FlatView:
         for part, start in zip(self.parts, self.starts):
             lo, hi = max(offset, start), min(offset + numel, start + part.numel())
             if lo < hi:
-                piece = part[lo - start : hi - start]
-                out[lo - offset : hi - offset].copy_(piece)
-                if self.mapped:
-                    release_mapped_pages(piece)
+                copy_into(out[lo - offset : hi - offset], part[lo - start : hi - start], self.mapped)
 
 
 @dataclass
@@ -291,7 +292,7 @@ class _Optim:
     """One rank's ZeRO optimizer file, normalised across ZeRO-1/2, BF16_Optimizer and ZeRO-3."""
 
     path: str
-    fp32: list[torch.Tensor]  # per flat group
+    fp32: list[Any]  # per flat group: torch_zip.StoredTensor (or torch.Tensor)
     state: list[dict[str, Any]]  # per flat group: state key -> tensor / scalar
     param_groups: list[dict[str, Any]]  # torch optimizer param groups (hyper-parameters, "params": flat indices)
     partition_count: int
@@ -443,7 +444,7 @@ def frozen_and_buffers(
     module = ms0.get("module") or {}
     shared = dict(ms0.get("shared_params") or {})
     buffer_names = list(ms0.get("buffer_names") or [])
-    buffers = {n: LazyTensor.of(module[n], f"{path}:module.{n}") for n in buffer_names if n in module}
+    buffers = {n: lazy_of(module[n], f"{path}:module.{n}") for n in buffer_names if n in module}
     frozen: dict[str, LazyTensor] = {}
     frozen_shapes = ms0.get("frozen_param_shapes")
     if frozen_shapes:
@@ -455,15 +456,15 @@ def frozen_and_buffers(
             numel = math.prod(shape)
             if zero3:
                 def load(frags=frags, numel=numel, shape=shape):
-                    return torch.cat([f.reshape(-1) for f in frags])[:numel].reshape(shape).clone()
+                    return torch.cat([as_torch(f).reshape(-1) for f in frags])[:numel].reshape(shape).clone()
             else:
                 def load(frag=frags[0], shape=shape):
-                    return frag.reshape(shape)
-            frozen[name] = LazyTensor(TensorSpec(shape, frags[0].dtype), load, f"{path}:frozen_param_fragments.{name}")
+                    return as_torch(frag).reshape(shape)
+            frozen[name] = LazyTensor(TensorSpec(shape, dtype_name_of(frags[0])), load, f"{path}:frozen_param_fragments.{name}")
     elif not zero3:  # ZeRO-1 saves no fragments: frozen parameters are whole in `module`
         for name, t in module.items():
             if name not in trainable and name not in shared and name not in buffer_names:
-                frozen[name] = LazyTensor.of(t, f"{path}:module.{name}")
+                frozen[name] = lazy_of(t, f"{path}:module.{name}")
     return frozen, buffers
 
 
@@ -508,7 +509,7 @@ def param_shapes(path: str, trust_pickle: bool = False) -> list[dict[str, tuple[
 
 def _param_tensor(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -> torch.Tensor:
     """``flats``: per rank (ZeRO-3) or one concatenation over ranks (ZeRO-1/2) of the vectors holding ``p``."""
-    out = torch.empty(p.numel, dtype=flats[0].parts[0].dtype)
+    out = torch.empty(p.numel, dtype=dtype_from_name(dtype_name_of(flats[0].parts[0])))
     done = 0
     for f, offset, n in _param_ranges(ckpt, p, flats):
         f.read_into(out[done : done + n], offset, n)
@@ -529,7 +530,7 @@ def _param_ranges(ckpt: DeepSpeedCheckpoint, p: _Param, flats: list[FlatView]) -
     return out
 
 
-def _param_views(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[torch.Tensor]:
+def _param_views(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[Any]:
     return [v for f, offset, n in _param_ranges(ckpt, p, _flats(ckpt, p, key)) for v in f.views(offset, n)]
 
 
@@ -537,14 +538,14 @@ def _mapped_pieces(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None):
     """LazyTensor.mapped_pieces for ``p``, when every rank file is memory-mapped (torch's zip format)."""
     if not all(o.mapped for o in ckpt.optims):
         return None
-    return lambda: [Piece.of_tensor(v, mapped=True) for v in _param_views(ckpt, p, key)]
+    return lambda: [piece_of(v, mapped=True) for v in _param_views(ckpt, p, key)]
 
 
 def _flats(ckpt: DeepSpeedCheckpoint, p: _Param, key: str | None) -> list[FlatView]:
     """The vectors holding ``p``'s fp32 weights (key None) or optimizer state ``key``."""
     zero3 = ckpt.info.layout.zero_stage == 3
 
-    def vector(o: _Optim, flat: int) -> torch.Tensor:
+    def vector(o: _Optim, flat: int) -> Any:
         if key is None:
             return o.fp32[flat]
         t = o.state[flat][key]
@@ -563,14 +564,14 @@ def _state_layout(ckpt: DeepSpeedCheckpoint) -> tuple[list[str], dict[int, dict[
     for o in ckpt.optims:
         for flat, state in enumerate(o.state):
             for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if is_tensor(value) and value.dim() > 0:
                     if value.numel() < o.fp32[flat].numel():
                         raise UnsupportedStateError(
                             f"{o.path}: optimizer state {key!r} of group {flat} has {value.numel()} elements, "
                             f"not one per parameter element ({o.fp32[flat].numel()}); interop does not know how to split it"
                         )
                     tensor_keys.add(key)
-                elif torch.is_tensor(value) or isinstance(value, (int, float)):
+                elif is_tensor(value) or isinstance(value, (int, float)):
                     scalars.setdefault(flat, {})[key] = value
                 else:
                     raise UnsupportedStateError(
@@ -602,7 +603,7 @@ def _optimizer(ckpt: DeepSpeedCheckpoint) -> OptimizerState:
             if key not in o0.state[p.flat]:
                 continue  # this group has not stepped yet
             tensors[key][p.name] = LazyTensor(
-                TensorSpec(p.shape, o0.state[p.flat][key].dtype),
+                TensorSpec(p.shape, dtype_name_of(o0.state[p.flat][key])),
                 lambda p=p, key=key: _param_tensor(ckpt, p, _flats(ckpt, p, key)),
                 f"{o0.path}:{key}",
                 mapped_pieces=_mapped_pieces(ckpt, p, key),
@@ -610,7 +611,7 @@ def _optimizer(ckpt: DeepSpeedCheckpoint) -> OptimizerState:
     scalar_out: dict[str, dict[str, dict[str, Any]]] = {}
     for p in ckpt.params:
         for key, value in scalars.get(p.flat, {}).items():
-            t = value if torch.is_tensor(value) else torch.tensor(value)
+            t = value if is_tensor(value) else torch.tensor(value)
             scalar_out.setdefault(key, {})[p.name] = scalar_entry(t)
     return OptimizerState("AdamW", groups, tensors, scalar_out)
 
@@ -633,7 +634,7 @@ def read_deepspeed(path: str, trust_pickle: bool = False, verify_digests: bool =
         directory = owner if manifest is not None else directory
     ckpt = read_native(path, trust_pickle)
     trainable = {
-        p.name: LazyTensor(TensorSpec(p.shape, torch.float32), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
+        p.name: LazyTensor(TensorSpec(p.shape, "float32"), lambda p=p: _param_tensor(ckpt, p, _flats(ckpt, p, None)),
                            f"{ckpt.optims[0].path}:fp32", mapped_pieces=_mapped_pieces(ckpt, p, None))
         for p in ckpt.params
     }
@@ -699,9 +700,9 @@ def to_logical(
         notes=notes,
     )
     if client:
-        out.extra_state["client_state"] = client
+        out.extra_state["client_state"] = materialize(client)
     if ms0.get("lr_scheduler") is not None and "scheduler" not in components:
-        out.extra_state["lr_scheduler"] = ms0["lr_scheduler"]
+        out.extra_state["lr_scheduler"] = materialize(ms0["lr_scheduler"])
     return out
 
 

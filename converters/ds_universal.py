@@ -45,6 +45,7 @@ from .engine_checkpoint import Written, native_dir, write_engine_checkpoint
 from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
+from .torch_zip import as_torch, dtype_name_of, is_tensor, piece_of
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +110,24 @@ def universal_files(tag_dir: str) -> UniversalFiles:
 
 
 # --- reading -------------------------------------------------------------------------------------------------
-def _state_file(path: str, shape: tuple[int, ...], trust_pickle: bool) -> torch.Tensor:
+def _state_file(path: str, shape: tuple[int, ...], trust_pickle: bool) -> Any:
+    """The tensor in one of the universal checkpoint's per-parameter files: a torch_zip.StoredTensor, or torch's."""
     obj = load_ds_file(path, trust_pickle)
     t = obj.get(PARAM) if isinstance(obj, dict) else obj
-    if not torch.is_tensor(t):
+    if not is_tensor(t):
         raise CorruptCheckpointError(path, f"holds no tensor (expected a tensor or a dict with {PARAM!r})")
     if t.numel() != math.prod(shape):
         raise CorruptCheckpointError(path, f"holds {t.numel()} elements; the parameter has shape {list(shape)}")
-    return t.reshape(shape)
+    return t
 
 
 def _lazy(path: str, shape: tuple[int, ...], trust_pickle: bool) -> LazyTensor:
-    return LazyTensor(TensorSpec(shape, torch.float32), lambda: _state_file(path, shape, trust_pickle), path)
+    def pieces():
+        t = _state_file(path, shape, trust_pickle)
+        return [piece_of(t, mapped=True)] if t.is_contiguous() and dtype_name_of(t) == "float32" else None
+
+    return LazyTensor(TensorSpec(shape, "float32"), lambda: as_torch(_state_file(path, shape, trust_pickle)).reshape(shape), path,
+                      mapped_pieces=pieces)
 
 
 def _groups_of(osd: dict[str, Any], path: str) -> tuple[list[dict[str, Any]], dict[int, int], dict[int, dict]]:
@@ -177,7 +184,7 @@ def read_ds_universal(path: str, trust_pickle: bool = False, verify_digests: boo
             else:  # DeepSpeed's ZeRO-3 converter keeps the step only in the copied optimizer state
                 step = (base_state.get(flat) or {}).get("step")
             if step is not None:
-                t = step if torch.is_tensor(step) else torch.tensor(step)
+                t = step if is_tensor(step) else torch.tensor(step)
                 scalars.setdefault("step", {})[name] = scalar_entry(t)
     param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": members.get(i, [])} for i, g in enumerate(groups)]
     optimizer = OptimizerState("AdamW", param_groups, tensors, scalars)

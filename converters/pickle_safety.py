@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import logging
 import os
 import pickle
 import re
@@ -18,7 +19,10 @@ from typing import Any, Iterable, Iterator
 
 from interop.lazy_import import torch
 
+from interop import ranged
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
+
+log = logging.getLogger(__name__)
 
 
 def allowlist() -> list[Any]:
@@ -40,15 +44,38 @@ def numpy_allowlist() -> list[Any]:
     return allow
 
 
+TORCH_FILE_SUFFIXES = (".pt", ".pth", ".bin")  # the files converters read only through load_torch_file
+
+
+def reads_ranges(rel: str) -> bool:
+    """Whether the converters read listed file ``rel`` only through :func:`load_torch_file`, which checks each
+    range it uses (or the whole file, before torch sees it) against the manifest: such a file need not be hashed
+    whole before reading (``interop.ranged``)."""
+    return rel.endswith(TORCH_FILE_SUFFIXES)
+
+
 def is_mapped(path: str) -> bool:
     """Whether ``load_torch_file`` maps ``path`` (torch's zip format) rather than reading it into memory."""
     return zipfile.is_zipfile(path)
 
 
-def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | None = None) -> Any:
+def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | None = None, stored: bool = False) -> Any:
+    """The object in ``path``, loaded weights-only. ``stored``: the caller takes tensors of a zip-format file as
+    :class:`.torch_zip.StoredTensor` (read without torch) as well as torch tensors (a file the stand-ins do not
+    express is loaded by torch as before), and handles both (``torch_zip.is_tensor`` ...)."""
     if not os.path.isfile(path):
         raise MissingFileError(path, "file not found")
     mmap = is_mapped(path)
+    if stored and mmap and not trust_pickle:
+        from . import torch_zip
+
+        try:
+            return torch_zip.load(path, allow)
+        except torch_zip.NeedsTorch as why:
+            log.debug("%s is read by torch: %s", path, why)
+    ranged.start_whole(path)  # torch reads all of it: a file its reader was to check range by range is checked whole,
+    torch.serialization  # noqa: B018 - while torch is imported
+    ranged.check_whole(path)
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

@@ -14,6 +14,7 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
+from .pickle_safety import reads_ranges
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from .models.config_arg import apply_config
@@ -471,7 +472,7 @@ def check_ours(path: str, digests_checked: bool = True) -> bool:
         read_manifest(path)  # refuses staging directories with the reason
     directory = resolve_checkpoint_dir(path)
     if os.path.isfile(os.path.join(directory, MANIFEST)):
-        open_checkpoint(directory, digests_checked)
+        open_checkpoint(directory, digests_checked, ranged=reads_ranges)
         return True
     if any(os.path.isdir(os.path.join(directory, d)) for d in OUR_FOLDERS):  # only our checkpoints hold these
         raise UncommittedCheckpointError(
@@ -479,6 +480,6 @@ def check_ours(path: str, digests_checked: bool = True) -> bool:
         )
     owner = enclosing_checkpoint(path)
     if owner is not None:
-        open_checkpoint(owner, digests_checked, by_tensor=False)  # its reader does not know the manifest's tensors
+        open_checkpoint(owner, digests_checked, by_tensor=False, ranged=reads_ranges)  # its reader does not know the manifest's tensors
         return True
     return False

@@ -23,6 +23,9 @@ from .errors import CorruptCheckpointError
 
 ALGO = "blake3"
 COMPOSITE_SUFFIX = "-st"
+BLOCKS_SUFFIX = "-blocks"
+BLOCK_BYTES = 16 << 20  # a file larger than one block is recorded block by block (FileRecord.blocks)
+PLAIN, COMPOSITE, BLOCKS = "", COMPOSITE_SUFFIX, BLOCKS_SUFFIX  # the kinds of digest parse() tells apart
 
 
 def _blake3() -> Any:
@@ -33,7 +36,7 @@ def _blake3() -> Any:
 
 _HASHERS: dict[str, Callable[[], Any]] = {"blake3": _blake3, "sha256": hashlib.sha256}
 _HEX_LENGTH = {"blake3": 64, "sha256": 64}
-_FORMAT = re.compile(r"^([a-z0-9]+)(-st)?:([0-9a-f]+)$")
+_FORMAT = re.compile(r"^([a-z0-9]+)(-st|-blocks)?:([0-9a-f]+)$")
 
 
 def hasher(algo: str = ALGO) -> Any:
@@ -44,16 +47,90 @@ def hasher(algo: str = ALGO) -> Any:
         raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(_HASHERS)})") from None
 
 
-def parse(digest: str, where: str = "") -> tuple[str, bool]:
-    """(algorithm, composite) of a recorded digest; a malformed one is a corrupt manifest entry."""
+def parse(digest: str, where: str = "") -> tuple[str, str]:
+    """(algorithm, kind: PLAIN, COMPOSITE or BLOCKS) of a recorded digest; a malformed one is a corrupt manifest
+    entry."""
     m = _FORMAT.match(digest) if isinstance(digest, str) else None
     if m is None or m.group(1) not in _HASHERS or len(m.group(3)) != _HEX_LENGTH[m.group(1)]:
         raise CorruptCheckpointError(where or None, f"malformed digest {digest!r} (expected <algorithm>:<hex>, one of {', '.join(_HASHERS)})")
-    return m.group(1), m.group(2) is not None
+    return m.group(1), m.group(2) or PLAIN
 
 
-def label(algo: str, hexdigest: str, composite: bool = False) -> str:
-    return f"{algo}{COMPOSITE_SUFFIX if composite else ''}:{hexdigest}"
+def label(algo: str, hexdigest: str, composite: bool | str = False) -> str:
+    kind = composite if isinstance(composite, str) else COMPOSITE if composite else PLAIN
+    return f"{algo}{kind}:{hexdigest}"
+
+
+# --- files recorded block by block -----------------------------------------------------------------------------
+# A large file's digest is the hash of its blocks' digests (BLOCK_BYTES each, the last one shorter), and the record
+# keeps each block's: a reader that uses part of the file (a ZeRO file's fp32 weights, a third of it) checks only
+# the blocks it reads (:mod:`interop.ranged`), and the blocks of one file are hashed side by side on every core.
+def of_blocks(block_digests: list[str], algo: str = ALGO) -> str:
+    h = hasher(algo)
+    for d in block_digests:
+        h.update(bytes.fromhex(d))
+    return label(algo, h.hexdigest(), BLOCKS)
+
+
+def block_count(size: int) -> int:
+    return max(1, -(-size // BLOCK_BYTES))
+
+
+def hash_block(fd: int, index: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
+    """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)."""
+    buffer = buffer if buffer is not None else bytearray(BLOCK_BYTES)
+    view, got = memoryview(buffer), 0
+    while got < BLOCK_BYTES:
+        n = os.preadv(fd, [view[got:]], index * BLOCK_BYTES + got)
+        if n == 0:
+            break
+        got += n
+    h = hasher(algo)
+    h.update(view[:got])
+    return h.hexdigest(), got
+
+
+def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
+             blocked: bool | None = None) -> dict[str, tuple[str, list[str] | None]]:
+    """Each file's (digest, block digests): a file of one block or less gets a plain digest and no blocks, a larger
+    one its blocks' digests and the digest of them (``blocked`` True or False: every file one way, as a record
+    being checked says). Every block of every file is one task on ``threads`` threads, so one large file is hashed
+    on every core."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = {p: os.path.getsize(p) for p in paths}
+    out: dict[str, tuple[str, list[str] | None]] = {}
+    large = [p for p in paths if (sizes[p] > BLOCK_BYTES if blocked is None else blocked)]
+    chosen = set(large)
+    small = [p for p in paths if p not in chosen]
+    fds = {p: os.open(p, os.O_RDONLY) for p in large}
+    local = threading.local()
+
+    def block(task: tuple[str, int]) -> str:
+        path, index = task
+        if getattr(local, "buffer", None) is None:
+            local.buffer = bytearray(BLOCK_BYTES)
+        digest, got = hash_block(fds[path], index, algo, local.buffer)
+        if got != min(BLOCK_BYTES, sizes[path] - index * BLOCK_BYTES):
+            raise CorruptCheckpointError(path, f"changed size while it was hashed (block {index} read {got} bytes)")
+        return digest
+
+    try:
+        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            tasks = [(p, i) for p in large for i in range(block_count(sizes[p]))]
+            plain = pool.map(lambda p: of_file(p, algo), small)
+            hashed = list(pool.map(block, tasks))
+            out.update(zip(small, ((d, None) for d in plain)))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    done = 0
+    for p in large:
+        n = block_count(sizes[p])
+        blocks = hashed[done : done + n]
+        done += n
+        out[p] = (of_blocks(blocks, algo), blocks)
+    return {p: out[p] for p in paths}
 
 
 def of_bytes(data: bytes | memoryview, algo: str = ALGO) -> str:
@@ -89,7 +166,7 @@ def _of_handle(f: Any, algo: str) -> str:
     GIL). Not through a map: a file shortened meanwhile would kill the process with SIGBUS, where a read ends
     short and the digest simply differs."""
     h = hasher(algo)
-    buffer = bytearray(_CHUNK)
+    buffer = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size)))  # a small file: no 64 MiB to zero
     view = memoryview(buffer)
     while n := f.readinto(buffer):
         h.update(view[:n])
@@ -140,8 +217,8 @@ def _size(path: str) -> int:
 
 def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None:
     """Start digesting ``files`` ((path, algorithm), largest first) on ``threads`` daemon threads (default: one
-    core fewer than the machine has, the other left to what runs meanwhile) now, for
-    :func:`of_file` to take later. Why: a conversion's first second is spent importing torch on one core, and
+    per core: a conversion that reads without torch waits for them, one that imports torch shares the cores)
+    now, for :func:`of_file` to take later. Why: a conversion's first second may be spent importing torch, and
     checking the source's digests (which needs no torch) fits beside it. Nothing is trusted early: a digest
     is only a digest of the bytes, compared with the manifest where it always was; a file changed since, while
     it was hashed or shortly before (its times could hide a later change) is hashed again. The threads are
@@ -170,6 +247,6 @@ def hash_ahead(files: list[tuple[str, str]], threads: int | None = None) -> None
             except BaseException as exc:  # noqa: BLE001 - handed to of_file, which hashes again
                 future.set_exception(exc)
 
-    threads = threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = threads or os.cpu_count() or 1
     for i in range(min(threads, len(pending))):
         threading.Thread(target=work, name=f"digest-ahead-{i}", daemon=True).start()

@@ -39,6 +39,11 @@ def dtype_name(dtype: "torch.dtype | str") -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def is_dtype_name(name: str) -> bool:
+    """Whether torch has a dtype of this name in the table (without importing torch)."""
+    return name in _DTYPES
+
+
 def st_code(dtype: "torch.dtype | str") -> str:
     try:
         return _DTYPES[dtype_name(dtype)][0]

@@ -20,7 +20,7 @@ from .paths import check_relative
 
 MANIFEST = "manifest.json"
 STAGING_SUFFIX = ".staging"  # a directory being written; never loaded, even once its manifest exists
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a large file's digest may be of its blocks (FileRecord.blocks)
 CHECKPOINT_FORMAT = "interop-checkpoint"
 UNIVERSAL_FORMAT = "interop-universal"
 KNOWN_FORMATS = (CHECKPOINT_FORMAT, UNIVERSAL_FORMAT)
@@ -31,6 +31,7 @@ class FileRecord:
     bytes: int
     digest: str
     writer: int | None = None
+    blocks: list[str] | None = None  # a file larger than one block: each block's digest (interop.digests)
 
 
 @dataclass
@@ -82,6 +83,9 @@ class Manifest:
 
     def to_json(self) -> str:
         data = asdict(self)
+        for rec in data["files"].values():
+            if rec.get("blocks") is None:
+                rec.pop("blocks", None)
         data[SELF_DIGEST] = _self_digest(data)
         return json.dumps(data, indent=1, sort_keys=False, allow_nan=False)
 
@@ -119,6 +123,7 @@ def _self_digest(data: dict[str, Any], where: str = "") -> str:
 
 
 # --- the schema -------------------------------------------------------------------------------------------
+_HEX = re.compile(r"^[0-9a-f]+$")
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # component keys name directories: one plain path part
 _INT_FIELDS = ("world_size", "dp", "tp", "pp", "zero_stage", "step", "scheduler_steps_per_step")  # values arithmetic uses
 
@@ -191,12 +196,20 @@ def _validate(data: dict[str, Any], path: str) -> None:
         fail("notes must be a list of strings")
     for rel, rec in mapping("files", data.get("files")).items():
         check_relative(rel, path)
-        if not isinstance(rec, dict) or set(rec) - {"bytes", "digest", "writer"} or not is_int(rec.get("bytes")):
+        if not isinstance(rec, dict) or set(rec) - {"bytes", "digest", "writer", "blocks"} or not is_int(rec.get("bytes")):
             fail(f"files[{rel!r}] needs bytes (a non-negative integer) and digest")
         if rec.get("writer") is not None and not is_int(rec["writer"]):
             fail(f"files[{rel!r}].writer is {rec['writer']!r}")
-        if rec.get("digest"):
-            digests.parse(rec["digest"], path)
+        kind = digests.parse(rec["digest"], path) if rec.get("digest") else None
+        blocks = rec.get("blocks")
+        if (kind is not None and kind[1] == digests.BLOCKS) != (blocks is not None):
+            fail(f"files[{rel!r}] has block digests only where its digest is of blocks")
+        if blocks is not None and (
+            not isinstance(blocks, list) or len(blocks) != digests.block_count(rec["bytes"])
+            or not all(isinstance(b, str) and _HEX.match(b) and len(b) == len(rec["digest"].split(":")[1]) for b in blocks)
+            or digests.of_blocks(blocks, kind[0]) != rec["digest"]
+        ):
+            fail(f"files[{rel!r}].blocks are not the {digests.block_count(rec['bytes'])} block digests its digest is of")
     for name, rec in mapping("tensors", data.get("tensors")).items():
         if not isinstance(rec, dict) or set(rec) != {"shape", "dtype", "file", "digest"}:
             fail(f"tensors[{name!r}] needs shape, dtype, file and digest")

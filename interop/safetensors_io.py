@@ -234,7 +234,7 @@ def _write_safetensors(
     return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), composite=True) if hashed else "", tensor_digests)
 
 
-def _release(mapping, lo: int, hi: int) -> None:
+def release_range(mapping, lo: int, hi: int) -> None:
     """Let go of the resident pages wholly inside ``lo .. hi`` of a read-only mapping (a neighbour may share the
     edge pages): they leave this process's RSS and stay in the page cache."""
     import mmap
@@ -352,7 +352,7 @@ class SafetensorsFile:
         lo, hi = self.data_start + begin, self.data_start + end
         if hi > len(mapping):  # the file shrank since it was checked
             raise CorruptCheckpointError(self.path, f"truncated while reading tensor {name!r}")
-        return [Piece(memoryview(mapping)[lo:hi], (self.path, lo, inode), lambda: _release(mapping, lo, hi), spec.dtype_name)]
+        return [Piece(memoryview(mapping)[lo:hi], (self.path, lo, inode), lambda: release_range(mapping, lo, hi), spec.dtype_name)]
 
     def read_all(self) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self._entries}

@@ -221,7 +221,7 @@ def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileReco
             dst_path = os.path.join(out, rel)
             os.makedirs(os.path.dirname(dst_path), exist_ok=True)
             shutil.copyfile(src, dst_path)
-            files[rel] = FileRecord(rec.bytes, digest_as(dst_path, rec.digest), rec.writer)
+            files[rel] = FileRecord(rec.bytes, digest_as(dst_path, rec.digest), rec.writer, rec.blocks)
             if files[rel].digest != rec.digest:
                 raise CorruptCheckpointError(src, "content digest differs from its manifest")
         components[key] = comp.record
@@ -410,8 +410,11 @@ def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
 
 
-def scalar_entry(t: torch.Tensor) -> dict[str, Any]:
-    return {"value": t.item(), "dtype": dtype_name(t.dtype)}
+def scalar_entry(t: "torch.Tensor") -> dict[str, Any]:
+    """A one-element tensor as the manifest records it. Also takes a tensor that knows its ``dtype_name`` and
+    ``item()`` without torch (a torch_zip.StoredTensor)."""
+    name = getattr(t, "dtype_name", None)
+    return {"value": t.item(), "dtype": name if isinstance(name, str) else dtype_name(t.dtype)}
 
 
 def split_optimizer_state(

@@ -19,6 +19,7 @@ from .logical import stored_name
 from .manifest import MANIFEST, NATIVE_TOP, FileRecord, Manifest, read_manifest
 from .paths import describe_entry, inside, tree_entries
 from .pieces import component_files, is_native_top_file
+from .ranged import defer, forget
 from .safetensors_io import SafetensorsFile, composite_digest, safetensors_digests
 
 HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
@@ -26,12 +27,17 @@ HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side
 
 def digest_as(path: str, recorded: str | None) -> str:
     """The file's digest by the algorithm (and, for safetensors, the composite form) the manifest recorded."""
-    algo, composite = digests.parse(recorded, path) if recorded else (digests.ALGO, False)
-    if composite:
+    algo, kind = digests.parse(recorded, path) if recorded else (digests.ALGO, digests.PLAIN)
+    if kind == digests.COMPOSITE:
         try:
             return safetensors_digests(path, algo)[0]
         except CorruptCheckpointError:
             return ""  # unreadable: it cannot match
+    if kind == digests.BLOCKS:
+        try:
+            return digests.of_files([path], algo, blocked=True)[path][0]
+        except CorruptCheckpointError:
+            return ""  # changed while it was read: it cannot match
     return digests.of_file(path, algo)
 
 
@@ -49,9 +55,11 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     mine = balanced_share(rels, [os.path.getsize(os.path.join(root, r)) for r in rels], world)[rank]
     for rel in mine:
         fsync_path(os.path.join(root, rel))
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        hashed = pool.map(lambda rel: digests.of_file(os.path.join(root, rel)), mine)
-        records = {rel: FileRecord(os.path.getsize(os.path.join(root, rel)), d) for rel, d in zip(mine, hashed)}
+    hashed = digests.of_files([os.path.join(root, rel) for rel in mine])
+    records = {}
+    for rel in mine:
+        digest, blocks = hashed[os.path.join(root, rel)]
+        records[rel] = FileRecord(os.path.getsize(os.path.join(root, rel)), digest, blocks=blocks)
     for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
         fsync_path(d)
     return records
@@ -130,16 +138,27 @@ def unlisted(directory: str, manifest: Manifest) -> list[CheckpointError]:
 
 
 def check_against_manifest(directory: str, manifest: Manifest, digests_checked: bool = True,
-                           skip_digests: Iterable[str] = (), share: tuple[int, int] = (0, 1)) -> None:
+                           skip_digests: Iterable[str] = (), share: tuple[int, int] = (0, 1),
+                           ranged: Callable[[str], bool] | None = None) -> None:
     """Raise on the first thing at ``directory`` that is not as ``manifest`` says: something on disk it does not
     list, a listed file missing, a link or of another size, and (``digests_checked``) a digest that differs.
-    ``share=(rank, world)`` digests this rank's share of the bytes (:func:`balanced_share`), so ranks check a checkpoint between them."""
+    ``share=(rank, world)`` digests this rank's share of the bytes (:func:`balanced_share`), so ranks check a checkpoint between them.
+    ``ranged``: which files (by listed name) a reader will read only through ranges it checks
+    (:mod:`interop.ranged`); those recorded block by block are registered there rather than hashed whole here."""
     extra = unlisted(directory, manifest)
     if extra:
         raise extra[0]
     check_files(directory, manifest, manifest.files)
     if digests_checked:
         skip = set(skip_digests)
+        for rel, record in manifest.files.items():
+            if rel in skip or record.blocks is None:
+                continue
+            if ranged is not None and ranged(rel):
+                defer(os.path.join(directory, rel), record)
+                skip.add(rel)
+            else:
+                forget(os.path.join(directory, rel))  # hashed whole below: an earlier registration is stale
         rank, world = share
         names = [r for r in sorted(manifest.files) if r not in skip]
         check_files(directory, manifest, balanced_share(names, [manifest.files[r].bytes for r in names], world)[rank], digest=True)
@@ -147,16 +166,17 @@ def check_against_manifest(directory: str, manifest: Manifest, digests_checked: 
         raise problem
 
 
-def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True) -> Manifest:
+def open_checkpoint(directory: str, digests_checked: bool = True, by_tensor: bool = True,
+                    ranged: Callable[[str], bool] | None = None) -> Manifest:
     """The manifest of the committed checkpoint at ``directory``, once everything a reader may use has been
     checked against it (``check_against_manifest``). With ``by_tensor``, files holding the manifest's tensors
     are checked here by their headers (the tensors, shapes and dtypes the manifest lists) and their bytes are
     the reader's to check tensor by tensor as it loads them (``LazyTensor.digest``), so no byte is read twice;
     without, they are hashed whole like every other file (for a reader that does not know the manifest's
-    tensors)."""
+    tensors). ``ranged``: see :func:`check_against_manifest`."""
     manifest = read_manifest(directory)
     by_tensor_files = set(tensors_by_file(manifest)) if by_tensor else set()
-    check_against_manifest(directory, manifest, digests_checked, skip_digests=by_tensor_files)
+    check_against_manifest(directory, manifest, digests_checked, skip_digests=by_tensor_files, ranged=ranged)
     for problem in tensor_problems(directory, manifest, by_tensor_files, hashed=False):
         raise problem
     return manifest

@@ -69,6 +69,10 @@ def reseal(checkpoint, *rels: str) -> None:
         record = manifest.files[rel]
         path = os.path.join(str(checkpoint), rel)
         record.bytes, record.digest = os.path.getsize(path), digest_as(path, record.digest)
+        if record.blocks is not None:
+            from interop import digests
+
+            record.digest, record.blocks = digests.of_files([path], blocked=True)[path]
     write_manifest(str(checkpoint), manifest)
 
 

@@ -879,6 +879,74 @@ def test_flipped_byte_in_an_engine_file(engine_ckpt, tmp_path, capsys, engine, s
         (src / rel).write_bytes(original)
 
 
+def by_blocks(checkpoint) -> list[str]:
+    """Record ``checkpoint``'s files of more than one block block by block, as a trainer records its large files
+    (the test shrinks the block so the tiny model's files have many); the names of those files."""
+    from interop import digests
+    from interop.commit import write_manifest
+    from interop.manifest import read_manifest
+
+    manifest = read_manifest(str(checkpoint))
+    blocked = []
+    for rel, record in manifest.files.items():
+        if record.digest.startswith("blake3:") and record.bytes > digests.BLOCK_BYTES:
+            record.digest, record.blocks = digests.of_files([os.path.join(str(checkpoint), rel)])[os.path.join(str(checkpoint), rel)]
+            blocked.append(rel)
+    write_manifest(str(checkpoint), manifest)
+    return blocked
+
+
+@pytest.mark.dist
+def test_a_file_recorded_by_blocks_is_checked_where_it_is_read(ds_ckpts, tmp_path, capsys, monkeypatch):
+    """A ZeRO optimizer file recorded block by block is read without being hashed whole: an HF export checks only
+    the blocks it reads (the zip directory, data.pkl, the fp32 weights), so a flip in an optimizer moment it never
+    reads leaves its output exact, while verify and a conversion that reads the moments refuse it, and a flip
+    anywhere it reads is one error naming the file, with nothing written. Read without torch, the files give what
+    torch.load gives."""
+    from converters import torch_zip
+    from converters.deepspeed import DEEPSPEED_ALLOWLIST
+    from converters.pickle_safety import allowlist
+    from interop import digests
+    from tests.test_torch_zip import same
+
+    monkeypatch.setattr(digests, "BLOCK_BYTES", 4096)
+    src = copy(ds_ckpts(2), tmp_path / "ckpt")
+    rel = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert rel in by_blocks(src)
+    for pt in sorted(src.glob("*.pt")):
+        with torch.serialization.safe_globals(allowlist() + DEEPSPEED_ALLOWLIST):  # torch's loader, our stand-ins
+            expected = torch.load(pt, map_location="cpu", weights_only=True)
+        same(torch_zip.materialize(torch_zip.load(str(pt), DEEPSPEED_ALLOWLIST)), expected, pt.name)
+    assert main(["convert", str(src), str(tmp_path / "hf0"), "--to", "hf"]) == 0
+    exported = {p.name: p.read_bytes() for p in (tmp_path / "hf0").iterdir()}
+
+    osd = torch_zip.load(str(src / rel), DEEPSPEED_ALLOWLIST)["optimizer_state_dict"]
+    fp32 = osd["single_partition_of_fp32_groups"][0].piece().source[1]
+    moment = osd["base_optimizer_state"]["state"][0]["exp_avg_sq"]
+    lo, hi = moment.piece().source[1], moment.piece().source[1] + moment.numel() * 4
+    block = digests.BLOCK_BYTES
+    unread = next(b * block for b in range(lo // block + 1, hi // block) if abs(b * block - fp32) > 4 * block)
+    size = (src / rel).stat().st_size
+
+    original = flip(src / rel, unread + 7, 0x01)  # a moment the export never reads
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "hf1", "--to", "hf")
+    assert code == 0, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf1").iterdir()} == exported
+    code, out, _ = run_cli(capsys, "verify", src, "-q")
+    assert code == 1 and rel in out, out
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "uni", "--to", "universal")
+    assert_one_line_error(code, err, rel, words=["differ from the manifest"])
+    assert not (tmp_path / "uni").exists()
+    (src / rel).write_bytes(original)
+
+    for where, pos in (("data.pkl", 100), ("fp32 weights", fp32 + 5), ("zip directory", size - 30)):
+        original = flip(src / rel, pos, 0x01)
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / "hf2", "--to", "hf")
+        assert_one_line_error(code, err, rel, words=["differ from the manifest"])
+        assert not (tmp_path / "hf2").exists(), where
+        (src / rel).write_bytes(original)
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_flipped_byte_refused_by_the_deepspeed_resume(ds_ckpts, tmp_path):

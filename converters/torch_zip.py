@@ -1,0 +1,492 @@
+"""Files ``torch.save`` writes (its zip format), read without torch.
+
+The file is a zip archive, stored and not compressed: ``<prefix>/data.pkl`` is the object, pickled, where each
+tensor names a storage record ``<prefix>/data/<key>`` by a persistent id, and the records hold the storages'
+raw bytes. :func:`load` unpickles data.pkl into stand-ins: a tensor becomes a :class:`StoredTensor` (dtype,
+shape, stride and where its bytes lie in the file), so a conversion that only moves bytes (a ZeRO checkpoint's
+fp32 weights into HF safetensors) copies them file to file and never imports torch, and one that needs values
+gets them from :meth:`StoredTensor.tensor`.
+
+Why by hand: torch has no reader that leaves tensors unbuilt, and importing torch is a second of every
+conversion. It is no looser than ``torch.load(weights_only=True)``: only the globals below and the caller's
+allowlist resolve, each to a stand-in or to what torch's weights-only loader would resolve it to. Anything else
+(a global beyond them, a class given state, a sparse, quantized or subclassed tensor, big-endian data) raises
+:class:`NeedsTorch`, and the caller loads the file with torch's own weights-only loader, which decides.
+:func:`materialize` turns stand-ins into what ``torch.load`` returns, for state that is carried as it is.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import mmap
+import os
+import pickle
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from interop.dtypes import is_dtype_name, itemsize
+from interop.errors import CorruptCheckpointError
+from interop.lazy_import import instance_of, torch
+from interop.tensors import LazyTensor, Piece, TensorSpec
+
+# torch's legacy storage classes, as data.pkl names them, and the dtype each holds (torch.serialization).
+STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "UntypedStorage": "uint8",
+}
+
+
+class NeedsTorch(Exception):
+    """The file holds something the stand-ins do not express: load it with torch's weights-only loader."""
+
+
+# --- the archive -------------------------------------------------------------------------------------------------
+class Archive:
+    """One zip file's records: where each one's bytes lie, and the file mapped read-only on first use.
+
+    A file our manifest records block by block and a reader registered (:mod:`interop.ranged`) is checked as it is
+    used: the zip directory and data.pkl before they are trusted, each storage's header and the bytes of a tensor
+    before they are handed out."""
+
+    def __init__(self, path: str):
+        from interop import ranged
+
+        self.path = path
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+        self.ranges = ranged.registered(path)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            self.size, self.inode = st.st_size, st.st_ino
+            try:
+                zf = zipfile.ZipFile(f)
+                infos = zf.infolist()
+            except (zipfile.BadZipFile, OSError, ValueError) as exc:
+                if self.ranges is not None:  # a file the manifest vouches for: say first whether it was altered
+                    self.ranges.check_whole(self.inode)
+                raise CorruptCheckpointError(path, f"not a readable torch zip file: {exc}") from None
+            self._checked(zf.start_dir, self.size)  # the central directory and its end record
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pickles) != 1:
+                raise CorruptCheckpointError(path, f"holds {len(pickles)} data.pkl records; a torch file has one")
+            self.prefix = pickles[0].filename[: -len("data.pkl")]
+            self.records = {i.filename: i for i in infos}
+            self._starts = {}  # record name -> file offset of its bytes (after its local header)
+            for info in infos:
+                f.seek(info.header_offset)
+                head = f.read(30)
+                if len(head) == 30 and head[:4] == b"PK\x03\x04":
+                    name_len, extra_len = struct.unpack("<HH", head[26:30])
+                    self._starts[info.filename] = info.header_offset + 30 + name_len + extra_len
+            byteorder = self.records.get(self.prefix + "byteorder")
+            if byteorder is not None and self._read(f, byteorder).strip() != b"little":
+                raise NeedsTorch("big-endian storages")
+            self.pickle = self._read(f, pickles[0])
+
+    def _checked(self, lo: int, hi: int) -> None:
+        if self.ranges is not None:
+            self.ranges.check(lo, hi, self.inode)
+
+    def _read(self, f: Any, info: zipfile.ZipInfo) -> bytes:
+        """A small stored record's bytes (data.pkl, byteorder), checked with its local header."""
+        start = self._starts.get(info.filename)
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise NeedsTorch(f"{info.filename} is compressed")
+        if start is None or start + info.file_size > self.size:
+            raise CorruptCheckpointError(self.path, f"record {info.filename} has no entry header or runs past the file's end")
+        f.seek(start)
+        data = f.read(info.file_size)
+        if len(data) != info.file_size:
+            raise CorruptCheckpointError(self.path, f"truncated: record {info.filename}")
+        self._checked(info.header_offset, start + info.file_size)
+        return data
+
+    def checked_storage(self, key: str, lo: int, hi: int) -> None:
+        """Before bytes ``lo .. hi`` of storage ``key`` are used: they, and the header that placed them, are the
+        manifest's."""
+        if self.ranges is not None:
+            info = self.records[f"{self.prefix}data/{key}"]
+            self._checked(info.header_offset, self._starts[info.filename])
+            self._checked(lo, hi)
+
+    def storage(self, key: str, nbytes: int) -> tuple[int, int]:
+        """(file offset, bytes) of storage record ``key``, which must be stored uncompressed, hold ``nbytes``
+        and lie inside the file."""
+        name = f"{self.prefix}data/{key}"
+        info = self.records.get(name)
+        if info is None:
+            raise CorruptCheckpointError(self.path, f"data.pkl names storage {key!r}, which the archive does not hold")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise NeedsTorch(f"storage {key} is compressed")
+        if info.file_size != nbytes:
+            raise CorruptCheckpointError(self.path, f"storage {key} holds {info.file_size} bytes; data.pkl says {nbytes}")
+        start = self._starts.get(name)
+        if start is None:
+            raise CorruptCheckpointError(self.path, f"storage {key}: no zip entry header at byte {info.header_offset}")
+        if start + nbytes > self.size:
+            raise CorruptCheckpointError(self.path, f"truncated: storage {key} runs to byte {start + nbytes} of {self.size}")
+        return start, nbytes
+
+    def mapping(self) -> mmap.mmap:
+        with self._lock:
+            if self._map is None:
+                with open(self.path, "rb") as f:
+                    if os.fstat(f.fileno()).st_ino != self.inode:
+                        raise CorruptCheckpointError(self.path, "was replaced while it was read")
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if len(self._map) < self.size:
+                    raise CorruptCheckpointError(self.path, "was truncated while it was read")
+            return self._map
+
+    def release(self, lo: int, hi: int) -> None:
+        from interop.safetensors_io import release_range
+
+        if self._map is not None:
+            release_range(self._map, lo, hi)
+
+
+# --- tensors --------------------------------------------------------------------------------------------------------
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True, eq=False)
+class StoredTensor:
+    """A tensor in a torch zip file, known by where its bytes lie. Answers what the readers ask of a tensor
+    (numel, dim, dtype, reshape and 1-D slices of a contiguous one) without reading it; ``piece()`` gives the
+    bytes as a view of the mapped file, ``tensor()`` the values, with torch."""
+
+    archive: Archive = field(repr=False)
+    key: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    start: int  # file offset of the storage's first byte
+    storage_offset: int  # in elements
+    parameter: bool = False  # rebuilt as torch.nn.Parameter
+    requires_grad: bool = False
+    attributes: tuple[tuple[str, Any], ...] = ()  # set on the tensor as torch sets them (DeepSpeed's ds_id)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def element_size(self) -> int:
+        return itemsize(self.dtype_name)
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return getattr(torch, self.dtype_name)
+
+    def is_contiguous(self) -> bool:
+        return all(st == want for n, st, want in zip(self.shape, self.stride, _contiguous_strides(self.shape)) if n != 1)
+
+    def reshape(self, *shape: Any) -> "StoredTensor":
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.numel() // max(known, 1) if n == -1 else n for n in shape)
+        if math.prod(shape) != self.numel() or not self.is_contiguous():
+            raise ValueError(f"cannot view {self.shape} (contiguous {self.is_contiguous()}) as {shape}")
+        return replace(self, shape=shape, stride=_contiguous_strides(shape))
+
+    def __getitem__(self, index: slice) -> "StoredTensor":
+        if not isinstance(index, slice) or len(self.shape) != 1 or index.step not in (None, 1):
+            raise TypeError("a stored tensor is sliced only as a 1-D range")
+        lo, hi, _ = index.indices(self.shape[0])
+        hi = max(lo, hi)
+        return replace(self, shape=(hi - lo,), stride=(1,), storage_offset=self.storage_offset + lo * self.stride[0])
+
+    def _span(self) -> tuple[int, int]:
+        """File offsets of the first and one past the last byte any element of this view occupies."""
+        size = self.element_size()
+        lo = self.start + self.storage_offset * size
+        if self.numel() == 0:
+            return lo, lo
+        return lo, lo + (sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1) * size
+
+    def piece(self) -> Piece:
+        """This contiguous tensor's bytes as a view of the file mapped read-only, with where they lie (a writer
+        copies them file to file in the kernel), and a release that lets the pages go once used."""
+        if not self.is_contiguous():
+            raise ValueError("only a contiguous tensor is one piece")
+        lo, hi = self._span()
+        if hi == lo:
+            return Piece(memoryview(b""), dtype=self.dtype_name)
+        self.archive.checked_storage(self.key, lo, hi)
+        return Piece(memoryview(self.archive.mapping())[lo:hi], (self.archive.path, lo, self.archive.inode),
+                     lambda: self.archive.release(lo, hi), self.dtype_name)
+
+    def item(self) -> int | float | bool:
+        """A one-element tensor's value, read from the file without torch."""
+        if self.numel() != 1:
+            raise ValueError(f"item() of a tensor of {self.numel()} elements")
+        code = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
+                "int8": "b", "uint8": "B", "bool": "?"}.get(self.dtype_name)
+        if code is None:
+            return self.tensor().item()
+        lo, hi = self._span()
+        self.archive.checked_storage(self.key, lo, hi)
+        return struct.unpack("<" + code, self.archive.mapping()[lo:hi])[0]
+
+    def tensor(self) -> "torch.Tensor":
+        """The values as a torch tensor of their own (a copy of the bytes this view spans, nothing else)."""
+        lo, hi = self._span()
+        dtype = self.dtype
+        if hi == lo:
+            return torch.empty(self.shape, dtype=dtype)
+        self.archive.checked_storage(self.key, lo, hi)
+        data = bytearray(self.archive.mapping()[lo:hi])
+        self.archive.release(lo, hi)
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        return flat.as_strided(self.shape, self.stride, 0)
+
+
+# --- the restricted unpickler ----------------------------------------------------------------------------------
+class _Global:
+    """A torch global the stand-ins resolve by name (a storage class, torch.Size, torch.Tensor ...)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any) -> Any:
+        if self.name == "torch.Size":
+            return StoredSize(*args)
+        if self.name == "torch.device":
+            return StoredDevice(*args)
+        raise NeedsTorch(f"{self.name} called")
+
+
+class StoredSize(tuple):
+    """torch.Size, as a tuple (materialize gives the torch.Size back)."""
+
+
+class StoredDtype(str):
+    """A torch dtype, by name ("float16")."""
+
+
+class StoredDevice(str):
+    """torch.device, by name."""
+
+    def __new__(cls, kind: Any, index: Any = None) -> "StoredDevice":
+        return super().__new__(cls, f"{kind}:{index}" if index is not None else str(kind))
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if backward_hooks or metadata:
+        raise NeedsTorch("a tensor with hooks or metadata")
+    archive, key, dtype, start, nbytes = storage
+    shape, stride, offset = tuple(int(n) for n in size), tuple(int(s) for s in stride), int(storage_offset)
+    if len(shape) != len(stride) or any(n < 0 for n in shape) or any(s < 0 for s in stride) or offset < 0:
+        raise CorruptCheckpointError(archive.path, f"tensor on storage {key}: size {shape}, stride {stride}, offset {offset}")
+    t = StoredTensor(archive, key, dtype, shape, stride, start, offset, requires_grad=bool(requires_grad))
+    lo, hi = t._span()
+    if hi > start + nbytes:
+        raise CorruptCheckpointError(archive.path, f"a tensor {shape} at offset {offset} runs past storage {key} ({nbytes} bytes)")
+    return t
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
+    if backward_hooks or state or not isinstance(data, StoredTensor):
+        raise NeedsTorch("a parameter with hooks or state")
+    return replace(data, parameter=True, requires_grad=bool(requires_grad))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    """torch's way of pickling a tensor whose class is named: plain torch.Tensor (or Parameter), whose attributes,
+    if any, are plain values."""
+    if not (isinstance(new_type, _Global) and new_type.name in ("torch.Tensor", "torch.nn.parameter.Parameter")):
+        raise NeedsTorch("a tensor subclass")
+    plain = (str, int, float, bool, type(None))
+    if state and not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, plain) for k, v in state.items())):
+        raise NeedsTorch("a tensor with attributes beyond plain values")
+    t = func(*args)
+    if not isinstance(t, StoredTensor):
+        raise NeedsTorch("a tensor rebuilt by another function")
+    return replace(t, parameter=t.parameter or new_type.name.endswith("Parameter"), attributes=tuple((state or {}).items()))
+
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "collections.OrderedDict": collections.OrderedDict,
+    "collections.Counter": collections.Counter,
+    "builtins.set": set,
+    "builtins.bytearray": bytearray,
+    "builtins.complex": complex,
+    "_codecs.encode": lambda text, encoding="utf-8": _latin1(text, encoding),  # how protocol 2 pickles bytes
+}
+
+
+def _latin1(text: Any, encoding: str) -> bytes:
+    if encoding != "latin1" or not isinstance(text, str):
+        raise NeedsTorch(f"_codecs.encode with {encoding!r}")
+    return text.encode("latin1")
+
+_NAMED = {"torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter"} | {f"torch.{s}" for s in STORAGE_DTYPES}
+
+
+def _name(entry: Any) -> tuple[str, Any]:
+    if isinstance(entry, tuple):
+        return entry[1], entry[0]
+    return f"{entry.__module__}.{entry.__qualname__}", entry
+
+
+class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be checked before it runs
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, archive: Archive, allow: list[Any]):
+        super().__init__(io.BytesIO(archive.pickle))
+        self.archive = archive
+        self.allowed = dict(_name(e) for e in allow)
+        self.built = tuple(v for v in self.allowed.values() if isinstance(v, type))
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # Python 2 names, as pickle maps them (protocol 2 writes __builtin__.set)
+            import _compat_pickle
+
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
+        full = f"{module}.{name}"
+        if full in _FUNCTIONS:
+            return _FUNCTIONS[full]
+        if full in _NAMED:
+            return _Global(full)
+        if full in self.allowed:
+            return self.allowed[full]
+        if module == "torch" and is_dtype_name(name):
+            return StoredDtype(name)
+        raise NeedsTorch(f"references {full}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Global)):
+            raise NeedsTorch(f"persistent id {pid!r:.80}")
+        dtype = STORAGE_DTYPES.get(pid[1].name.removeprefix("torch."))
+        if dtype is None or not isinstance(pid[4], int) or pid[4] < 0:
+            raise NeedsTorch(f"storage {pid[1].name}")
+        key = str(pid[2])
+        start, nbytes = self.archive.storage(key, pid[4] * itemsize(dtype))
+        return self.archive, key, dtype, start, nbytes
+
+    def _load_build(self) -> None:
+        """As torch's weights-only loader: an OrderedDict takes attributes (a state dict's ``_metadata``), an
+        instance of an allowlisted class its state; nothing else, never a class itself."""
+        state, target = self.stack[-1], self.stack[-2]
+        if type(target) is collections.OrderedDict and isinstance(state, dict):
+            self.stack.pop()
+            target.__dict__.update(state)
+            return
+        if type(target) not in self.built:
+            raise NeedsTorch(f"sets state on a {type(target).__name__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def load(path: str, allow: list[Any] | None = None) -> Any:
+    """The object ``torch.save`` wrote to ``path``, tensors as StoredTensors (see the module's docstring).
+    Raises NeedsTorch where torch's weights-only loader must decide, CorruptCheckpointError for damage."""
+    archive = Archive(path)
+    try:
+        return _Unpickler(archive, list(allow or [])).load()
+    except (NeedsTorch, CorruptCheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - damaged pickles fail in many ways; torch's loader says what it makes of them
+        raise NeedsTorch(f"{type(exc).__name__}: {exc}") from None
+
+
+# --- working with either kind of tensor ----------------------------------------------------------------------
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, StoredTensor) or instance_of(value, "torch", "Tensor")
+
+
+def dtype_name_of(value: Any) -> str:
+    from interop.dtypes import dtype_name
+
+    return value.dtype_name if isinstance(value, StoredTensor) else dtype_name(value.dtype)
+
+
+def as_torch(value: Any) -> "torch.Tensor":
+    return value.tensor() if isinstance(value, StoredTensor) else value
+
+
+def piece_of(value: Any, mapped: bool = False) -> Piece:
+    """A contiguous tensor's bytes as a Piece; ``mapped``: a torch tensor that is a view of a mapped file."""
+    return value.piece() if isinstance(value, StoredTensor) else Piece.of_tensor(value, mapped=mapped)
+
+
+def lazy_of(value: Any, origin: str) -> LazyTensor:
+    """A LazyTensor of either kind of tensor: a stored one is read when loaded, and its bytes are mapped pieces."""
+    if not isinstance(value, StoredTensor):
+        return LazyTensor.of(value, origin)
+    pieces = (lambda: [value.piece()]) if value.is_contiguous() else None
+    return LazyTensor(TensorSpec(value.shape, dtype_name=value.dtype_name), value.tensor, origin, mapped_pieces=pieces)
+
+
+def copy_into(out: "torch.Tensor", value: Any, mapped: bool = False) -> None:
+    """``out.copy_(value)`` for either kind of tensor of ``out``'s dtype and size, letting the source's pages go
+    after (``mapped``: a torch tensor that is a view of a mapped file)."""
+    from interop.tensors import raw_bytes, release_mapped_pages
+
+    if not isinstance(value, StoredTensor):
+        out.copy_(value)
+        if mapped:
+            release_mapped_pages(value)
+        return
+    if value.dtype_name != dtype_name_of(out) or value.numel() != out.numel():
+        raise CorruptCheckpointError(value.archive.path, f"storage {value.key} holds {value.dtype_name}[{value.numel()}] "
+                                                         f"where {dtype_name_of(out)}[{out.numel()}] is read")
+    piece = value.piece()
+    raw_bytes(out)[:] = piece.data
+    piece.release()
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every stand-in replaced by what torch.load returns for it (tensors, parameters, torch.Size,
+    torch.device): for state carried as it is (client state, a scheduler's). Imports torch only if one is met."""
+    if isinstance(obj, StoredTensor):
+        t = obj.tensor()
+        if obj.parameter:
+            t = torch.nn.Parameter(t, requires_grad=obj.requires_grad)
+        elif obj.requires_grad:
+            t.requires_grad_(True)
+        for k, v in obj.attributes:
+            setattr(t, k, v)
+        return t
+    if isinstance(obj, StoredSize):
+        return torch.Size(obj)
+    if isinstance(obj, StoredDevice):
+        return torch.device(str(obj))
+    if isinstance(obj, StoredDtype):
+        return getattr(torch, str(obj))
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, collections.OrderedDict, collections.Counter) else obj
+        for k, v in list(obj.items()):
+            out[k] = materialize(v)
+        if out is not obj and getattr(obj, "__dict__", None):
+            out.__dict__.update(materialize(dict(vars(obj))))  # a state dict's _metadata
+        return out
+    if isinstance(obj, list):
+        return [materialize(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(materialize(v) for v in obj)
+    if isinstance(obj, set):
+        return {materialize(v) for v in obj}
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for k, v in list(vars(obj).items()):
+            setattr(obj, k, materialize(v))
+    return obj

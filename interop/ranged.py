@@ -1,0 +1,176 @@
+"""Checking a listed file against its manifest as a reader uses it, block by block.
+
+A file larger than one block is recorded with each block's digest (``FileRecord.blocks``). A reader that uses
+part of it (a ZeRO optimizer file's fp32 weights, a third of its bytes, for an HF export) registers it here
+instead of having it hashed whole up front, and asks :meth:`RangeCheck.check` for every byte range before it
+uses those bytes: each block a range touches is hashed once and compared with its record, and the next blocks
+are hashed ahead on threads, so checking runs beside the reader's copying. The rule stays the manifest's:
+no byte is used unchecked; bytes never used are never read.
+
+Only a reader that checks every range it uses may register a file (:func:`defer`); everything else finds the file
+checked whole as before (:func:`check_whole` before any other loader sees it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from . import digests
+from .errors import CorruptCheckpointError
+from .manifest import FileRecord
+
+log = logging.getLogger(__name__)
+
+AHEAD = 2  # blocks hashed ahead of the last one asked for: a reader goes through a file in order
+
+
+class RangeCheck:
+    """One registered file: its record, the file as it was when registered (an open descriptor, so a file replaced
+    since is still the one checked, and its inode, to refuse a reader that opened the replacement), and each
+    block's check, started on first need."""
+
+    def __init__(self, path: str, record: FileRecord):
+        self.path = path
+        self.record = record
+        self.algo = digests.parse(record.digest, path)[0]
+        self.fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.inode, self.size = st.st_ino, st.st_size
+        if self.size != record.bytes or not record.blocks or len(record.blocks) != digests.block_count(record.bytes):
+            os.close(self.fd)
+            raise CorruptCheckpointError(path, f"size {self.size} bytes or its {len(record.blocks or [])} block digests "
+                                               f"do not fit the manifest's {record.bytes} bytes")
+        self._checks: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def _check_block(self, index: int) -> None:
+        if getattr(_BUFFERS, "buffer", None) is None:
+            _BUFFERS.buffer = bytearray(digests.BLOCK_BYTES)
+        digest, got = digests.hash_block(self.fd, index, self.algo, _BUFFERS.buffer)
+        want = min(digests.BLOCK_BYTES, self.size - index * digests.BLOCK_BYTES)
+        if got != want or digest != self.record.blocks[index]:
+            lo = index * digests.BLOCK_BYTES
+            raise CorruptCheckpointError(self.path, f"bytes {lo}..{lo + want} differ from the manifest's digest of them "
+                                                    "(the file was altered or corrupted)")
+
+    def _start(self, index: int) -> Future:
+        with self._lock:
+            future = self._checks.get(index)
+            if future is None:
+                future = self._checks[index] = _pool().submit(self._check_block, index)
+            return future
+
+    def check(self, lo: int, hi: int, inode: int | None = None) -> None:
+        """Return once bytes ``lo .. hi`` of the file (as the reader opened it: ``inode``) match the manifest;
+        raise CorruptCheckpointError naming the file otherwise."""
+        if inode is not None and inode != self.inode:
+            raise CorruptCheckpointError(self.path, "was replaced after it was checked against the manifest")
+        if not 0 <= lo <= hi <= self.size:
+            raise CorruptCheckpointError(self.path, f"bytes {lo}..{hi} lie outside its {self.size} bytes")
+        if hi == lo:
+            return
+        first, last = lo // digests.BLOCK_BYTES, (hi - 1) // digests.BLOCK_BYTES
+        futures = [self._start(i) for i in range(first, last + 1)]
+        for i in range(last + 1, min(last + 1 + AHEAD, len(self.record.blocks))):
+            self._start(i)
+        for future in futures:
+            future.result()
+
+    def check_whole(self, inode: int | None = None) -> None:
+        self.check(0, self.size, inode)
+
+    def start_whole(self) -> None:
+        """Start hashing every block now (on the threads), for a ``check_whole`` to come."""
+        for i in range(len(self.record.blocks)):
+            self._start(i)
+
+    def close(self) -> None:
+        with self._lock:
+            pending = list(self._checks.values())
+        for future in pending:
+            future.cancel()
+            if not future.cancelled():
+                future.exception()  # wait: the descriptor is still being read
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_BUFFERS = threading.local()  # each hashing thread's one block-sized buffer
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="ranged-check")
+        return _POOL
+
+
+_REGISTERED: dict[str, RangeCheck] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _key(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def defer(path: str, record: FileRecord) -> RangeCheck:
+    """Register ``path`` to be checked range by range by its reader (replacing an earlier registration)."""
+    check = RangeCheck(path, record)
+    with _REGISTRY_LOCK:
+        old = _REGISTERED.pop(_key(path), None)
+        _REGISTERED[_key(path)] = check
+    if old is not None:
+        old.close()
+    log.debug("%s: checked block by block as it is read", path)
+    return check
+
+
+def forget(path: str) -> None:
+    check = None
+    with _REGISTRY_LOCK:
+        check = _REGISTERED.pop(_key(path), None)
+    if check is not None:
+        check.close()
+
+
+def registered(path: str) -> RangeCheck | None:
+    """The range check a reader must pass ``path``'s bytes through, or None when it was checked whole (or is no
+    checkpoint's)."""
+    with _REGISTRY_LOCK:
+        return _REGISTERED.get(_key(path))
+
+
+def start_whole(path: str) -> None:
+    """Start checking a registered file whole (:func:`check_whole` waits for it): the caller imports torch meanwhile."""
+    check = registered(path)
+    if check is not None:
+        check.start_whole()
+
+
+def check_whole(path: str) -> None:
+    """For a reader that does not check ranges (torch's own loader, which opens ``path`` itself): a registered
+    file is checked whole first, and must still be the file registered."""
+    check = registered(path)
+    if check is not None:
+        try:
+            inode = os.stat(path).st_ino
+        except OSError as exc:
+            raise CorruptCheckpointError(path, f"is gone since it was listed: {exc.strerror}") from None
+        check.check_whole(inode)
+
+
+def clear() -> None:
+    """Forget every registration (the end of a conversion)."""
+    with _REGISTRY_LOCK:
+        checks = list(_REGISTERED.values())
+        _REGISTERED.clear()
+    for check in checks:
+        check.close()

@@ -1,0 +1,181 @@
+"""torch's zip files read without torch (converters.torch_zip): what it returns is what torch.load returns once
+materialized, it never runs or builds more than torch's weights-only loader would, and damage is one error
+naming the file."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from converters import pickle_safety, torch_zip
+from converters.deepspeed import DEEPSPEED_ALLOWLIST, LossScaler
+from interop.errors import CorruptCheckpointError, UnsafePickleError
+from tests.architectures import ROOT
+
+
+def same(a, b, where="") -> None:
+    """Deep equality of what torch.load gives: types, tensors (dtype, shape, stride, values, requires_grad,
+    class, attributes) and containers."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (b.dtype, b.shape, b.stride(), b.requires_grad), where
+        assert torch.equal(a, b), where
+        assert {k: v for k, v in vars(a).items()} == {k: v for k, v in vars(b).items()}, where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        assert getattr(a, "__dict__", {}).keys() == getattr(b, "__dict__", {}).keys(), where
+        for k in a:
+            same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        same(vars(a), vars(b), f"{where}.__dict__")
+    else:
+        assert a == b, where
+
+
+def varied_state() -> dict:
+    torch.manual_seed(0)
+    base = torch.randn(6, 8)
+    flat = torch.randn(100)
+    flat.ds_id = "0_12"  # DeepSpeed tags its flat groups; torch pickles the attribute with the tensor
+    module = torch.nn.Linear(4, 3).state_dict()  # an OrderedDict with _metadata: BUILD on an OrderedDict
+    return {
+        "module": module,
+        "views": [base, base[2:5], base.t(), base[:, 1], base[1:, 2:].contiguous()],  # one storage, offsets, strides
+        "dtype": torch.bfloat16,
+        "dtypes": {str(d): torch.arange(7).to(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                                       torch.int32, torch.int8, torch.uint8, torch.bool, torch.float64)},
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0, 5),
+        "param": torch.nn.Parameter(torch.randn(3, 2)),
+        "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+        "flat_groups": [flat, flat[10:20]],
+        "shapes": collections.OrderedDict(a=torch.Size([3, 4]), b=torch.Size([])),
+        "plain": {"lr": 1e-3, "betas": (0.9, 0.95), "name": "x", "none": None, "flag": True, "big": 2**40},
+    }
+
+
+def test_materialized_stand_ins_are_what_torch_load_gives(tmp_path):
+    state = varied_state()
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    stored = torch_zip.load(str(path), DEEPSPEED_ALLOWLIST)
+    assert isinstance(stored["views"][1], torch_zip.StoredTensor) and stored["views"][1].storage_offset == 16
+    assert stored["flat_groups"][0].attributes == (("ds_id", "0_12"),)
+    expected = torch.load(path, weights_only=True)
+    same(torch_zip.materialize(stored), expected)
+    # the byte path: a contiguous view's piece is its bytes in the file; item() reads a scalar without torch
+    piece = stored["views"][1].piece()
+    assert bytes(piece.data) == base_bytes(state["views"][1]) and piece.source[0] == str(path)
+    assert stored["scalar"].item() == 3.0
+    assert stored["dtypes"]["torch.bfloat16"].dtype_name == "bfloat16"
+
+
+def base_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_reading_needs_no_torch(tmp_path):
+    path = tmp_path / "state.pt"
+    torch.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "n": torch.Size([3, 4])}, path)
+    probe = ("import sys; sys.modules['torch'] = None\n"
+             "from converters import torch_zip\n"
+             f"o = torch_zip.load({str(path)!r})\n"
+             "import struct; w = o['w']\n"
+             "print(w.shape, w.dtype_name, struct.unpack('<12f', bytes(w.piece().data))[5], tuple(o['n']))")
+    done = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(3, 4) float32 5.0 (3, 4)"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _rewrite_pickle(src, dst, transform) -> None:
+    """A copy of torch file ``src`` whose data.pkl is ``transform(data.pkl)``."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            zout.writestr(info, transform(data) if info.filename.endswith("/data.pkl") else data)
+
+
+def test_what_the_stand_ins_do_not_express_goes_to_torchs_weights_only_loader(tmp_path):
+    """A global beyond the stand-ins is torch's to judge: refused (UnsafePickleError, naming the file) where
+    torch refuses it, loaded by torch where the allowlist admits it."""
+    evil = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Evil()}, evil)
+    with pytest.raises(torch_zip.NeedsTorch, match="posix.system"):
+        torch_zip.load(str(evil))
+    with pytest.raises(UnsafePickleError, match="evil.pt"):
+        pickle_safety.load_torch_file(str(evil), stored=True)
+    # a sparse tensor: torch's loader admits it, the stand-ins leave it (and the whole file) to torch
+    sparse = tmp_path / "sparse.pt"
+    torch.save({"s": torch.eye(3).to_sparse(), "w": torch.ones(2)}, sparse)
+    with pytest.raises(torch_zip.NeedsTorch):
+        torch_zip.load(str(sparse))
+    loaded = pickle_safety.load_torch_file(str(sparse), stored=True)
+    assert loaded["s"].is_sparse and isinstance(loaded["w"], torch.Tensor)
+
+
+def test_state_set_on_a_class_is_left_to_torch(tmp_path):
+    """BUILD on a class object (a pickle trying to change an allowlisted class for the rest of the process):
+    never run by the stand-ins; torch's loader refuses it."""
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    # GLOBAL LossScaler, a state dict, BUILD: sets attributes on the class itself
+    name = f"{LossScaler.__module__}\n{LossScaler.__qualname__}\n".encode()
+    attack = b"\x80\x02c" + name + b"}q\x00X\x03\x00\x00\x00pwnq\x01K\x01sb."
+    bad = tmp_path / "bad.pt"
+    _rewrite_pickle(path, bad, lambda _: attack)
+    with pytest.raises(torch_zip.NeedsTorch):
+        torch_zip.load(str(bad), [(LossScaler, f"{LossScaler.__module__}.{LossScaler.__qualname__}")])
+    assert not hasattr(LossScaler, "pwn")
+
+
+@pytest.mark.parametrize("damage", ["view-past-storage", "missing-storage", "truncated"])
+def test_damage_is_one_error_naming_the_file(tmp_path, damage):
+    path = tmp_path / "state.pt"
+    torch.save({"w": torch.arange(10, dtype=torch.float32)}, path)
+    if damage == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(CorruptCheckpointError, match="state.pt"):
+            torch_zip.load(str(path))
+        return
+    pkl = zipfile.ZipFile(path).read("state/data.pkl")
+    if damage == "view-past-storage":
+        # size (10,) -> (20,): the view runs 40 bytes past its storage
+        new = pkl.replace(b"K\nK\x01", b"K\x14K\x01") if b"K\nK\x01" in pkl else pkl.replace(b"K\n\x85", b"K\x14\x85")
+        assert new != pkl
+        expect = "runs past storage"
+    else:
+        new = pkl.replace(b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x007")  # storage key '0' -> '7'
+        assert new != pkl
+        expect = "does not hold"
+    bad = tmp_path / "bad.pt"
+    _rewrite_pickle(path, bad, lambda _: new)
+    with pytest.raises(CorruptCheckpointError, match=expect) as err:
+        torch_zip.load(str(bad))
+    assert "bad.pt" in str(err.value)
+
+
+def test_pickled_by_the_pure_python_pickler_too(tmp_path):
+    """Protocol details torch does not pin (the C and Python picklers differ in memo opcodes) read the same."""
+    obj = {"a": [1, 2, {"b": (3.5, None)}], "s": {1, 2}}
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(1)}, path)
+    _rewrite_pickle(path, path.with_name("py.pt"), lambda _: pickle.dumps(obj, protocol=2))
+    assert torch_zip.load(str(path.with_name("py.pt"))) == obj
