@@ -45,6 +45,7 @@ from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import EngineOrder, engine_order, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
+from .torch_zip import materialize
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,11 @@ CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 SCHEDULER = "scheduler"
 
 
-def load_accelerate_file(path: str, trust_pickle: bool = False) -> Any:
+def load_accelerate_file(path: str, trust_pickle: bool = False, stored: bool = False) -> Any:
+    """One of accelerate's pickles, weights-only with numpy's RNG types; ``stored``: read without torch where it
+    can be, its tensors and torch types then materialized (torch is imported only if it holds any)."""
+    if stored:
+        return materialize(load_torch_file(path, trust_pickle, allow=numpy_allowlist(), stored=True))
     return load_torch_file(path, trust_pickle, allow=numpy_allowlist())
 
 
@@ -268,9 +273,9 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     rank_state: dict[str, list[Any]] = {}
     sched_path = os.path.join(directory, SCHEDULER_BIN)
     if os.path.isfile(sched_path):
-        extra[SCHEDULER] = scale_scheduler(load_accelerate_file(sched_path, trust_pickle), factor, 1, sched_path)
+        extra[SCHEDULER] = scale_scheduler(load_accelerate_file(sched_path, trust_pickle, stored=True), factor, 1, sched_path)
     for name in files.custom:
-        extra[name[: -len(".pkl")]] = load_accelerate_file(os.path.join(directory, name), trust_pickle)
+        extra[name[: -len(".pkl")]] = load_accelerate_file(os.path.join(directory, name), trust_pickle, stored=True)
     components = carried_components(owner, manifest, NATIVE_KEY)
     if RNG not in components:
         rank_state[RNG] = [

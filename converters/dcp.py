@@ -24,14 +24,17 @@ from typing import Any, Callable, Iterable, Iterator
 
 from interop.lazy_import import torch
 
-from interop.dtypes import dtype_from_name
+from interop import ranged
+from interop.dtypes import is_dtype_name
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.paths import inside
-from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages
+from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_value, split_optimizer_state
 
+from . import torch_zip
 from .param_order import EngineOrder
+from .torch_zip import as_torch, dtype_name_of, is_tensor, materialize, piece_of
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,14 @@ METADATA = ".metadata"
 
 
 # --- .metadata ----------------------------------------------------------------------------------------------
+_METADATA_TYPES = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+}
+
+
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
@@ -53,29 +64,115 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
         ("pathlib", "Path"): pathlib.PurePath,
         ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
     }
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(md, name):
-            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(md, name)
-    # megatron-core's torch_dist strategy keeps its save plans in the metadata (to cache them): plain dataclasses
-    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
-        if hasattr(planner, name):
-            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
+    modules = {"torch.distributed.checkpoint.metadata": md, "torch.distributed.checkpoint.planner": planner,
+               "torch.distributed.checkpoint.filesystem": filesystem}
+    # (megatron-core's torch_dist strategy keeps its save plans in the metadata, to cache them: plain dataclasses)
+    for module, names in _METADATA_TYPES.items():
+        for name in names:
+            if hasattr(modules[module], name):
+                allowed[(module, name)] = getattr(modules[module], name)
     return allowed
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcodes can be checked one by one
-    """Builds only DCP's metadata types. BUILD may set state on an instance, never on a class itself: an
-    allowed class must not be changed for the rest of the process by a file that is then refused."""
+class MetadataStub:
+    """One of DCP's metadata objects as its attributes only, for a reader that needs no torch (DCPReader). Equal
+    and hashed by its attributes: a MetadataIndex is a dict key."""
+
+    def __init__(self, *args: Any):  # an enum member, rebuilt from its value
+        if args:
+            self.value = args[0]
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif type(self).__name__ == "TensorProperties" and isinstance(state, tuple) and len(state) == 5:
+            # TensorProperties.__getstate__ pickles these five, in this order (torch cannot pickle a memory format)
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+        elif isinstance(state, tuple) and len(state) == 2 and all(part is None or isinstance(part, dict) for part in state):
+            for part in state:  # (instance dict, slots)
+                self.__dict__.update(part or {})
+        else:
+            raise ValueError(f"unexpected pickled state for DCP's {type(self).__name__}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted((k, _hashable(v)) for k, v in vars(self).items()))))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def _stub_globals() -> dict[tuple[str, str], Any]:
+    """The same names as :func:`_allowed_globals`, each to a torch-free stand-in: the stub classes (which take
+    state only through ``__setstate__``), a builtin type, or a function made for this one unpickler, so that no
+    BUILD can change anything another file will meet (see :class:`_StubUnpickler`)."""
+    import collections
+    import pathlib
+
+    from .torch_zip import StoredSize
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): lambda *args: StoredSize(*args),
+        ("torch.serialization", "_get_layout"): lambda name: str(name),
+        ("pathlib", "PosixPath"): lambda *parts: pathlib.PurePosixPath(*parts),
+        ("pathlib", "WindowsPath"): lambda *parts: pathlib.PureWindowsPath(*parts),
+        ("pathlib", "Path"): lambda *parts: pathlib.PurePath(*parts),
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    }
+    for module, names in _METADATA_TYPES.items():
+        for name in names:
+            allowed[(module, name)] = _STUB_CLASSES.setdefault(name, type(name, (MetadataStub,), dict(_STUB_DEFAULTS.get(name, {}))))
+    return allowed
+
+
+_STUB_CLASSES: dict[str, type] = {}
+# Class-level defaults DCP's own classes have and their pickles leave out (MetadataIndex sets no offset when it
+# has none; _StorageInfo pickles only the fields that are not None)
+_STUB_DEFAULTS = {"MetadataIndex": {"offset": None, "index": None}, "_StorageInfo": {"transform_descriptors": None}}
+
+
+class _Resolver:
+    """find_class for the two metadata unpicklers: DCP's metadata types (or their stand-ins) and torch's dtypes."""
+
+    path: str
+    stubs: bool
+    allowed: dict[tuple[str, str], Any]
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.allowed.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and self.stubs and is_dtype_name(name):
+            from .torch_zip import StoredDtype
+
+            return StoredDtype(name)
+        if module == "torch" and not self.stubs and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePickleError(
+            self.path, f"DCP metadata references {module}.{name}, which is not one of DCP's metadata types; it was not loaded"
+        )
+
+
+class _MetadataUnpickler(_Resolver, pickle._Unpickler):  # the Python unpickler: its opcodes can be checked one by one
+    """Builds only DCP's metadata types. BUILD may set state on an instance, never on a class itself: an allowed
+    class must not be changed for the rest of the process by a file that is then refused."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, path: str):
         super().__init__(file)
-        self.path = path
-        self.allowed = _allowed_globals()
+        self.path, self.stubs, self.allowed = path, False, _allowed_globals()
 
     def _load_build(self) -> None:
         if isinstance(self.stack[-2], type):
@@ -84,19 +181,20 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcode
 
     dispatch[pickle.BUILD[0]] = _load_build
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get((module, name))
-        if found is not None:
-            return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickleError(
-            self.path, f"DCP metadata references {module}.{name}, which is not one of DCP's metadata types; it was not loaded"
-        )
+
+class _StubUnpickler(_Resolver, pickle.Unpickler):
+    """Builds DCP's metadata as stand-ins, with the C unpickler (a large checkpoint's metadata is megabytes). A
+    BUILD cannot reach past this file: on a stub class it calls the unbound ``__setstate__`` (a TypeError), on
+    OrderedDict (a builtin type) it fails, and every other global is a function made for this unpickler."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path, self.stubs, self.allowed = path, True, _stub_globals()
 
 
-def read_metadata(directory: str):
-    """DCP's ``Metadata`` of ``directory``, unpickled with DCP's own types only."""
+def read_metadata(directory: str, stubs: bool = False):
+    """DCP's ``Metadata`` of ``directory``, unpickled with DCP's own types only (``stubs``: as MetadataStubs,
+    without torch)."""
     path = os.path.join(directory, METADATA)
     if not os.path.isdir(directory):
         raise MissingFileError(directory, "no such directory")
@@ -106,7 +204,7 @@ def read_metadata(directory: str):
         )
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+            metadata = (_StubUnpickler if stubs else _MetadataUnpickler)(f, path).load()
     except UnsafePickleError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
@@ -131,97 +229,6 @@ def is_dcp_dir(path: str) -> bool:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
-_STORAGE_DTYPES = {  # torch's typed storages -> the dtype's name
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-}
-
-
-class _NotPlainTensor(Exception):
-    """A stored entry that is not one plain tensor: read it through torch.load instead."""
-
-
-def _rebuild(storage, offset, size, stride, *_):
-    return storage, int(offset), tuple(size), tuple(stride)
-
-
-class _TensorUnpickler(pickle.Unpickler):
-    """The pickle torch.save writes for one tensor, understood without building anything: which storage
-    record, dtype, offset, size and stride. Anything else is not handled here."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return dtype_from_name(_STORAGE_DTYPES[name])
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        raise _NotPlainTensor(f"{module}.{name}")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
-            raise _NotPlainTensor(repr(pid))
-        return str(pid[2]), pid[1], int(pid[4])
-
-
-class _Window(io.RawIOBase):
-    """A read-only file over ``mm[start:start + length]`` (zipfile reads only the directory through it)."""
-
-    def __init__(self, mm, start: int, length: int):
-        self.mm, self.start, self.length, self.pos = mm, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        b[:n] = self.mm[self.start + self.pos : self.start + self.pos + n]
-        self.pos += n
-        return n
-
-
-def mapped_tensor(mm, start: int, length: int) -> torch.Tensor:
-    """The tensor torch.save wrote at ``mm[start:start + length]``, as a view of the mapping (no copy).
-    Raises _NotPlainTensor for anything but one uncompressed tensor."""
-    import struct
-    import zipfile
-
-    try:
-        zf = zipfile.ZipFile(_Window(mm, start, length))
-        pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pkl) != 1:
-            raise _NotPlainTensor("no data.pkl")
-        found = _TensorUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-        if not (isinstance(found, tuple) and len(found) == 4 and isinstance(found[0], tuple)):
-            raise _NotPlainTensor("not a tensor")
-        (key, dtype, numel), offset, size, stride = found
-        info = zf.getinfo(pkl[0][: -len("data.pkl")] + "data/" + key)
-    except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
-        raise _NotPlainTensor(str(exc)) from None
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * torch.empty(0, dtype=dtype).element_size():
-        raise _NotPlainTensor("compressed or mis-sized storage")
-    header = start + info.header_offset
-    name_len, extra_len = struct.unpack("<HH", mm[header + 26 : header + 30])
-    data = header + 30 + name_len + extra_len
-    if data + info.file_size > start + length:
-        raise _NotPlainTensor("storage runs past the entry")
-    storage = torch.frombuffer(mm, dtype=torch.uint8, count=info.file_size, offset=data).view(dtype) if numel else torch.empty(0, dtype=dtype)
-    return storage.as_strided(size, stride, offset)
-
-
 @dataclass(frozen=True)
 class _Chunk:
     offsets: tuple[int, ...]
@@ -247,12 +254,13 @@ class DCPReader:
 
     def __init__(self, directory: str):
         self.directory = os.path.abspath(directory)
-        self.metadata = read_metadata(self.directory)
+        self.metadata = read_metadata(self.directory, stubs=True)  # torch is imported only if a value needs it
         self._storage = self.metadata.storage_data or {}
+        self._objects = {index.fqn: info for index, info in self._storage.items() if index.offset is None}
         planner = self.metadata.planner_data if isinstance(getattr(self.metadata, "planner_data", None), dict) else {}
         self.paths: dict[str, tuple] = {k: tuple(planner.get(k, (k,))) for k in self.metadata.state_dict_metadata}
         self._chunks: dict[str, list[_Chunk]] = {}
-        self._maps: dict[str, Any] = {}  # relative file -> its private read mapping
+        self._maps: dict[str, Any] = {}  # data file -> (its read-only mapping, the inode mapped), shared by its chunks
         for index, info in self._storage.items():
             tensor_md = self.metadata.state_dict_metadata.get(index.fqn)
             if tensor_md is None or not hasattr(tensor_md, "chunks"):
@@ -279,13 +287,15 @@ class DCPReader:
         return TensorSpec(tuple(md.size), md.properties.dtype)
 
     def lazy(self, key: str) -> LazyTensor:
-        pieces = (lambda: [Piece.of_tensor(t, mapped=True) for t in self.row_pieces(key)]) if self._rows_tile(key) else None
+        pieces = (lambda: [piece_of(t, mapped=True) for t in self.row_pieces(key)]) if self._rows_tile(key) else None
         return LazyTensor(self.spec(key), lambda: self.read(key), origin=f"{self.directory}[{key}]", mapped_pieces=pieces)
 
     def _rows_tile(self, key: str) -> bool:
-        """Whether the chunks are whole-row blocks that tile dim 0 (FSDP2's sharding): then the tensor's bytes
-        are the chunks' bytes one after another."""
+        """Whether the chunks are whole-row blocks that tile dim 0 (FSDP2's sharding), or one chunk is the whole
+        tensor (a 0-dim step): then the tensor's bytes are the chunks' bytes one after another."""
         spec, chunks = self.spec(key), sorted(self._chunks.get(key, []), key=lambda c: c.offsets)
+        if len(chunks) == 1 and not any(chunks[0].offsets) and tuple(chunks[0].sizes) == spec.shape:
+            return True
         if not chunks or not spec.shape:
             return False
         row = 0
@@ -295,12 +305,13 @@ class DCPReader:
             row += c.sizes[0]
         return row == spec.shape[0]
 
-    def row_pieces(self, key: str) -> list[torch.Tensor]:
-        """LazyTensor.mapped_pieces: each chunk's bytes as a view of its mapped file, in row order."""
+    def row_pieces(self, key: str) -> list[Any]:
+        """LazyTensor.mapped_pieces: each chunk (a torch_zip.StoredTensor, or torch's) as one contiguous run of its
+        file, in row order."""
         spec, out = self.spec(key), []
         for c in sorted(self._chunks[key], key=lambda c: c.offsets):
             data = self._mapped(c.file, c.offset, c.length, f"chunk {list(c.offsets)} of {key!r}")
-            if tuple(data.shape) != c.sizes or data.dtype != spec.dtype or not data.is_contiguous():
+            if tuple(data.shape) != c.sizes or dtype_name_of(data) != spec.dtype_name or not data.is_contiguous():
                 raise CorruptCheckpointError(
                     os.path.join(self.directory, c.file), f"chunk {list(c.offsets)} of {key!r} is not {spec.dtype}{list(c.sizes)}"
                 )
@@ -308,26 +319,20 @@ class DCPReader:
         return out
 
     # the bytes
-    def _mapped(self, relative: str, offset: int, length: int, what: str) -> torch.Tensor:
-        """A stored tensor as a view of the mapped file; torch.load for anything unusual."""
-        import mmap
-
+    def _mapped(self, relative: str, offset: int, length: int, what: str) -> Any:
+        """A stored tensor chunk, read without torch (a torch_zip.StoredTensor over the mapped file); torch's
+        weights-only loader for anything the stand-ins do not express."""
         path = os.path.join(self.directory, relative)
-        mm = self._maps.get(relative)
-        if mm is None:
-            _regular_file(path)
-            try:
-                with open(path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable for torch, never written
-            except (FileNotFoundError, ValueError):
-                return self._load(relative, offset, length, what)
-            self._maps[relative] = mm
-        if offset + length > len(mm):
-            raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {len(mm)}")
+        _regular_file(path)
         try:
-            return mapped_tensor(mm, offset, length)
-        except _NotPlainTensor:
+            found = torch_zip.load(path, base=offset, length=length, maps=self._maps)
+        except torch_zip.NeedsTorch:
             return self._load(relative, offset, length, what)
+        except FileNotFoundError:
+            raise MissingFileError(path, f"holds {what} but is missing") from None
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(path, f"{what}: {exc.problem}") from None
+        return found
 
     def _load(self, relative: str, offset: int, length: int, what: str, allow: list[Any] | None = None) -> Any:
         path = os.path.join(self.directory, relative)
@@ -336,10 +341,14 @@ class DCPReader:
             with open(path, "rb") as f:
                 f.seek(offset)
                 data = f.read(length)
+                inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             raise MissingFileError(path, f"holds {what} but is missing") from None
         if len(data) != length:
             raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
+        check = ranged.registered(path)
+        if check is not None:
+            check.check(offset, offset + length, inode)
         try:
             with torch.serialization.safe_globals(list(allow or [])):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -361,18 +370,17 @@ class DCPReader:
             if any(h <= low for low, h in zip(lo, hi)) and len(sizes) > 0:
                 continue
             data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
-            if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk.sizes or data.dtype != spec.dtype:
-                got = f"{data.dtype}{list(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
+            if not is_tensor(data) or tuple(data.shape) != chunk.sizes or dtype_name_of(data) != spec.dtype_name:
+                got = f"{dtype_name_of(data)}{list(data.shape)}" if is_tensor(data) else type(data).__name__
                 raise CorruptCheckpointError(
                     os.path.join(self.directory, chunk.file),
-                    f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype}{list(chunk.sizes)}",
+                    f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype_name}{list(chunk.sizes)}",
                 )
-            src, dst = data, out
+            src, dst = as_torch(data), out  # (a stored chunk is copied out of the mapping, its pages let go)
             for dim, (low, h) in enumerate(zip(lo, hi)):
                 src = src.narrow(dim, low - chunk.offsets[dim], h - low)
                 dst = dst.narrow(dim, low - offsets[dim], h - low)
             dst.copy_(src)
-            release_mapped_pages(data)  # read once: out of this process's memory, still in the page cache
             covered += dst.numel()
         if covered != out.numel():
             raise CorruptCheckpointError(
@@ -383,12 +391,15 @@ class DCPReader:
     def read_object(self, key: str, allow: list[Any] | None = None) -> Any:
         """A non-tensor entry (a hyper-parameter, a list of names), loaded as plain data only (and the ``allow``ed
         globals: numpy's for an RNG state)."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self._storage.get(MetadataIndex(key))
+        info = self._objects.get(key)
         if info is None:
             raise CorruptCheckpointError(os.path.join(self.directory, METADATA), f"entry {key!r} has no storage record")
-        return self._load(info.relative_path, info.offset, info.length, f"entry {key!r}", allow)
+        path = os.path.join(self.directory, info.relative_path)
+        _regular_file(path)
+        try:  # plain values need no torch; a tensor in one is torch's again (materialize)
+            return materialize(torch_zip.load(path, allow, base=info.offset, length=info.length, maps=self._maps))
+        except (torch_zip.NeedsTorch, CorruptCheckpointError, OSError):
+            return self._load(info.relative_path, info.offset, info.length, f"entry {key!r}", allow)
 
     def nested(self, prefix: tuple = ()) -> dict:
         """Every entry under ``prefix`` as a nested dict: tensors lazy, other values loaded."""

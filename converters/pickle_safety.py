@@ -44,16 +44,6 @@ def numpy_allowlist() -> list[Any]:
     return allow
 
 
-TORCH_FILE_SUFFIXES = (".pt", ".pth", ".bin")  # the files converters read only through load_torch_file
-
-
-def reads_ranges(rel: str) -> bool:
-    """Whether the converters read listed file ``rel`` only through :func:`load_torch_file`, which checks each
-    range it uses (or the whole file, before torch sees it) against the manifest: such a file need not be hashed
-    whole before reading (``interop.ranged``)."""
-    return rel.endswith(TORCH_FILE_SUFFIXES)
-
-
 def is_mapped(path: str) -> bool:
     """Whether ``load_torch_file`` maps ``path`` (torch's zip format) rather than reading it into memory."""
     return zipfile.is_zipfile(path)

@@ -14,7 +14,6 @@ from interop.commit import resolve_checkpoint_dir
 from interop.manifest import MANIFEST, OUR_FOLDERS, STAGING_SUFFIX, UNIVERSAL_FORMAT, read_manifest
 from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
-from .pickle_safety import reads_ranges
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from .models.config_arg import apply_config
@@ -463,6 +462,17 @@ def read(path: str, options: Options | None = None, as_format: str | None = None
     if options.config is not None:
         apply_config(ckpt, options.config, path)
     return fmt, read_as_adapter(ckpt, path, options.extra.get("adapter_config"))
+
+
+# Files the converters read only through readers that check each byte range they use against the manifest
+# (interop.ranged) or, for torch's own loader, the whole file first: torch's pickles through
+# pickle_safety.load_torch_file, DCP's data files through dcp.DCPReader. Such a file, when recorded block by block,
+# is not hashed whole before reading: a conversion reads (and checks) only what it uses.
+RANGE_CHECKED_SUFFIXES = (".pt", ".pth", ".bin", ".distcp")
+
+
+def reads_ranges(rel: str) -> bool:
+    return rel.endswith(RANGE_CHECKED_SUFFIXES)
 
 
 def check_ours(path: str, digests_checked: bool = True) -> bool:

@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from interop.dtypes import is_dtype_name, itemsize
+from interop.dtypes import is_dtype_name, itemsize, unpack_scalar
 from interop.errors import CorruptCheckpointError
 from interop.lazy_import import instance_of, torch
 from interop.tensors import LazyTensor, Piece, TensorSpec
@@ -48,43 +48,75 @@ class NeedsTorch(Exception):
 
 
 # --- the archive -------------------------------------------------------------------------------------------------
+class _Window(io.RawIOBase):
+    """Bytes ``base .. base + length`` of an open file, as a file of their own (a zip inside a DCP data file)."""
+
+    def __init__(self, f: Any, base: int, length: int):
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        got = os.preadv(self.f.fileno(), [memoryview(b)[:n]], self.base + self.pos) if n else 0
+        self.pos += got
+        return got
+
+
 class Archive:
-    """One zip file's records: where each one's bytes lie, and the file mapped read-only on first use.
+    """One zip archive's records (a file, or bytes ``base .. base + length`` of one: DCP stores each tensor so):
+    where each record's bytes lie in the file, and the file mapped read-only on first use (``maps``: a dict the
+    caller keeps, to share one mapping among the archives of one file).
 
     A file our manifest records block by block and a reader registered (:mod:`interop.ranged`) is checked as it is
     used: the zip directory and data.pkl before they are trusted, each storage's header and the bytes of a tensor
     before they are handed out."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, base: int = 0, length: int | None = None, maps: dict | None = None):
         from interop import ranged
 
         self.path = path
-        self._map: mmap.mmap | None = None
+        self._maps = maps if maps is not None else {}
         self._lock = threading.Lock()
         self.ranges = ranged.registered(path)
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
-            self.size, self.inode = st.st_size, st.st_ino
+            self.inode = st.st_ino
+            self.base = base
+            self.size = base + length if length is not None else st.st_size  # the archive's end in the file
+            if self.size > st.st_size:
+                raise CorruptCheckpointError(path, f"truncated: bytes {base}..{self.size} are asked of {st.st_size}")
             try:
-                zf = zipfile.ZipFile(f)
+                zf = zipfile.ZipFile(_Window(f, base, self.size - base) if base or length is not None else f)
                 infos = zf.infolist()
             except (zipfile.BadZipFile, OSError, ValueError) as exc:
                 if self.ranges is not None:  # a file the manifest vouches for: say first whether it was altered
-                    self.ranges.check_whole(self.inode)
-                raise CorruptCheckpointError(path, f"not a readable torch zip file: {exc}") from None
-            self._checked(zf.start_dir, self.size)  # the central directory and its end record
-            pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+                    self.ranges.check(base, self.size, self.inode)
+                raise CorruptCheckpointError(path, f"not a readable torch zip file at byte {base}: {exc}") from None
+            self._checked(base + zf.start_dir, self.size)  # the central directory and its end record
+            pickles = [i for i in infos if (i.filename.endswith("/data.pkl") and i.filename.count("/") == 1) or i.filename == "data.pkl"]
             if len(pickles) != 1:
-                raise CorruptCheckpointError(path, f"holds {len(pickles)} data.pkl records; a torch file has one")
+                raise CorruptCheckpointError(path, f"holds {len(pickles)} data.pkl records at byte {base}; a torch file has one")
             self.prefix = pickles[0].filename[: -len("data.pkl")]
             self.records = {i.filename: i for i in infos}
-            self._starts = {}  # record name -> file offset of its bytes (after its local header)
+            self._headers: dict[str, tuple[int, int]] = {}  # record name -> file offsets of its local header, its bytes
             for info in infos:
-                f.seek(info.header_offset)
-                head = f.read(30)
+                at = base + info.header_offset
+                head = os.pread(f.fileno(), 30, at)
                 if len(head) == 30 and head[:4] == b"PK\x03\x04":
                     name_len, extra_len = struct.unpack("<HH", head[26:30])
-                    self._starts[info.filename] = info.header_offset + 30 + name_len + extra_len
+                    self._headers[info.filename] = (at, at + 30 + name_len + extra_len)
             byteorder = self.records.get(self.prefix + "byteorder")
             if byteorder is not None and self._read(f, byteorder).strip() != b"little":
                 raise NeedsTorch("big-endian storages")
@@ -96,24 +128,23 @@ class Archive:
 
     def _read(self, f: Any, info: zipfile.ZipInfo) -> bytes:
         """A small stored record's bytes (data.pkl, byteorder), checked with its local header."""
-        start = self._starts.get(info.filename)
+        header, start = self._headers.get(info.filename, (None, None))
         if info.compress_type != zipfile.ZIP_STORED:
             raise NeedsTorch(f"{info.filename} is compressed")
         if start is None or start + info.file_size > self.size:
-            raise CorruptCheckpointError(self.path, f"record {info.filename} has no entry header or runs past the file's end")
-        f.seek(start)
-        data = f.read(info.file_size)
+            raise CorruptCheckpointError(self.path, f"record {info.filename} has no entry header or runs past the archive's end")
+        data = os.pread(f.fileno(), info.file_size, start)
         if len(data) != info.file_size:
             raise CorruptCheckpointError(self.path, f"truncated: record {info.filename}")
-        self._checked(info.header_offset, start + info.file_size)
+        self._checked(header, start + info.file_size)
         return data
 
     def checked_storage(self, key: str, lo: int, hi: int) -> None:
         """Before bytes ``lo .. hi`` of storage ``key`` are used: they, and the header that placed them, are the
         manifest's."""
         if self.ranges is not None:
-            info = self.records[f"{self.prefix}data/{key}"]
-            self._checked(info.header_offset, self._starts[info.filename])
+            header, start = self._headers[f"{self.prefix}data/{key}"]
+            self._checked(header, start)
             self._checked(lo, hi)
 
     def storage(self, key: str, nbytes: int) -> tuple[int, int]:
@@ -127,29 +158,31 @@ class Archive:
             raise NeedsTorch(f"storage {key} is compressed")
         if info.file_size != nbytes:
             raise CorruptCheckpointError(self.path, f"storage {key} holds {info.file_size} bytes; data.pkl says {nbytes}")
-        start = self._starts.get(name)
+        start = self._headers.get(name, (None, None))[1]
         if start is None:
-            raise CorruptCheckpointError(self.path, f"storage {key}: no zip entry header at byte {info.header_offset}")
+            raise CorruptCheckpointError(self.path, f"storage {key}: no zip entry header at byte {self.base + info.header_offset}")
         if start + nbytes > self.size:
             raise CorruptCheckpointError(self.path, f"truncated: storage {key} runs to byte {start + nbytes} of {self.size}")
         return start, nbytes
 
     def mapping(self) -> mmap.mmap:
         with self._lock:
-            if self._map is None:
+            found = self._maps.get(self.path)
+            if found is None or found[1] != self.inode:
                 with open(self.path, "rb") as f:
                     if os.fstat(f.fileno()).st_ino != self.inode:
                         raise CorruptCheckpointError(self.path, "was replaced while it was read")
-                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                if len(self._map) < self.size:
-                    raise CorruptCheckpointError(self.path, "was truncated while it was read")
-            return self._map
+                    found = self._maps[self.path] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), self.inode)
+            if len(found[0]) < self.size:
+                raise CorruptCheckpointError(self.path, "was truncated while it was read")
+            return found[0]
 
     def release(self, lo: int, hi: int) -> None:
         from interop.safetensors_io import release_range
 
-        if self._map is not None:
-            release_range(self._map, lo, hi)
+        found = self._maps.get(self.path)
+        if found is not None:
+            release_range(found[0], lo, hi)
 
 
 # --- tensors --------------------------------------------------------------------------------------------------------
@@ -234,13 +267,10 @@ class StoredTensor:
         """A one-element tensor's value, read from the file without torch."""
         if self.numel() != 1:
             raise ValueError(f"item() of a tensor of {self.numel()} elements")
-        code = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-                "int8": "b", "uint8": "B", "bool": "?"}.get(self.dtype_name)
-        if code is None:
-            return self.tensor().item()
         lo, hi = self._span()
         self.archive.checked_storage(self.key, lo, hi)
-        return struct.unpack("<" + code, self.archive.mapping()[lo:hi])[0]
+        value = unpack_scalar(self.archive.mapping()[lo:hi], self.dtype_name)
+        return self.tensor().item() if value is None else value
 
     def tensor(self) -> "torch.Tensor":
         """The values as a torch tensor of their own (a copy of the bytes this view spans, nothing else)."""
@@ -397,10 +427,11 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def load(path: str, allow: list[Any] | None = None) -> Any:
-    """The object ``torch.save`` wrote to ``path``, tensors as StoredTensors (see the module's docstring).
-    Raises NeedsTorch where torch's weights-only loader must decide, CorruptCheckpointError for damage."""
-    archive = Archive(path)
+def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int | None = None, maps: dict | None = None) -> Any:
+    """The object ``torch.save`` wrote to ``path`` (or to its bytes ``base .. base + length``), tensors as
+    StoredTensors (see the module's docstring). Raises NeedsTorch where torch's weights-only loader must decide,
+    CorruptCheckpointError for damage."""
+    archive = Archive(path, base, length, maps)
     try:
         return _Unpickler(archive, list(allow or [])).load()
     except (NeedsTorch, CorruptCheckpointError):

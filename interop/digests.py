@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .errors import CorruptCheckpointError
 
@@ -62,8 +62,8 @@ def label(algo: str, hexdigest: str, composite: bool | str = False) -> str:
 
 
 # --- files recorded block by block -----------------------------------------------------------------------------
-# A large file's digest is the hash of its blocks' digests (BLOCK_BYTES each, the last one shorter), and the record
-# keeps each block's: a reader that uses part of the file (a ZeRO file's fp32 weights, a third of it) checks only
+# A large file's digest is the hash of its blocks' digests (the record's block_bytes each, BLOCK_BYTES when written,
+# the last one shorter), and the record keeps each block's: a reader that uses part of the file (a ZeRO file's fp32 weights, a third of it) checks only
 # the blocks it reads (:mod:`interop.ranged`), and the blocks of one file are hashed side by side on every core.
 def of_blocks(block_digests: list[str], algo: str = ALGO) -> str:
     h = hasher(algo)
@@ -72,16 +72,16 @@ def of_blocks(block_digests: list[str], algo: str = ALGO) -> str:
     return label(algo, h.hexdigest(), BLOCKS)
 
 
-def block_count(size: int) -> int:
-    return max(1, -(-size // BLOCK_BYTES))
+def block_count(size: int, block_bytes: int) -> int:
+    return max(1, -(-size // block_bytes))
 
 
-def hash_block(fd: int, index: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
+def hash_block(fd: int, index: int, block_bytes: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
     """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)."""
-    buffer = buffer if buffer is not None else bytearray(BLOCK_BYTES)
-    view, got = memoryview(buffer), 0
-    while got < BLOCK_BYTES:
-        n = os.preadv(fd, [view[got:]], index * BLOCK_BYTES + got)
+    buffer = buffer if buffer is not None and len(buffer) >= block_bytes else bytearray(block_bytes)
+    view, got = memoryview(buffer)[:block_bytes], 0
+    while got < block_bytes:
+        n = os.preadv(fd, [view[got:]], index * block_bytes + got)
         if n == 0:
             break
         got += n
@@ -90,17 +90,24 @@ def hash_block(fd: int, index: int, algo: str = ALGO, buffer: bytearray | None =
     return h.hexdigest(), got
 
 
+class FileDigest(NamedTuple):
+    digest: str
+    blocks: list[str] | None = None  # each block's digest, for a file hashed by blocks
+    block_bytes: int | None = None
+
+
 def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
-             blocked: bool | None = None) -> dict[str, tuple[str, list[str] | None]]:
-    """Each file's (digest, block digests): a file of one block or less gets a plain digest and no blocks, a larger
-    one its blocks' digests and the digest of them (``blocked`` True or False: every file one way, as a record
-    being checked says). Every block of every file is one task on ``threads`` threads, so one large file is hashed
-    on every core."""
+             blocked: bool | None = None, block_bytes: int | None = None) -> dict[str, FileDigest]:
+    """Each file's digest: a file of one block or less gets a plain digest, a larger one its blocks' digests and
+    the digest of them (``blocked`` True or False: every file one way, as a record being checked says; ``block_bytes``:
+    the record's block size, else BLOCK_BYTES). Every block of every file is one task on ``threads`` threads, so
+    one large file is hashed on every core."""
     from concurrent.futures import ThreadPoolExecutor
 
+    block_bytes = block_bytes or BLOCK_BYTES
     sizes = {p: os.path.getsize(p) for p in paths}
-    out: dict[str, tuple[str, list[str] | None]] = {}
-    large = [p for p in paths if (sizes[p] > BLOCK_BYTES if blocked is None else blocked)]
+    out: dict[str, FileDigest] = {}
+    large = [p for p in paths if (sizes[p] > block_bytes if blocked is None else blocked)]
     chosen = set(large)
     small = [p for p in paths if p not in chosen]
     fds = {p: os.open(p, os.O_RDONLY) for p in large}
@@ -109,27 +116,27 @@ def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
     def block(task: tuple[str, int]) -> str:
         path, index = task
         if getattr(local, "buffer", None) is None:
-            local.buffer = bytearray(BLOCK_BYTES)
-        digest, got = hash_block(fds[path], index, algo, local.buffer)
-        if got != min(BLOCK_BYTES, sizes[path] - index * BLOCK_BYTES):
+            local.buffer = bytearray(block_bytes)
+        digest, got = hash_block(fds[path], index, block_bytes, algo, local.buffer)
+        if got != min(block_bytes, sizes[path] - index * block_bytes):
             raise CorruptCheckpointError(path, f"changed size while it was hashed (block {index} read {got} bytes)")
         return digest
 
     try:
         with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            tasks = [(p, i) for p in large for i in range(block_count(sizes[p]))]
+            tasks = [(p, i) for p in large for i in range(block_count(sizes[p], block_bytes))]
             plain = pool.map(lambda p: of_file(p, algo), small)
             hashed = list(pool.map(block, tasks))
-            out.update(zip(small, ((d, None) for d in plain)))
+            out.update(zip(small, (FileDigest(d) for d in plain)))
     finally:
         for fd in fds.values():
             os.close(fd)
     done = 0
     for p in large:
-        n = block_count(sizes[p])
+        n = block_count(sizes[p], block_bytes)
         blocks = hashed[done : done + n]
         done += n
-        out[p] = (of_blocks(blocks, algo), blocks)
+        out[p] = FileDigest(of_blocks(blocks, algo), blocks, block_bytes)
     return {p: out[p] for p in paths}
 
 

@@ -6,6 +6,8 @@ A dtype is named as torch names it ("bfloat16"); the table below answers what th
 
 from __future__ import annotations
 
+import struct
+
 from .lazy_import import torch
 
 # torch's name -> (safetensors code, bytes per item, floating point). The manifest uses the names, files the codes.
@@ -37,6 +39,21 @@ def dtype_name(dtype: "torch.dtype | str") -> str:
             return dtype
         dtype = dtype_from_name(dtype)  # a dtype the table leaves out, or an alias: torch knows
     return str(dtype).removeprefix("torch.")
+
+
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
+           "uint8": "B", "bool": "?"}
+
+
+def unpack_scalar(data: bytes, name: str) -> int | float | bool | None:
+    """The value ``tensor.item()`` gives for one element's little-endian bytes, without torch; None for a dtype
+    the table does not decode."""
+    if name == "bfloat16" and len(data) == 2:
+        return struct.unpack("<f", b"\x00\x00" + bytes(data))[0]  # bfloat16 is float32's high half
+    code = _STRUCT.get(name)
+    if code is None or len(data) != struct.calcsize("<" + code):
+        return None
+    return struct.unpack("<" + code, bytes(data))[0]
 
 
 def is_dtype_name(name: str) -> bool:

@@ -32,6 +32,7 @@ class FileRecord:
     digest: str
     writer: int | None = None
     blocks: list[str] | None = None  # a file larger than one block: each block's digest (interop.digests)
+    block_bytes: int | None = None  # and the size of those blocks
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Manifest:
         for rec in data["files"].values():
             if rec.get("blocks") is None:
                 rec.pop("blocks", None)
+                rec.pop("block_bytes", None)
         data[SELF_DIGEST] = _self_digest(data)
         return json.dumps(data, indent=1, sort_keys=False, allow_nan=False)
 
@@ -196,7 +198,7 @@ def _validate(data: dict[str, Any], path: str) -> None:
         fail("notes must be a list of strings")
     for rel, rec in mapping("files", data.get("files")).items():
         check_relative(rel, path)
-        if not isinstance(rec, dict) or set(rec) - {"bytes", "digest", "writer", "blocks"} or not is_int(rec.get("bytes")):
+        if not isinstance(rec, dict) or set(rec) - {"bytes", "digest", "writer", "blocks", "block_bytes"} or not is_int(rec.get("bytes")):
             fail(f"files[{rel!r}] needs bytes (a non-negative integer) and digest")
         if rec.get("writer") is not None and not is_int(rec["writer"]):
             fail(f"files[{rel!r}].writer is {rec['writer']!r}")
@@ -204,12 +206,15 @@ def _validate(data: dict[str, Any], path: str) -> None:
         blocks = rec.get("blocks")
         if (kind is not None and kind[1] == digests.BLOCKS) != (blocks is not None):
             fail(f"files[{rel!r}] has block digests only where its digest is of blocks")
+        size = rec.get("block_bytes")
+        if (blocks is None) != (size is None) or (size is not None and (not is_int(size) or size < 1)):
+            fail(f"files[{rel!r}] has block digests without a block size, or a block size of {size!r}")
         if blocks is not None and (
-            not isinstance(blocks, list) or len(blocks) != digests.block_count(rec["bytes"])
+            not isinstance(blocks, list) or len(blocks) != digests.block_count(rec["bytes"], size)
             or not all(isinstance(b, str) and _HEX.match(b) and len(b) == len(rec["digest"].split(":")[1]) for b in blocks)
             or digests.of_blocks(blocks, kind[0]) != rec["digest"]
         ):
-            fail(f"files[{rel!r}].blocks are not the {digests.block_count(rec['bytes'])} block digests its digest is of")
+            fail(f"files[{rel!r}].blocks are not the {digests.block_count(rec['bytes'], size)} block digests its digest is of")
     for name, rec in mapping("tensors", data.get("tensors")).items():
         if not isinstance(rec, dict) or set(rec) != {"shape", "dtype", "file", "digest"}:
             fail(f"tensors[{name!r}] needs shape, dtype, file and digest")

@@ -39,7 +39,9 @@ class RangeCheck:
         self.fd = os.open(path, os.O_RDONLY)
         st = os.fstat(self.fd)
         self.inode, self.size = st.st_ino, st.st_size
-        if self.size != record.bytes or not record.blocks or len(record.blocks) != digests.block_count(record.bytes):
+        self.block = record.block_bytes or 0
+        if (self.size != record.bytes or not record.blocks or self.block < 1
+                or len(record.blocks) != digests.block_count(record.bytes, self.block)):
             os.close(self.fd)
             raise CorruptCheckpointError(path, f"size {self.size} bytes or its {len(record.blocks or [])} block digests "
                                                f"do not fit the manifest's {record.bytes} bytes")
@@ -47,12 +49,13 @@ class RangeCheck:
         self._lock = threading.Lock()
 
     def _check_block(self, index: int) -> None:
-        if getattr(_BUFFERS, "buffer", None) is None:
-            _BUFFERS.buffer = bytearray(digests.BLOCK_BYTES)
-        digest, got = digests.hash_block(self.fd, index, self.algo, _BUFFERS.buffer)
-        want = min(digests.BLOCK_BYTES, self.size - index * digests.BLOCK_BYTES)
+        buffer = getattr(_BUFFERS, "buffer", None)
+        if buffer is None or len(buffer) < self.block:
+            buffer = _BUFFERS.buffer = bytearray(self.block)
+        digest, got = digests.hash_block(self.fd, index, self.block, self.algo, buffer)
+        want = min(self.block, self.size - index * self.block)
         if got != want or digest != self.record.blocks[index]:
-            lo = index * digests.BLOCK_BYTES
+            lo = index * self.block
             raise CorruptCheckpointError(self.path, f"bytes {lo}..{lo + want} differ from the manifest's digest of them "
                                                     "(the file was altered or corrupted)")
 
@@ -72,7 +75,7 @@ class RangeCheck:
             raise CorruptCheckpointError(self.path, f"bytes {lo}..{hi} lie outside its {self.size} bytes")
         if hi == lo:
             return
-        first, last = lo // digests.BLOCK_BYTES, (hi - 1) // digests.BLOCK_BYTES
+        first, last = lo // self.block, (hi - 1) // self.block
         futures = [self._start(i) for i in range(first, last + 1)]
         for i in range(last + 1, min(last + 1 + AHEAD, len(self.record.blocks))):
             self._start(i)

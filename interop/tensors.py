@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Callable
 
 from . import digests
-from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize
+from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize, unpack_scalar
 from .lazy_import import torch
 
 _dtype_name = dtype_name  # TensorSpec's field of that name hides it in __init__
@@ -107,6 +107,16 @@ class LazyTensor:
         if verify and self.digest is not None:
             self.check_digest(tensor_digest(tensor, digests.parse(self.digest, self.origin)[0]))
         return tensor
+
+    def item(self) -> int | float | bool:
+        """A one-element tensor's value: decoded from its mapped bytes where it has them and no digest to check
+        (no torch), else loaded."""
+        pieces = self.mapped_pieces() if self.mapped_pieces is not None and self.digest is None and self.spec.numel == 1 else None
+        if pieces:
+            value = unpack_scalar(b"".join(bytes(p.data) for p in pieces), self.spec.dtype_name)
+            if value is not None:
+                return value
+        return self.load().item()
 
     def bytes_digest(self) -> str:
         """``tensor_digest`` of this tensor, hashed from its mapped pieces where it has them (no copy, no torch),

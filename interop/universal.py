@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .lazy_import import torch
+from .lazy_import import instance_of, torch
 
 from . import codec
 from .commit import durable_write, fsync_path, write_manifest
@@ -221,7 +221,7 @@ def copy_components(ckpt: LogicalCheckpoint, out: str, files: dict[str, FileReco
             dst_path = os.path.join(out, rel)
             os.makedirs(os.path.dirname(dst_path), exist_ok=True)
             shutil.copyfile(src, dst_path)
-            files[rel] = FileRecord(rec.bytes, digest_as(dst_path, rec.digest), rec.writer, rec.blocks)
+            files[rel] = FileRecord(rec.bytes, digest_as(dst_path, rec.digest, rec.block_bytes), rec.writer, rec.blocks, rec.block_bytes)
             if files[rel].digest != rec.digest:
                 raise CorruptCheckpointError(src, "content digest differs from its manifest")
         components[key] = comp.record
@@ -426,12 +426,12 @@ def split_optimizer_state(
     scalars: dict[str, dict[str, dict[str, Any]]] = {}
     for name, entries in per_name.items():
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if instance_of(value, "torch", "Tensor"):
                 value = LazyTensor.of(value, f"{where}[{name}.{key}]")
             if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
                 tensors.setdefault(key, {})[name] = value
-            elif isinstance(value, LazyTensor):
-                scalars.setdefault(key, {})[name] = scalar_entry(value.load())
+            elif isinstance(value, LazyTensor):  # (read from its bytes where it can be: no torch for a step)
+                scalars.setdefault(key, {})[name] = {"value": value.item(), "dtype": value.spec.dtype_name}
             elif isinstance(value, (int, float)):
                 scalars.setdefault(key, {})[name] = scalar_entry(torch.tensor(value))
             else:

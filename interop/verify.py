@@ -25,8 +25,9 @@ from .safetensors_io import SafetensorsFile, composite_digest, safetensors_diges
 HASH_THREADS = 4  # hashing and reading release the GIL: files are digested side by side
 
 
-def digest_as(path: str, recorded: str | None) -> str:
-    """The file's digest by the algorithm (and, for safetensors, the composite form) the manifest recorded."""
+def digest_as(path: str, recorded: str | None, block_bytes: int | None = None) -> str:
+    """The file's digest by the algorithm (and, for safetensors, the composite form; for a large file, the blocks
+    of ``block_bytes``) the manifest recorded."""
     algo, kind = digests.parse(recorded, path) if recorded else (digests.ALGO, digests.PLAIN)
     if kind == digests.COMPOSITE:
         try:
@@ -35,7 +36,7 @@ def digest_as(path: str, recorded: str | None) -> str:
             return ""  # unreadable: it cannot match
     if kind == digests.BLOCKS:
         try:
-            return digests.of_files([path], algo, blocked=True)[path][0]
+            return digests.of_files([path], algo, blocked=True, block_bytes=block_bytes)[path].digest
         except CorruptCheckpointError:
             return ""  # changed while it was read: it cannot match
     return digests.of_file(path, algo)
@@ -58,8 +59,9 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     hashed = digests.of_files([os.path.join(root, rel) for rel in mine])
     records = {}
     for rel in mine:
-        digest, blocks = hashed[os.path.join(root, rel)]
-        records[rel] = FileRecord(os.path.getsize(os.path.join(root, rel)), digest, blocks=blocks)
+        found = hashed[os.path.join(root, rel)]
+        records[rel] = FileRecord(os.path.getsize(os.path.join(root, rel)), found.digest, blocks=found.blocks,
+                                  block_bytes=found.block_bytes)
     for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
         fsync_path(d)
     return records
@@ -110,7 +112,7 @@ def check_files(directory: str, manifest: Manifest, rels: Iterable[str], digest:
 
 def _digest_problem(directory: str, rel: str, record: FileRecord) -> CheckpointError | None:
     path = os.path.join(directory, rel)
-    if digest_as(path, record.digest) != record.digest:
+    if digest_as(path, record.digest, record.block_bytes) != record.digest:
         return CorruptCheckpointError(path, "content digest differs from the manifest (the file was altered or corrupted)")
     return None
 

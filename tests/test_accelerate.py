@@ -99,6 +99,68 @@ def test_fsdp2_runs_on_cpu_processes_and_matches_ddp(runs):
 
 
 # --- reading our trainer's checkpoints --------------------------------------------------------------------
+def test_fsdp2_is_read_without_torch_and_checked_only_where_it_is_read(runs, tmp_path):
+    """An FSDP2 checkpoint is read with torch unimportable (DCP's metadata into stand-ins, each chunk's bytes
+    where they lie in its file, the step and the scheduler from their bytes): the same tensors, scalars and
+    scheduler as read with torch. With its data files recorded block by block, an HF export is byte for byte the
+    ordinary one and checks only the blocks it reads: a flipped byte in an optimizer moment it never reads
+    leaves it exact, while verify and a conversion that reads the moments refuse it, naming the file."""
+    from converters.cli import main
+    from interop import digests
+    from interop.tensors import raw_bytes
+
+    from .conftest import by_blocks
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(runs["fsdp"][0] / "checkpoint-4", src)
+    convert(src, tmp_path / "hf0", "--to", "hf")
+    exported = {p.name: p.read_bytes() for p in (tmp_path / "hf0").iterdir()}
+    for dcp_dir in ("pytorch_model_fsdp_0", "optimizer_0"):  # the stand-ins say what DCP's own types say
+        real, stub = read_metadata(str(src / dcp_dir)), read_metadata(str(src / dcp_dir), stubs=True)
+        assert sorted(real.state_dict_metadata) == sorted(stub.state_dict_metadata)
+        for key, md in real.state_dict_metadata.items():
+            other = stub.state_dict_metadata[key]
+            if hasattr(md, "chunks"):
+                assert (tuple(md.size), str(md.properties.dtype)) == (tuple(other.size), f"torch.{other.properties.dtype}")
+                assert [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks] == [(tuple(c.offsets), tuple(c.sizes)) for c in other.chunks]
+        assert sorted((i.fqn, tuple(i.offset or ()), v.relative_path, v.offset, v.length) for i, v in real.storage_data.items()) == \
+               sorted((i.fqn, tuple(i.offset or ()), v.relative_path, v.offset, v.length) for i, v in stub.storage_data.items())
+    blocked = by_blocks(src, 512)
+    assert "optimizer_0/__0_0.distcp" in blocked and "pytorch_model_fsdp_0/__0_0.distcp" in blocked
+    assert main(["convert", str(src), str(tmp_path / "hf1"), "--to", "hf"]) == 0  # checked block by block
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf1").iterdir()} == exported
+    # read with torch unimportable (this model's own names would ask transformers, which needs torch, to rename)
+    probe = ("import sys, json; sys.modules['torch'] = None\n"
+             "from converters.accelerate import read_accelerate\nfrom interop import digests\n"
+             "c = read_accelerate(sys.argv[1])\n"
+             "print(json.dumps([{n: digests.of_bytes(b''.join(bytes(p.data) for p in t.mapped_pieces())) for n, t in c.model.items()},"
+             " c.optimizer.scalars, c.extra_state['scheduler']]))")
+    done = subprocess.run([sys.executable, "-c", probe, str(src)], env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ckpt = read_accelerate(str(src))
+    expected = [{n: digests.of_bytes(raw_bytes(t.load())) for n, t in ckpt.model.items()}, ckpt.optimizer.scalars,
+                ckpt.extra_state["scheduler"]]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == json.loads(json.dumps(expected))
+
+    reader = DCPReader(str(src / "optimizer_0"))
+    chunk = max((c for k, cs in reader._chunks.items() if k.endswith("exp_avg_sq") for c in cs), key=lambda c: c.length)
+    rel = f"optimizer_0/{chunk.file}"
+    lo = (chunk.offset // 512 + 3) * 512  # a block wholly inside the moment's chunk, two clear of its ends
+    assert lo + 3 * 512 <= chunk.offset + chunk.length, "the chunk is too small to hold a block of its own"
+    data = bytearray((src / rel).read_bytes())
+    original = bytes(data)
+    data[lo + 100] ^= 0x01
+    (src / rel).write_bytes(bytes(data))
+    assert main(["convert", str(src), str(tmp_path / "hf2"), "--to", "hf"]) == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf2").iterdir()} == exported
+    assert main(["verify", str(src), "-q"]) == 1
+    failed = cli("convert", str(src), str(tmp_path / "uni"), "--to", "universal")
+    assert failed.returncode == 2 and rel.split("/")[-1] in failed.stderr and "differ from the manifest" in failed.stderr, failed.stderr
+    assert not (tmp_path / "uni").exists()
+    (src / rel).write_bytes(original)
+
+
+
 def test_ddp_and_fsdp2_checkpoints_read_the_same(runs):
     """After 4 steps the DDP and FSDP2 runs hold (to rounding) the same weights and optimizer state: both read
     into one logical layout, frozen parameters and the tied pair included, step and scheduler engine-neutral."""

@@ -46,7 +46,7 @@ from converters.cli import main
 from interop.errors import InteropError
 from trainers.base import BaseTrainer, TrainerConfig
 
-from .conftest import ROOT, reseal, worker_env
+from .conftest import ROOT, by_blocks, reseal, worker_env
 
 SIZES = ["--batch-size", "4", "--seq-len", "16"]
 
@@ -879,25 +879,8 @@ def test_flipped_byte_in_an_engine_file(engine_ckpt, tmp_path, capsys, engine, s
         (src / rel).write_bytes(original)
 
 
-def by_blocks(checkpoint) -> list[str]:
-    """Record ``checkpoint``'s files of more than one block block by block, as a trainer records its large files
-    (the test shrinks the block so the tiny model's files have many); the names of those files."""
-    from interop import digests
-    from interop.commit import write_manifest
-    from interop.manifest import read_manifest
-
-    manifest = read_manifest(str(checkpoint))
-    blocked = []
-    for rel, record in manifest.files.items():
-        if record.digest.startswith("blake3:") and record.bytes > digests.BLOCK_BYTES:
-            record.digest, record.blocks = digests.of_files([os.path.join(str(checkpoint), rel)])[os.path.join(str(checkpoint), rel)]
-            blocked.append(rel)
-    write_manifest(str(checkpoint), manifest)
-    return blocked
-
-
 @pytest.mark.dist
-def test_a_file_recorded_by_blocks_is_checked_where_it_is_read(ds_ckpts, tmp_path, capsys, monkeypatch):
+def test_a_file_recorded_by_blocks_is_checked_where_it_is_read(ds_ckpts, tmp_path, capsys):
     """A ZeRO optimizer file recorded block by block is read without being hashed whole: an HF export checks only
     the blocks it reads (the zip directory, data.pkl, the fp32 weights), so a flip in an optimizer moment it never
     reads leaves its output exact, while verify and a conversion that reads the moments refuse it, and a flip
@@ -906,13 +889,11 @@ def test_a_file_recorded_by_blocks_is_checked_where_it_is_read(ds_ckpts, tmp_pat
     from converters import torch_zip
     from converters.deepspeed import DEEPSPEED_ALLOWLIST
     from converters.pickle_safety import allowlist
-    from interop import digests
     from tests.test_torch_zip import same
 
-    monkeypatch.setattr(digests, "BLOCK_BYTES", 4096)
     src = copy(ds_ckpts(2), tmp_path / "ckpt")
     rel = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    assert rel in by_blocks(src)
+    assert rel in by_blocks(src, 4096)
     for pt in sorted(src.glob("*.pt")):
         with torch.serialization.safe_globals(allowlist() + DEEPSPEED_ALLOWLIST):  # torch's loader, our stand-ins
             expected = torch.load(pt, map_location="cpu", weights_only=True)
@@ -924,7 +905,7 @@ def test_a_file_recorded_by_blocks_is_checked_where_it_is_read(ds_ckpts, tmp_pat
     fp32 = osd["single_partition_of_fp32_groups"][0].piece().source[1]
     moment = osd["base_optimizer_state"]["state"][0]["exp_avg_sq"]
     lo, hi = moment.piece().source[1], moment.piece().source[1] + moment.numel() * 4
-    block = digests.BLOCK_BYTES
+    block = 4096
     unread = next(b * block for b in range(lo // block + 1, hi // block) if abs(b * block - fp32) > 4 * block)
     size = (src / rel).stat().st_size
 
@@ -1447,6 +1428,8 @@ def test_dcp_metadata_cannot_change_a_class(tmp_path, capsys):
 
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from converters.dcp import _STUB_CLASSES, read_metadata
+
     body = (_pickle.PROTO + b"\x04" + _pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\nMetadata\n"
             + _pickle.EMPTY_DICT + _pickle.SHORT_BINUNICODE + b"\x08poisoned" + _pickle.BININT1 + b"\x01"
             + _pickle.SETITEM + _pickle.BUILD + _pickle.STOP)
@@ -1456,6 +1439,10 @@ def test_dcp_metadata_cannot_change_a_class(tmp_path, capsys):
     code, _, err = run_cli(capsys, "convert", tmp_path / "dcp", tmp_path / "out", "--to", "universal")
     assert_one_line_error(code, err, ".metadata")
     assert not hasattr(Metadata, "poisoned")
+    with pytest.raises(InteropError, match=r"\.metadata"):  # DCP's own types, for its loader (a resume)
+        read_metadata(str(tmp_path / "dcp"))
+    assert not hasattr(Metadata, "poisoned")
+    assert not any(hasattr(stub, "poisoned") for stub in _STUB_CLASSES.values())  # nor the reader's stand-ins
 
 
 def test_an_extra_empty_directory_is_caught(base, tmp_path, capsys):

@@ -179,3 +179,22 @@ def test_pickled_by_the_pure_python_pickler_too(tmp_path):
     torch.save({"w": torch.ones(1)}, path)
     _rewrite_pickle(path, path.with_name("py.pt"), lambda _: pickle.dumps(obj, protocol=2))
     assert torch_zip.load(str(path.with_name("py.pt"))) == obj
+
+
+def test_a_torch_file_inside_another_file_is_read_where_it_lies(tmp_path):
+    """DCP keeps each tensor as a torch.save archive at an offset of its data file: read there, its tensors' bytes
+    are the file's bytes at their offsets."""
+    import io
+
+    blob = io.BytesIO()
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    torch.save(t, blob)
+    path = tmp_path / "data.distcp"
+    path.write_bytes(b"x" * 1000 + blob.getvalue() + b"y" * 77)
+    stored = torch_zip.load(str(path), base=1000, length=len(blob.getvalue()))
+    assert stored.shape == (4, 6) and stored.dtype_name == "float32"
+    piece = stored.piece()
+    assert piece.source[1] >= 1000 and bytes(piece.data) == base_bytes(t)
+    assert torch.equal(stored.tensor(), t)
+    with pytest.raises(CorruptCheckpointError, match="data.distcp"):  # a window running past the file
+        torch_zip.load(str(path), base=1000, length=len(blob.getvalue()) + 100)
