@@ -114,7 +114,17 @@ def _interrupts_held(in_import: bool = False):
         # thread has run the few microseconds left of the import machinery (starting the thread lets signals in)
         import threading
 
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        _PENDING.append(signal.SIGINT)
+        threading.Timer(0.05, _deliver_pending).start()
+
+
+_PENDING: list[int] = []  # an interrupt held during torch's import, not yet sent again
+
+
+def _deliver_pending() -> None:
+    if _PENDING:
+        _PENDING.clear()
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def run() -> None:
@@ -130,6 +140,9 @@ def run() -> None:
     except KeyboardInterrupt:  # before main's own handler was reached: nothing was started
         print("interop: interrupted; nothing was written", file=sys.stderr)
         code = 130
+    if _PENDING:  # Ctrl-C came during torch's import and the command ended before it could be sent again: it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # finished (its output, if any, is whole); die of the signal,
+        os.kill(os.getpid(), signal.SIGINT)  # as an interrupted command does, rather than exit as if none came
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -339,16 +339,15 @@ class DCPReader:
         _regular_file(path)
         try:
             with open(path, "rb") as f:
+                check = ranged.registered(path)
+                if check is not None:
+                    check.check(offset, offset + length, os.fstat(f.fileno()).st_ino)
                 f.seek(offset)
                 data = f.read(length)
-                inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             raise MissingFileError(path, f"holds {what} but is missing") from None
         if len(data) != length:
             raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
-        check = ranged.registered(path)
-        if check is not None:
-            check.check(offset, offset + length, inode)
         try:
             with torch.serialization.safe_globals(list(allow or [])):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

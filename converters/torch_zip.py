@@ -61,7 +61,10 @@ class _Window(io.RawIOBase):
         return True
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        if pos < 0:  # a zip whose offsets point before the window: refused, never read from the bytes before it
+            raise ValueError(f"offset {pos} lies before the archive")
+        self.pos = pos
         return self.pos
 
     def tell(self) -> int:
@@ -104,6 +107,8 @@ class Archive:
                 if self.ranges is not None:  # a file the manifest vouches for: say first whether it was altered
                     self.ranges.check(base, self.size, self.inode)
                 raise CorruptCheckpointError(path, f"not a readable torch zip file at byte {base}: {exc}") from None
+            if not 0 <= zf.start_dir <= self.size - base:
+                raise CorruptCheckpointError(path, f"its zip directory lies outside the archive at byte {base}")
             self._checked(base + zf.start_dir, self.size)  # the central directory and its end record
             pickles = [i for i in infos if (i.filename.endswith("/data.pkl") and i.filename.count("/") == 1) or i.filename == "data.pkl"]
             if len(pickles) != 1:
@@ -113,6 +118,8 @@ class Archive:
             self._headers: dict[str, tuple[int, int]] = {}  # record name -> file offsets of its local header, its bytes
             for info in infos:
                 at = base + info.header_offset
+                if not base <= at <= self.size - 30:  # (zipfile shifts offsets by what it takes for prepended bytes)
+                    raise CorruptCheckpointError(path, f"record {info.filename} lies outside the archive at byte {base}")
                 head = os.pread(f.fileno(), 30, at)
                 if len(head) == 30 and head[:4] == b"PK\x03\x04":
                     name_len, extra_len = struct.unpack("<HH", head[26:30])
@@ -133,10 +140,10 @@ class Archive:
             raise NeedsTorch(f"{info.filename} is compressed")
         if start is None or start + info.file_size > self.size:
             raise CorruptCheckpointError(self.path, f"record {info.filename} has no entry header or runs past the archive's end")
+        self._checked(header, start + info.file_size)
         data = os.pread(f.fileno(), info.file_size, start)
         if len(data) != info.file_size:
             raise CorruptCheckpointError(self.path, f"truncated: record {info.filename}")
-        self._checked(header, start + info.file_size)
         return data
 
     def checked_storage(self, key: str, lo: int, hi: int) -> None:
@@ -225,6 +232,8 @@ class StoredTensor:
         return getattr(torch, self.dtype_name)
 
     def is_contiguous(self) -> bool:
+        if self.numel() == 0:
+            return True
         return all(st == want for n, st, want in zip(self.shape, self.stride, _contiguous_strides(self.shape)) if n != 1)
 
     def reshape(self, *shape: Any) -> "StoredTensor":
@@ -232,8 +241,10 @@ class StoredTensor:
         if -1 in shape:
             known = math.prod(n for n in shape if n != -1)
             shape = tuple(self.numel() // max(known, 1) if n == -1 else n for n in shape)
-        if math.prod(shape) != self.numel() or not self.is_contiguous():
-            raise ValueError(f"cannot view {self.shape} (contiguous {self.is_contiguous()}) as {shape}")
+        if math.prod(shape) != self.numel():
+            raise ValueError(f"cannot view {self.shape} as {shape}")
+        if not self.is_contiguous():
+            return self.tensor().reshape(shape)  # as torch does: a copy (a torch tensor; readers take either kind)
         return replace(self, shape=shape, stride=_contiguous_strides(shape))
 
     def __getitem__(self, index: slice) -> "StoredTensor":
@@ -241,7 +252,7 @@ class StoredTensor:
             raise TypeError("a stored tensor is sliced only as a 1-D range")
         lo, hi, _ = index.indices(self.shape[0])
         hi = max(lo, hi)
-        return replace(self, shape=(hi - lo,), stride=(1,), storage_offset=self.storage_offset + lo * self.stride[0])
+        return replace(self, shape=(hi - lo,), storage_offset=self.storage_offset + lo * self.stride[0])
 
     def _span(self) -> tuple[int, int]:
         """File offsets of the first and one past the last byte any element of this view occupies."""
@@ -315,10 +326,23 @@ class StoredDevice(str):
         return super().__new__(cls, f"{kind}:{index}" if index is not None else str(kind))
 
 
+@dataclass(frozen=True)
+class _StorageRef:
+    """A storage record a tensor is built on; one left bare in the object (a pickled storage) is torch's to load."""
+
+    archive: Archive = field(repr=False)
+    key: str
+    dtype: str
+    start: int
+    nbytes: int
+
+
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     if backward_hooks or metadata:
         raise NeedsTorch("a tensor with hooks or metadata")
-    archive, key, dtype, start, nbytes = storage
+    if not isinstance(storage, _StorageRef):
+        raise NeedsTorch("a tensor on something other than a storage record")
+    archive, key, dtype, start, nbytes = storage.archive, storage.key, storage.dtype, storage.start, storage.nbytes
     shape, stride, offset = tuple(int(n) for n in size), tuple(int(s) for s in stride), int(storage_offset)
     if len(shape) != len(stride) or any(n < 0 for n in shape) or any(s < 0 for s in stride) or offset < 0:
         raise CorruptCheckpointError(archive.path, f"tensor on storage {key}: size {shape}, stride {stride}, offset {offset}")
@@ -410,7 +434,7 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
             raise NeedsTorch(f"storage {pid[1].name}")
         key = str(pid[2])
         start, nbytes = self.archive.storage(key, pid[4] * itemsize(dtype))
-        return self.archive, key, dtype, start, nbytes
+        return _StorageRef(self.archive, key, dtype, start, nbytes)
 
     def _load_build(self) -> None:
         """As torch's weights-only loader: an OrderedDict takes attributes (a state dict's ``_metadata``), an
@@ -422,9 +446,59 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
             return
         if type(target) not in self.built:
             raise NeedsTorch(f"sets state on a {type(target).__name__}")
+        if getattr(target, "__setstate__", None) is None and not isinstance(state, dict):
+            raise NeedsTorch(f"sets slots of a {type(target).__name__}")  # setattr could run a property's setter
         pickle._Unpickler.load_build(self)
 
     dispatch[pickle.BUILD[0]] = _load_build
+
+    # Items go only into the containers pickle makes (as torch's loader requires), never through another object's
+    # append, extend, add or __setitem__.
+    def _into(self, target: Any, kinds: tuple[type, ...], what: str) -> None:
+        if not isinstance(target, kinds) or (kinds == (list,) and type(target) is not list):
+            raise NeedsTorch(f"{what} into a {type(target).__name__}")
+
+    def _load_append(self) -> None:
+        self._into(self.stack[-2], (list,), "APPEND")
+        pickle._Unpickler.load_append(self)
+
+    def _load_appends(self) -> None:
+        self._into(self.metastack[-1][-1], (list,), "APPENDS")
+        pickle._Unpickler.load_appends(self)
+
+    def _load_setitem(self) -> None:
+        self._into(self.stack[-3], (dict,), "SETITEM")
+        pickle._Unpickler.load_setitem(self)
+
+    def _load_setitems(self) -> None:
+        self._into(self.metastack[-1][-1], (dict,), "SETITEMS")
+        pickle._Unpickler.load_setitems(self)
+
+    def _load_additems(self) -> None:
+        self._into(self.metastack[-1][-1], (set,), "ADDITEMS")
+        pickle._Unpickler.load_additems(self)
+
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+
+
+def _bare_storage(obj: Any, seen: set[int]) -> bool:
+    """Whether a storage record is left in ``obj`` other than under a tensor (a pickled storage, a bare tuple)."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, _StorageRef):
+        return True
+    if isinstance(obj, dict):
+        return any(_bare_storage(k, seen) or _bare_storage(v, seen) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return any(_bare_storage(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, StoredTensor)):
+        return _bare_storage(vars(obj), seen)
+    return False
 
 
 def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int | None = None, maps: dict | None = None) -> Any:
@@ -433,7 +507,10 @@ def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int |
     CorruptCheckpointError for damage."""
     archive = Archive(path, base, length, maps)
     try:
-        return _Unpickler(archive, list(allow or [])).load()
+        found = _Unpickler(archive, list(allow or [])).load()
+        if _bare_storage(found, set()):
+            raise NeedsTorch("a storage outside a tensor")
+        return found
     except (NeedsTorch, CorruptCheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - damaged pickles fail in many ways; torch's loader says what it makes of them
@@ -505,9 +582,12 @@ def materialize(obj: Any) -> Any:
     if isinstance(obj, StoredDtype):
         return getattr(torch, str(obj))
     if isinstance(obj, dict):
+        items = [(materialize(k), materialize(v)) for k, v in obj.items()]  # keys too: a dict keyed by dtype
         out = type(obj)() if type(obj) in (dict, collections.OrderedDict, collections.Counter) else obj
-        for k, v in list(obj.items()):
-            out[k] = materialize(v)
+        if out is obj:
+            obj.clear()
+        for k, v in items:
+            out[k] = v
         if out is not obj and getattr(obj, "__dict__", None):
             out.__dict__.update(materialize(dict(vars(obj))))  # a state dict's _metadata
         return out

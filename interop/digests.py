@@ -77,10 +77,11 @@ def block_count(size: int, block_bytes: int) -> int:
 
 
 def hash_block(fd: int, index: int, block_bytes: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
-    """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)."""
-    buffer = buffer if buffer is not None and len(buffer) >= block_bytes else bytearray(block_bytes)
-    view, got = memoryview(buffer)[:block_bytes], 0
-    while got < block_bytes:
+    """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)
+    into ``buffer``, up to its length."""
+    buffer = buffer if buffer is not None else bytearray(block_bytes)
+    view, got = memoryview(buffer)[:block_bytes], 0  # (a shorter buffer: the file's short last block)
+    while got < len(view):
         n = os.preadv(fd, [view[got:]], index * block_bytes + got)
         if n == 0:
             break

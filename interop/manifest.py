@@ -126,6 +126,7 @@ def _self_digest(data: dict[str, Any], where: str = "") -> str:
 
 # --- the schema -------------------------------------------------------------------------------------------
 _HEX = re.compile(r"^[0-9a-f]+$")
+MAX_BLOCK_BYTES = 1 << 30  # a block is read into memory whole to be checked
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # component keys name directories: one plain path part
 _INT_FIELDS = ("world_size", "dp", "tp", "pp", "zero_stage", "step", "scheduler_steps_per_step")  # values arithmetic uses
 
@@ -207,7 +208,7 @@ def _validate(data: dict[str, Any], path: str) -> None:
         if (kind is not None and kind[1] == digests.BLOCKS) != (blocks is not None):
             fail(f"files[{rel!r}] has block digests only where its digest is of blocks")
         size = rec.get("block_bytes")
-        if (blocks is None) != (size is None) or (size is not None and (not is_int(size) or size < 1)):
+        if (blocks is None) != (size is None) or (size is not None and (not is_int(size) or not 1 <= size <= MAX_BLOCK_BYTES)):
             fail(f"files[{rel!r}] has block digests without a block size, or a block size of {size!r}")
         if blocks is not None and (
             not isinstance(blocks, list) or len(blocks) != digests.block_count(rec["bytes"], size)

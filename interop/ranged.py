@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,34 +29,40 @@ AHEAD = 2  # blocks hashed ahead of the last one asked for: a reader goes throug
 
 
 class RangeCheck:
-    """One registered file: its record, the file as it was when registered (an open descriptor, so a file replaced
-    since is still the one checked, and its inode, to refuse a reader that opened the replacement), and each
-    block's check, started on first need."""
+    """One registered file: its record, the inode it had when registered (a reader that opened a replacement is
+    refused, and each block is read from that inode), and each block's check, started on first need. It holds no
+    descriptor: a registration replaced or forgotten stays good for the readers that hold it."""
 
     def __init__(self, path: str, record: FileRecord):
         self.path = path
         self.record = record
         self.algo = digests.parse(record.digest, path)[0]
-        self.fd = os.open(path, os.O_RDONLY)
-        st = os.fstat(self.fd)
+        st = os.stat(path)
         self.inode, self.size = st.st_ino, st.st_size
         self.block = record.block_bytes or 0
         if (self.size != record.bytes or not record.blocks or self.block < 1
                 or len(record.blocks) != digests.block_count(record.bytes, self.block)):
-            os.close(self.fd)
             raise CorruptCheckpointError(path, f"size {self.size} bytes or its {len(record.blocks or [])} block digests "
                                                f"do not fit the manifest's {record.bytes} bytes")
         self._checks: dict[int, Future] = {}
         self._lock = threading.Lock()
 
     def _check_block(self, index: int) -> None:
-        buffer = getattr(_BUFFERS, "buffer", None)
-        if buffer is None or len(buffer) < self.block:
-            buffer = _BUFFERS.buffer = bytearray(self.block)
-        digest, got = digests.hash_block(self.fd, index, self.block, self.algo, buffer)
         want = min(self.block, self.size - index * self.block)
+        lo = index * self.block
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise CorruptCheckpointError(self.path, f"cannot be read to check bytes {lo}..{lo + want}: {exc.strerror}") from None
+        buffer = _take_buffer(want)
+        try:
+            if os.fstat(fd).st_ino != self.inode:
+                raise CorruptCheckpointError(self.path, "was replaced after it was checked against the manifest")
+            digest, got = digests.hash_block(fd, index, self.block, self.algo, buffer)
+        finally:
+            os.close(fd)
+            _BUFFERS.put(buffer)
         if got != want or digest != self.record.blocks[index]:
-            lo = index * self.block
             raise CorruptCheckpointError(self.path, f"bytes {lo}..{lo + want} differ from the manifest's digest of them "
                                                     "(the file was altered or corrupted)")
 
@@ -90,22 +97,18 @@ class RangeCheck:
         for i in range(len(self.record.blocks)):
             self._start(i)
 
-    def close(self) -> None:
-        with self._lock:
-            pending = list(self._checks.values())
-        for future in pending:
-            future.cancel()
-            if not future.cancelled():
-                future.exception()  # wait: the descriptor is still being read
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
-_BUFFERS = threading.local()  # each hashing thread's one block-sized buffer
+_BUFFERS: "queue.SimpleQueue[bytearray]" = queue.SimpleQueue()  # block buffers between checks; clear() lets them go
+
+
+def _take_buffer(size: int) -> bytearray:
+    try:
+        buffer = _BUFFERS.get_nowait()
+    except queue.Empty:
+        return bytearray(size)
+    return buffer if len(buffer) >= size else bytearray(size)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -125,23 +128,18 @@ def _key(path: str) -> str:
 
 
 def defer(path: str, record: FileRecord) -> RangeCheck:
-    """Register ``path`` to be checked range by range by its reader (replacing an earlier registration)."""
+    """Register ``path`` to be checked range by range by its reader (replacing an earlier registration, which stays
+    good for the readers that hold it: ``interop diff X X`` reads one checkpoint twice)."""
     check = RangeCheck(path, record)
     with _REGISTRY_LOCK:
-        old = _REGISTERED.pop(_key(path), None)
         _REGISTERED[_key(path)] = check
-    if old is not None:
-        old.close()
     log.debug("%s: checked block by block as it is read", path)
     return check
 
 
 def forget(path: str) -> None:
-    check = None
     with _REGISTRY_LOCK:
-        check = _REGISTERED.pop(_key(path), None)
-    if check is not None:
-        check.close()
+        _REGISTERED.pop(_key(path), None)
 
 
 def registered(path: str) -> RangeCheck | None:
@@ -171,9 +169,11 @@ def check_whole(path: str) -> None:
 
 
 def clear() -> None:
-    """Forget every registration (the end of a conversion)."""
+    """Forget every registration and the spare block buffers (the end of a command)."""
     with _REGISTRY_LOCK:
-        checks = list(_REGISTERED.values())
         _REGISTERED.clear()
-    for check in checks:
-        check.close()
+    while True:
+        try:
+            _BUFFERS.get_nowait()
+        except queue.Empty:
+            return

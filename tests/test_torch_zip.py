@@ -198,3 +198,72 @@ def test_a_torch_file_inside_another_file_is_read_where_it_lies(tmp_path):
     assert torch.equal(stored.tensor(), t)
     with pytest.raises(CorruptCheckpointError, match="data.distcp"):  # a window running past the file
         torch_zip.load(str(path), base=1000, length=len(blob.getvalue()) + 100)
+
+
+def test_stand_ins_torch_would_build_otherwise_are_left_to_it(tmp_path):
+    """A dict keyed by a dtype comes back keyed by the dtype; a pickled storage (not under a tensor) is torch's to
+    load, never handed out as the reader's own record of it."""
+    keyed = tmp_path / "keyed.pt"
+    torch.save({"scale": {torch.float16: 1.0}, "w": torch.ones(2)}, keyed)
+    assert torch_zip.materialize(torch_zip.load(str(keyed)))["scale"] == {torch.float16: 1.0}
+    storage = tmp_path / "storage.pt"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated; files still hold it
+        torch.save({"s": torch.ones(3).storage()}, storage)
+        with pytest.raises(torch_zip.NeedsTorch, match="storage outside a tensor"):
+            torch_zip.load(str(storage))
+        assert pickle_safety.load_torch_file(str(storage), stored=True)["s"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_window_whose_zip_points_before_it_is_refused(tmp_path):
+    """A DCP data file holds archives back to back; one whose zip directory offset is moved to point into the
+    archive before it must not decode that archive's bytes as its own."""
+    import io
+    import struct
+
+    def saved(v: float) -> bytearray:
+        b = io.BytesIO()
+        torch.save(torch.full((4,), v), b)
+        return bytearray(b.getvalue())
+
+    first, second = saved(1.0), saved(2.0)
+    end64 = second.rfind(b"PK\x06\x06")
+    if end64 >= 0:  # the zip64 end record's central directory offset
+        struct.pack_into("<Q", second, end64 + 48, struct.unpack_from("<Q", second, end64 + 48)[0] + len(first))
+    else:
+        end = second.rfind(b"PK\x05\x06")
+        struct.pack_into("<I", second, end + 16, struct.unpack_from("<I", second, end + 16)[0] + len(first))
+    path = tmp_path / "data.distcp"
+    path.write_bytes(bytes(first + second))
+    with pytest.raises(CorruptCheckpointError, match="data.distcp"):
+        torch_zip.load(str(path), base=len(first), length=len(second)).tensor()
+
+
+def test_a_registration_replaced_stays_good_for_its_readers(tmp_path):
+    """``interop diff X X`` registers X's files twice: the first reader's checks still read the right file."""
+    from interop import digests, ranged
+    from interop.manifest import FileRecord
+
+    paths = [tmp_path / n for n in ("a", "b")]
+    records = {}
+    for p in paths:
+        p.write_bytes(os.urandom(4096))
+        found = digests.of_files([str(p)], blocked=True, block_bytes=1024)[str(p)]
+        records[p] = FileRecord(4096, found.digest, blocks=found.blocks, block_bytes=1024)
+    first = {p: ranged.defer(str(p), records[p]) for p in paths}
+    for p in paths:
+        ranged.defer(str(p), records[p])
+    for p in paths:
+        first[p].check(0, 4096, os.stat(p).st_ino)
+        ranged.registered(str(p)).check(0, 4096, os.stat(p).st_ino)
+    data = bytearray(paths[0].read_bytes())
+    data[2000] ^= 1
+    paths[0].write_bytes(bytes(data))
+    ranged.defer(str(paths[0]), records[paths[0]])
+    ranged.registered(str(paths[0])).check(0, 1024)  # the blocks a reader uses, and only those
+    with pytest.raises(CorruptCheckpointError, match=r"bytes 1024\.\.2048 differ"):
+        ranged.registered(str(paths[0])).check(1500, 1600)
+    ranged.clear()
+    assert ranged.registered(str(paths[0])) is None
