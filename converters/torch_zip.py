@@ -454,28 +454,30 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
 
     # Items go only into the containers pickle makes (as torch's loader requires), never through another object's
     # append, extend, add or __setitem__.
+    _LISTS, _DICTS, _SETS = (list,), (dict, collections.OrderedDict, collections.Counter), (set,)
+
     def _into(self, target: Any, kinds: tuple[type, ...], what: str) -> None:
-        if not isinstance(target, kinds) or (kinds == (list,) and type(target) is not list):
+        if type(target) not in kinds:
             raise NeedsTorch(f"{what} into a {type(target).__name__}")
 
     def _load_append(self) -> None:
-        self._into(self.stack[-2], (list,), "APPEND")
+        self._into(self.stack[-2], self._LISTS, "APPEND")
         pickle._Unpickler.load_append(self)
 
     def _load_appends(self) -> None:
-        self._into(self.metastack[-1][-1], (list,), "APPENDS")
+        self._into(self.metastack[-1][-1], self._LISTS, "APPENDS")
         pickle._Unpickler.load_appends(self)
 
     def _load_setitem(self) -> None:
-        self._into(self.stack[-3], (dict,), "SETITEM")
+        self._into(self.stack[-3], self._DICTS, "SETITEM")
         pickle._Unpickler.load_setitem(self)
 
     def _load_setitems(self) -> None:
-        self._into(self.metastack[-1][-1], (dict,), "SETITEMS")
+        self._into(self.metastack[-1][-1], self._DICTS, "SETITEMS")
         pickle._Unpickler.load_setitems(self)
 
     def _load_additems(self) -> None:
-        self._into(self.metastack[-1][-1], (set,), "ADDITEMS")
+        self._into(self.metastack[-1][-1], self._SETS, "ADDITEMS")
         pickle._Unpickler.load_additems(self)
 
     dispatch[pickle.APPEND[0]] = _load_append

@@ -56,8 +56,8 @@ def parse(digest: str, where: str = "") -> tuple[str, str]:
     return m.group(1), m.group(2) or PLAIN
 
 
-def label(algo: str, hexdigest: str, composite: bool | str = False) -> str:
-    kind = composite if isinstance(composite, str) else COMPOSITE if composite else PLAIN
+def label(algo: str, hexdigest: str, kind: str = PLAIN) -> str:
+    """``<algorithm><kind>:<hex>``, kind one of PLAIN, COMPOSITE, BLOCKS."""
     return f"{algo}{kind}:{hexdigest}"
 
 

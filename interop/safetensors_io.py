@@ -166,7 +166,7 @@ def composite_of(header: bytes, tensor_digests: list[str], algo: str = digests.A
     h.update(header)
     for digest in tensor_digests:
         h.update(bytes.fromhex(digest.split(":", 1)[1]))
-    return digests.label(algo, h.hexdigest(), composite=True)
+    return digests.label(algo, h.hexdigest(), digests.COMPOSITE)
 
 
 def write_safetensors(
@@ -231,7 +231,7 @@ def _write_safetensors(
                 on_tensor(entry)
         f.flush()
         os.fsync(f.fileno())
-    return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), composite=True) if hashed else "", tensor_digests)
+    return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), digests.COMPOSITE) if hashed else "", tensor_digests)
 
 
 def release_range(mapping, lo: int, hi: int) -> None:
