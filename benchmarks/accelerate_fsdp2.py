@@ -70,7 +70,8 @@ def time_saves(args) -> None:
     """Under torchrun: accelerate's save_state alone, then our trainer's save around it."""
     from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
 
-    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=args.batch_size, seq_len=args.seq_len, output_dir=args.train,
+                                  keep_last=None, mixed_precision="bf16" if args.bf16 else "no")
     engine_bench.time_saves(AccelerateTrainer, cfg, args.hidden, args.layers,
                             lambda trainer, d: trainer.accelerator.save_state(d), args.repeat, args.saves, dcp_reference=True)
 

@@ -41,7 +41,8 @@ def time_saves(args) -> None:
     """Under torchrun: DeepSpeed's save_checkpoint alone, then our trainer's save around it."""
     from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig
 
-    cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=args.batch_size, seq_len=args.seq_len, output_dir=args.train,
+                                 keep_last=None, dtype="bfloat16" if args.bf16 else "float32")
     engine_bench.time_saves(DeepSpeedTrainer, cfg, args.hidden, args.layers,
                             lambda trainer, d: trainer.engine.save_checkpoint(d, tag="global_step1"), args.repeat, args.saves)
 

@@ -20,6 +20,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
     p.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts per layer instead of the Llama")
     p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
+    p.add_argument("--batch-size", type=int, default=2, help="the save timings' training steps: samples per step")
+    p.add_argument("--seq-len", type=int, default=16, help="the save timings' training steps: tokens per sample")
+    p.add_argument("--bf16", action="store_true", help="the save timings' training steps in bf16 mixed precision")
     p.add_argument("--train", default=None, help=argparse.SUPPRESS)
     p.add_argument("--saves", default=None, help=argparse.SUPPRESS)  # with --train: time saves, write them here
     return p
@@ -91,10 +94,11 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     For each: the blocking time (until the call returns: what the training loop waits) and the time until the
     checkpoint is on disk (its commit done and ``sync``), on every rank together; memory is the largest rank's RSS
-    growth. Then the step time: a training step alone, the step started as an --async-save returns (its
-    write and commit running beside it), and the step beside ``dd`` writing (and fsyncing) as many bytes as a
-    rank's save writes: the floor for any writer on this machine, whose cores the step already uses. Rank 0
-    writes medians to ``result`` as JSON."""
+    growth. Then the step time, the mean over steps: with no save running; from the moment an --async-save
+    returns for as long as its write and commit run (on any rank; at least one step); likewise beside DCP's
+    ``async_save``; and beside ``dd`` writing (and fsyncing) as many bytes as a rank's save writes: the floor for
+    any writer on this machine, whose cores the step already uses. Rank 0 writes the figures to ``result`` as
+    JSON (medians of the saves, means of the steps, and how many steps each mean is of)."""
     import json
     import shutil
     import statistics
@@ -107,8 +111,10 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
     trainer.train()
+    control = dist.new_group(backend="gloo")  # the benchmark's own collectives, on this thread
+    _steps_while(trainer, lambda: False, control, at_least=2)  # warm-up: allocator, kernels' first runs
     kinds = SAVE_KINDS + (("dcp-async",) if dcp_reference else ())
-    group = dist.new_group(backend="gloo") if dcp_reference else None
+    group = dist.new_group(backend="gloo") if dcp_reference else None  # DCP's, on its own thread
     runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in kinds}
     for kind in kinds:  # each kind's runs together: the first save after another kind's can pay for its deletes
         for i in range(repeat):
@@ -136,8 +142,8 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             durable = time.perf_counter() - start
             if kind == "interop-async":
                 written = tree_bytes(path)
-            growth = _max_over_ranks(_status_kib("VmHWM") * 1024 - before)
-            runs[kind].append((_max_over_ranks_f(blocking), durable, growth))
+            growth = _max_over_ranks(_status_kib("VmHWM") * 1024 - before, control)
+            runs[kind].append((_max_over_ranks_f(blocking, control), durable, growth))
             if trainer.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
     steps: dict[str, list[float]] = {"alone": [], "during-async-save": [], "during-dd": [],
@@ -148,19 +154,21 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             dist.barrier()
             os.sync()
             path = future = writer = None
+            busy = lambda: False  # noqa: E731
             if kind == "during-dd":  # the floor: only the bytes written (no copy, no digest, no commit)
                 path = os.path.join(cfg.output_dir, f"dd-{trainer.rank}.bin")
                 writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={max(1, share >> 24)}",
                                            "conv=fsync", "status=none"])
+                busy = lambda: writer.poll() is None  # noqa: E731
             elif kind == "during-async-save":
                 trainer.cfg.async_save = True
                 path = trainer.save(wait=False)
+                busy = trainer.checkpoints.running
             elif kind == "during-dcp-async-save":
                 path = os.path.join(cfg.output_dir, f"dcp-step-{i}")
                 future = dcp_async_save(trainer, path, group)
-            start = time.perf_counter()
-            trainer.train(until=trainer.state.step + 1) if kind == "alone" else _one_step_beside_commit(trainer)
-            steps[kind].append(_max_over_ranks_f(time.perf_counter() - start))
+                busy = lambda f=future: not f.done()  # noqa: E731
+            steps[kind].extend(_steps_while(trainer, busy, control, at_least=STEPS_ALONE if kind == "alone" else 1))
             trainer.checkpoints.wait()
             if future is not None:
                 future.result()
@@ -175,36 +183,53 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
     if trainer.rank == 0:
         out = {k: {"blocking": statistics.median(b for b, _, _ in v), "durable": statistics.median(d for _, d, _ in v),
                    "rss": max(g for _, _, g in v)} for k, v in runs.items()}
-        out["steps"] = {k: statistics.median(v) for k, v in steps.items()}
+        out["steps"] = {k: statistics.mean(v) for k, v in steps.items()}
+        out["step_counts"] = {k: len(v) for k, v in steps.items()}
         with open(result, "w") as f:
             json.dump(out, f)
     shutdown()
 
 
-def _one_step_beside_commit(trainer) -> None:
-    """One training step while the previous save's commit runs (train() would wait for it at its end)."""
-    batch = trainer.next_batch()
-    trainer.train_step(batch)
-    trainer.state.step += 1
+STEPS_ALONE = 5  # steps timed per repeat with no save running
 
 
-def _max_over_ranks_f(value: float) -> float:
-    """The largest ``value`` over every rank (a step or a save lasts as long as its slowest rank)."""
+def _steps_while(trainer, busy, control, at_least: int = 1) -> list[float]:
+    """Training steps, each timed (its slowest rank's time), for as long as ``busy()`` holds on any rank and at
+    least ``at_least``: what the training loop sees while a save's background work runs. A step calls
+    ``train_step`` itself: ``train()`` would wait for the pending commit at its end."""
+    import time
+
+    import torch
+
+    times: list[float] = []
+    while len(times) < at_least or _max_over_ranks(int(busy()), control):
+        start = time.perf_counter()
+        trainer.train_step(trainer.next_batch())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        trainer.state.step += 1
+        times.append(_max_over_ranks_f(time.perf_counter() - start, control))
+    return times
+
+
+def _max_over_ranks_f(value: float, group=None) -> float:
+    """The largest ``value`` over every rank (a step or a save lasts as long as its slowest rank), over ``group``
+    (gloo: CPU tensors whatever backend training uses)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
 
 
-def _max_over_ranks(value: int) -> int:
-    """The largest ``value`` over every rank."""
+def _max_over_ranks(value: int, group=None) -> int:
+    """The largest ``value`` over every rank, over ``group`` (gloo)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
 
 

@@ -37,6 +37,9 @@ class PendingCommit:
         finally:
             release_freed_memory()
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def wait(self) -> Any:
         self._thread.join()
         if self._error is not None:

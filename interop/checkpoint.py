@@ -269,6 +269,10 @@ class CheckpointManager:
         self.agree(error, what=what, collective=collective)
         log.info("saved %s (%d files)", final, sum(len(r) for r in all_records))
 
+    def running(self) -> bool:
+        """Whether a background commit (``save(wait=False)``) is still running on this rank (without waiting)."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> str | None:
         """Wait for the pending background commit (``save(wait=False)``), raising if it failed; its directory, or
         None when nothing was pending. Every rank calls it together."""

@@ -261,7 +261,7 @@ class AccelerateTrainer(BaseTrainer):
         self.optimizer.zero_grad(set_to_none=True)
         if self.local_sgd is not None:
             self.local_sgd.step()  # averages the parameters every local_sgd_steps steps
-        mean = loss.detach().float().cpu()
+        mean = loss.detach().float()  # reduced where it is: NCCL reduces GPU tensors only
         if dist.is_initialized():
             dist.all_reduce(mean)  # the global batch's loss, whatever the number of processes
         return float(mean) / self.world_size

@@ -242,7 +242,7 @@ class DeepSpeedTrainer(BaseTrainer):
             loss = self.engine(input_ids=micro, labels=micro).loss
             self.engine.backward(loss)
             self.engine.step()
-            losses.append(loss.detach().float().cpu())
+            losses.append(loss.detach().float())  # reduced on the engine's device: NCCL reduces GPU tensors only
         if self.engine_scheduler is None:
             self.scheduler.step()
         mean = torch.stack(losses).mean()
