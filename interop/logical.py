@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .manifest import ComponentRecord, FileRecord, Manifest
 from .tensors import LazyTensor
@@ -26,16 +26,62 @@ def stored_name(key: str) -> str:
     return key.split("/", 2)[2] if key.startswith(OPTIM_PREFIX) and key.count("/") >= 2 else key
 
 
+class DeferredScalars:
+    """Optimizer scalars (key -> name -> a function giving ``{value, dtype}``) read when something first asks for
+    ``OptimizerState.scalars``. A checkpoint's 0-dim values (AdamW's step per parameter) lie among its tensors (DCP
+    writes each parameter's step beside its moments), so reading them means checking nearly every block of the
+    file against the manifest: a conversion whose target keeps no optimizer state (--to hf) never pays for it."""
+
+    def __init__(self, readers: dict[str, dict[str, Callable[[], dict[str, Any]]]]):
+        self.readers = readers
+
+    def keys(self) -> list[str]:
+        return list(self.readers)
+
+    def read(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
+
+
 @dataclass
 class OptimizerState:
     cls: str  # "AdamW"
     param_groups: list[dict[str, Any]]  # hyper-parameters, with "params": [canonical names]
     tensors: dict[str, dict[str, LazyTensor]] = field(default_factory=dict)  # state key -> name -> tensor
-    scalars: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # key -> name -> {value, dtype}
+    # key -> name -> {value, dtype}; given as DeferredScalars, read on first access of the attribute
+    scalars: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if name == "scalars" and isinstance(value, DeferredScalars):
+            value = value.read()
+            object.__setattr__(self, "scalars", value)
+        return value
 
     @property
     def state_keys(self) -> list[str]:
-        return sorted(set(self.tensors) | set(self.scalars))
+        return sorted(set(self.tensors) | set(object.__getattribute__(self, "scalars").keys()))
+
+    def _scalars_by_key(self) -> dict[str, dict[str, Any]]:
+        """The scalars' names by key, as read or as readers (nothing is read)."""
+        raw = object.__getattribute__(self, "scalars")
+        return raw.readers if isinstance(raw, DeferredScalars) else raw
+
+    def names(self) -> set[str]:
+        """Every parameter name the optimizer mentions (its groups' and its state's), reading nothing."""
+        out = {n for g in self.param_groups for n in g.get("params", [])}
+        for per in (*self.tensors.values(), *self._scalars_by_key().values()):
+            out |= set(per)
+        return out
+
+    def renamed(self, name: Callable[[str], str]) -> "OptimizerState":
+        """This state with every parameter name ``n`` read as ``name(n)``; scalars not read yet stay so."""
+        raw = object.__getattribute__(self, "scalars")
+        scalars = {k: {name(n): v for n, v in per.items()} for k, per in self._scalars_by_key().items()}
+        return OptimizerState(
+            self.cls, [{**g, "params": [name(n) for n in g.get("params", [])]} for g in self.param_groups],
+            {k: {name(n): t for n, t in per.items()} for k, per in self.tensors.items()},
+            DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
+        )
 
 
 @dataclass
@@ -93,9 +139,7 @@ class LogicalCheckpoint:
         """Every parameter name the checkpoint mentions: model, tied, frozen and optimizer names."""
         out = set(self.model) | {n for group in self.tied for n in group} | set(self.frozen)
         if self.optimizer is not None:
-            out |= {n for g in self.optimizer.param_groups for n in g.get("params", [])}
-            for per in (*self.optimizer.tensors.values(), *self.optimizer.scalars.values()):
-                out |= set(per)
+            out |= self.optimizer.names()
         return out
 
     def renamed(self, mapping: dict[str, str]) -> "LogicalCheckpoint":
@@ -104,13 +148,7 @@ class LogicalCheckpoint:
         if all(mapping.get(n, n) == n for n in mapping):
             return self
         name = lambda n: mapping.get(n, n)  # noqa: E731
-        opt = self.optimizer
-        if opt is not None:
-            opt = OptimizerState(
-                opt.cls, [{**g, "params": [name(n) for n in g.get("params", [])]} for g in opt.param_groups],
-                {k: {name(n): t for n, t in per.items()} for k, per in opt.tensors.items()},
-                {k: {name(n): v for n, v in per.items()} for k, per in opt.scalars.items()},
-            )
+        opt = self.optimizer and self.optimizer.renamed(name)
         model = {name(n): t for n, t in self.model.items()}
         if len(model) != len(self.model):
             from collections import Counter

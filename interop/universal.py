@@ -26,7 +26,7 @@ from . import codec
 from .commit import durable_write, fsync_path, write_manifest
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ConversionError, CorruptCheckpointError
-from .logical import AdapterState, ComponentSource, LogicalCheckpoint, OptimizerState, optim_key
+from .logical import AdapterState, ComponentSource, DeferredScalars, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
 from .pieces import write_piece
 from .planner import pieces_for
@@ -419,21 +419,23 @@ def scalar_entry(t: "torch.Tensor") -> dict[str, Any]:
 
 def split_optimizer_state(
     per_name: dict[str, dict[str, Any]], where: str
-) -> tuple[dict[str, dict[str, LazyTensor]], dict[str, dict[str, dict[str, Any]]]]:
+) -> tuple[dict[str, dict[str, LazyTensor]], DeferredScalars]:
     """A name-keyed optimizer state (``{name: {key: value}}``) as OptimizerState's ``tensors`` (state key ->
-    name -> tensor) and ``scalars`` (0-dim values and numbers: AdamW's step). Values may be lazy or loaded."""
+    name -> tensor) and ``scalars`` (0-dim values and numbers: AdamW's step), these read when first asked for.
+    Values may be lazy or loaded."""
     tensors: dict[str, dict[str, LazyTensor]] = {}
-    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    readers: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
     for name, entries in per_name.items():
         for key, value in entries.items():
             if instance_of(value, "torch", "Tensor"):
                 value = LazyTensor.of(value, f"{where}[{name}.{key}]")
             if isinstance(value, LazyTensor) and len(value.spec.shape) > 0:
                 tensors.setdefault(key, {})[name] = value
-            elif isinstance(value, LazyTensor):  # (read from its bytes where it can be: no torch for a step)
-                scalars.setdefault(key, {})[name] = {"value": value.item(), "dtype": value.spec.dtype_name}
+            elif isinstance(value, LazyTensor):  # read when asked for, from its bytes where it can be (no torch)
+                readers.setdefault(key, {})[name] = lambda v=value: {"value": v.item(), "dtype": v.spec.dtype_name}
             elif isinstance(value, (int, float)):
-                scalars.setdefault(key, {})[name] = scalar_entry(torch.tensor(value))
+                entry = scalar_entry(torch.tensor(value))
+                readers.setdefault(key, {})[name] = lambda e=entry: e
             else:
                 raise ConversionError(f"{where}: optimizer state {key!r} of {name!r} is a {type(value).__name__}")
-    return tensors, scalars
+    return tensors, DeferredScalars(readers)
