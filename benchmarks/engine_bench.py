@@ -241,7 +241,8 @@ def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[st
     out = os.path.join(work, "saves")
     measure([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
              f"--master_port={port}", os.path.abspath(script), "--saves", result, "--train", out, "--hidden", str(args.hidden),
-             "--layers", str(args.layers), "--repeat", str(args.repeat)], env=env)
+             "--layers", str(args.layers), "--repeat", str(args.repeat), "--batch-size", str(getattr(args, "batch_size", 2)),
+             "--seq-len", str(getattr(args, "seq_len", 16)), *(["--bf16"] if getattr(args, "bf16", False) else [])], env=env)
     with open(result) as f:
         timings = json.load(f)
     engine_blocking, engine_durable = f"save: {engine} alone, blocking", f"save: {engine} alone, until on disk (sync)"

@@ -236,7 +236,7 @@ def write_ds_universal(
     unknown = [k for k in keys if k not in ADAM_KEYS]
     if unknown:  # DeepSpeed's ZeRO-3 loader restores exp_avg and exp_avg_sq only; others would be lost
         raise ConversionError(f"DeepSpeed's universal layout holds AdamW state only; the source also has {unknown}")
-    extra_scalars = sorted(set(opt.scalars if opt is not None else {}) - {"step"})
+    extra_scalars = sorted(set(opt.scalar_keys if opt is not None else []) - {"step"})
     if extra_scalars:
         raise ConversionError(f"DeepSpeed's universal layout keeps only the 'step' scalar; the source also has {extra_scalars}")
     step = int(ckpt.step or 0)

@@ -28,7 +28,7 @@ from interop.lazy_import import torch
 from interop.commit import MEGATRON_TRACKER, durable_write, read_iteration_tracker
 from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
 from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
@@ -42,6 +42,7 @@ from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
+from .torch_zip import as_torch, is_tensor, materialize
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,16 @@ class MegatronObject:
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_megatron_file(path: str, trust_pickle: bool = False) -> Any:
+def load_megatron_file(path: str, trust_pickle: bool = False, stored: bool = False) -> Any:
     """A Megatron pickle with ``weights_only``: argparse's Namespace is allowed, and each ``megatron.*`` global
-    the file names is replaced by :class:`MegatronObject` (found one at a time from torch's refusal)."""
+    the file names is replaced by :class:`MegatronObject` (found one at a time from torch's refusal). ``stored``:
+    tensors may come back as ``torch_zip.StoredTensor`` (read, and checked, only where used)."""
     from interop.errors import UnsafePickleError
 
     allow: list[Any] = [argparse.Namespace, *numpy_allowlist()]
     for _ in range(64):
         try:
-            return load_torch_file(path, trust_pickle, allow=allow)
+            return load_torch_file(path, trust_pickle, allow=allow, stored=stored)
         except UnsafePickleError as exc:
             found = re.search(r"references ([\w.]+)", exc.problem)
             name = found.group(1) if found else ""
@@ -232,7 +234,7 @@ def hf_tensors(
     """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded."""
 
     def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        loaded = [p() for p in pieces]
+        loaded = [as_torch(p()) for p in pieces]
         check_pieces(rule, loaded, where)
         full = merge(rule, loaded)
         if rule.split == VOCAB:
@@ -327,7 +329,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
         names, tensors = [], {}
         for v, chunk in enumerate(cs):
             for key, value in chunk.items():
-                if not isinstance(value, torch.Tensor):
+                if not is_tensor(value):
                     continue  # _extra_state
                 name = key
                 if key.startswith(LAYER_PREFIX):
@@ -376,8 +378,8 @@ def _ungrouped(rank: _RankModel, optim: tuple, ep_rank: int, per: int, hidden: i
         if n not in grouped:
             names.append(n)
             continue
-        def split(t: torch.Tensor, n: str = n) -> dict[str, torch.Tensor]:
-            return _ungroup(n, t, ep_rank * per, per, hidden, width, path)
+        def split(t: Any, n: str = n) -> dict[str, torch.Tensor]:
+            return _ungroup(n, as_torch(t), ep_rank * per, per, hidden, width, path)
 
         parts = split(tensors.pop(n))
         expanded[n] = list(parts)
@@ -388,7 +390,7 @@ def _ungrouped(rank: _RankModel, optim: tuple, ep_rank: int, per: int, hidden: i
         entries = per_name.pop(n, None)
         if entries:  # Adam's moments are split like the weight; the step is every expert's
             shape = tuple(rank.tensors[n].shape)
-            pieces = {k: split(v) for k, v in entries.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == shape}
+            pieces = {k: split(v) for k, v in entries.items() if is_tensor(v) and tuple(v.shape) == shape}
             for m in parts:
                 per_name[m] = {k: pieces[k][m] if k in pieces else v for k, v in entries.items()}
     groups = [{**g, "params": [m for n in g["params"] for m in expanded.get(n, [n])]} for g in groups]
@@ -593,7 +595,9 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     files = locate(path, check=False)  # rank 0's file says how to read the others' names
     manifest, owner = owning_checkpoint(files.iteration_dir, NATIVE_KEY, verify_digests)  # ours: checked first
     first = files.paths[(0, 0)]
-    head = load_megatron_file(first, trust_pickle)
+    # the rank files as stand-ins: each tensor's bytes are read, and checked against the manifest, only where used
+    # (an HF export reads the fp32 masters, not the moments)
+    head = load_megatron_file(first, trust_pickle, stored=True)
     args = head.get("args")
     if args is not None:
         args_d = vars(args) if not isinstance(args, dict) else args
@@ -608,7 +612,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
                                      "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
     _check_experts(arch, files, args_d, first)
-    states3 = {key: (head if key == (0, 0, 0) else load_megatron_file(p, trust_pickle)) for key, p in files.all_paths.items()}
+    states3 = {key: (head if key == (0, 0, 0) else load_megatron_file(p, trust_pickle, stored=True)) for key, p in files.all_paths.items()}
     all_rules = rules(arch)
     ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
     if arch.experts and any(os.path.isfile(os.path.join(os.path.dirname(p), DISTRIB_OPTIM)) for p in files.all_paths.values()):
@@ -647,7 +651,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     def lazy_for(rule: Rule, tag: str, getter, dtype: torch.dtype, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
         extra_rows = piece_shape[0] * files.tp - arch.vocab
         if rule.split == VOCAB and 0 < extra_rows <= piece_shape[0]:  # the padded rows: all in the last TP piece
-            padding[f"{tag}/{rule.megatron}"] = getter((files.tp - 1, placed[rule.megatron][1]))[-extra_rows:].clone()
+            padding[f"{tag}/{rule.megatron}"] = as_torch(getter((files.tp - 1, placed[rule.megatron][1])))[-extra_rows:].clone()
         shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
         return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
@@ -669,7 +673,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if any(bool(t.any()) for t in padding.values()):
         extra[PADDING] = padding  # not part of the Hugging Face model, but of Megatron's softmax: kept for a Megatron target
     if head.get("opt_param_scheduler") is not None:
-        extra[SCHEDULER] = head["opt_param_scheduler"]
+        extra[SCHEDULER] = materialize(head["opt_param_scheduler"])
     rank_state = {}
     rng = _rng_states(files, states3)
     if rng is not None:
@@ -721,7 +725,7 @@ def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -
     if not any(o[0] for o in optim.values()):
         return None
     tensors: dict[str, dict[str, LazyTensor]] = {}
-    scalars: dict[str, dict[str, dict[str, Any]]] = {}
+    scalars: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
     hf_of = {r.megatron: r for r in all_rules}
     for rule in all_rules:
         key0 = placed[rule.megatron]
@@ -729,12 +733,13 @@ def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -
         if entries is None:
             continue
         for skey, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if is_tensor(value) and value.dim() > 0:
                 getter = lambda key, r=rule, s=skey: optim[key][0][r.megatron][s]  # noqa: E731
                 tensors.setdefault(skey, {}).update(lazy_for(rule, f"optim:{skey}", getter, value.dtype, tuple(value.shape)))
-            else:
+            else:  # read when a target asks for them (AdamW's step lies between the moments)
+                read = lambda v=value: scalar_entry(as_torch(v) if is_tensor(v) else torch.tensor(v))  # noqa: E731
                 for name in rule.hf:
-                    scalars.setdefault(skey, {})[name] = scalar_entry(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+                    scalars.setdefault(skey, {})[name] = read
     groups = optim[(0, 0)][1]
     named = []
     for g in groups:
@@ -749,7 +754,7 @@ def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -
                 for n in hf_of[m].hf:
                     if n not in g["params"]:
                         g["params"].append(n)
-    return OptimizerState("AdamW", named, tensors, scalars)
+    return OptimizerState("AdamW", named, tensors, DeferredScalars(scalars))
 
 
 def _rng_states(files: LegacyFiles, states: dict[tuple[int, int, int], dict]) -> list[dict[str, Any]] | None:
@@ -759,7 +764,7 @@ def _rng_states(files: LegacyFiles, states: dict[tuple[int, int, int], dict]) ->
     for p in range(files.pp):
         for e in range(files.ep):
             for t in range(files.tp):
-                rng = states[(t, p, e)].get("rng_state")
+                rng = materialize(states[(t, p, e)].get("rng_state"))
                 entry = our_rng(rng[0]) if isinstance(rng, list) and len(rng) == 1 else None
                 if entry is None:
                     return None

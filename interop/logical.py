@@ -61,6 +61,11 @@ class OptimizerState:
     def state_keys(self) -> list[str]:
         return sorted(set(self.tensors) | set(object.__getattribute__(self, "scalars").keys()))
 
+    @property
+    def scalar_keys(self) -> list[str]:
+        """The scalars' state keys (AdamW's 'step'), reading nothing."""
+        return list(self._scalars_by_key())
+
     def _scalars_by_key(self) -> dict[str, dict[str, Any]]:
         """The scalars' names by key, as read or as readers (nothing is read)."""
         raw = object.__getattribute__(self, "scalars")

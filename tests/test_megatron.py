@@ -455,3 +455,36 @@ def test_megatron_without_args_converts_with_config(tmp_path):
     assert done.returncode == 0, done.stderr
     report = diff_checkpoints(read_hf(str(tmp_path / "hf")), read_hf(str(tmp_path / "out")))
     assert not report.problems and report.count("exact") > 0
+
+
+def test_rank_files_are_checked_only_where_an_export_reads_them(tmp_path, trained):
+    """Megatron rank files recorded block by block are read as stand-ins: an HF export checks (and reads) the
+    weights it writes, not the Adam moments beside them. A flipped byte in a moment leaves the export exact; a
+    conversion that keeps the moments, and verify, refuse the file by name."""
+    from converters import torch_zip
+    from converters.cli import main
+
+    from .conftest import by_blocks
+
+    meg = tmp_path / "meg"
+    assert main(["convert", trained, str(meg), "--to", "megatron", "--tp", "2", "--pp", "2"]) == 0
+    assert main(["convert", str(meg), str(tmp_path / "hf0"), "--to", "hf"]) == 0
+    exported = {p.name: p.read_bytes() for p in (tmp_path / "hf0").iterdir()}
+    iteration = meg / "iter_0000002"
+    assert "mp_rank_01_001/model_optim_rng.pt" in by_blocks(iteration, 512)
+    path = iteration / "mp_rank_01_001" / "model_optim_rng.pt"
+    opt = torch_zip.load(str(path), [argparse.Namespace, *numpy_allowlist()])["optimizer"]
+    moments = [e["exp_avg"] for e in opt.get("optimizer", opt)["state"].values()]
+    lo, hi = max((m._span() for m in moments), key=lambda span: span[1] - span[0])
+    at = (lo // 512 + 2) * 512 + 100  # inside a block that holds nothing but the moment
+    assert at + 512 < hi, "the moment is too small to hold a block of its own"
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert main(["convert", str(meg), str(tmp_path / "hf1"), "--to", "hf"]) == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf1").iterdir()} == exported
+    assert main(["verify", str(meg), "-q"]) == 1
+    failed = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(meg), str(tmp_path / "uni"), "--to", "universal"],
+                            capture_output=True, text=True, env=worker_env(), cwd=ROOT)
+    assert failed.returncode == 2 and "model_optim_rng.pt" in failed.stderr and "differ from the manifest" in failed.stderr, failed.stderr
+    assert not (tmp_path / "uni").exists()
