@@ -42,7 +42,7 @@ from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
-from .torch_zip import as_torch, is_tensor, materialize
+from .torch_zip import StoredTensor, as_torch, is_tensor, materialize
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +227,63 @@ class MergedCache:
         return self.value
 
 
+def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: int,
+             shapes: list[tuple[int, ...]]) -> list[list[tuple[int, int, int]]] | None:
+    """For each Hugging Face tensor of ``rule``, the runs of whole rows it is made of, ``(TP piece, first row,
+    rows)`` in order, where merging the pieces and unfusing moves whole rows only (a row split, the vocabulary,
+    [gate; up], a fused QKV); None where anything else moves (a column split, a transpose). Worked out by running
+    the merge and the unfuse themselves on each piece's row numbers, so it holds for whatever they do."""
+    if not piece_shape or (rule.split == COLS and tp > 1):
+        return None
+    rows, rest = piece_shape[0], (1,) * (len(piece_shape) - 1)
+    numbers = [torch.arange(t * rows, (t + 1) * rows).reshape(rows, *rest) for t in range(tp)]
+    full = merge(rule, numbers)
+    if rule.split == VOCAB:
+        full = full[: arch.vocab]
+    parts = rule.unfuse(full)
+    out = []
+    for part, shape in zip(parts, shapes):
+        if tuple(part.shape) != (shape[0], *rest) or tuple(shape[1:]) != tuple(piece_shape[1:]):
+            return None
+        ids = part.reshape(-1)
+        if ids.numel() == 0:
+            out.append([])
+            continue
+        # a run breaks where the next row is not the next one of the same piece
+        breaks = ((ids[1:] != ids[:-1] + 1) | (ids[1:] // rows != ids[:-1] // rows)).nonzero().reshape(-1) + 1
+        bounds = [0, *breaks.tolist(), ids.numel()]
+        out.append([(int(ids[a]) // rows, int(ids[a]) % rows, b - a) for a, b in zip(bounds, bounds[1:])])
+    return out if len(out) == len(shapes) else None
+
+
+def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: torch.dtype) -> Callable[[], list | None]:
+    """LazyTensor.mapped_pieces from row runs: each run a view of its TP piece's file (None where a piece is not a
+    contiguous stand-in of the tensor's dtype: the tensor is then loaded and merged)."""
+
+    def mapped() -> list | None:
+        stored = {}
+        for t in {t for t, _, _ in runs}:
+            piece = pieces[t]()
+            if not isinstance(piece, StoredTensor) or not piece.is_contiguous() or piece.dtype_name != dtype_name(dtype):
+                return None
+            stored[t] = piece
+        out = []
+        for t, first, count in runs:
+            piece = stored[t]
+            width = piece.numel() // piece.shape[0]
+            out.append(piece.reshape(-1)[first * width : (first + count) * width].piece())
+        return out
+
+    return mapped
+
+
 def hf_tensors(
     rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: MergedCache, tag: str,
-    dtype: torch.dtype, shapes: list[tuple[int, ...]],
+    dtype: torch.dtype, shapes: list[tuple[int, ...]], piece_shape: tuple[int, ...] | None = None,
 ) -> dict[str, LazyTensor]:
-    """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded."""
+    """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded. Given the
+    pieces' shape, a tensor whose rows lie whole in the pieces' files is also offered as views of them
+    (``mapped_pieces``: a writer copies them file to file), see :func:`row_runs`."""
 
     def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         loaded = [as_torch(p()) for p in pieces]
@@ -241,10 +293,12 @@ def hf_tensors(
             full = full[: arch.vocab]
         return rule.unfuse(full), loaded
 
+    runs = row_runs(rule, arch, piece_shape, len(pieces), shapes) if piece_shape else None
     out = {}
     for i, (name, shape) in enumerate(zip(rule.hf, shapes)):
         out[name] = LazyTensor(
-            TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}"
+            TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}",
+            mapped_pieces=_mapped_rows(pieces, runs[i], dtype) if runs else None,
         )
     return out
 
@@ -654,7 +708,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
             padding[f"{tag}/{rule.megatron}"] = as_torch(getter((files.tp - 1, placed[rule.megatron][1])))[-extra_rows:].clone()
         shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
-        return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes)
+        return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes, piece_shape)
 
     model: dict[str, LazyTensor] = {}
     for rule in all_rules:

@@ -488,3 +488,29 @@ def test_rank_files_are_checked_only_where_an_export_reads_them(tmp_path, traine
                             capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert failed.returncode == 2 and "model_optim_rng.pt" in failed.stderr and "differ from the manifest" in failed.stderr, failed.stderr
     assert not (tmp_path / "uni").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2-tied"])
+def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
+    """A tensor whose tensor-parallel merge and unfuse move whole rows (a row split, the vocabulary, [gate; up], a
+    fused QKV) is offered as views of the rank files, which a writer copies file to file; their bytes are the
+    merged tensor's, exactly. A column split, and GPT-2's transposed weights, are merged with torch."""
+    from interop.tensors import raw_bytes
+
+    make(MODELS[kind]()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    ckpt = read_megatron(str(tmp_path / "meg"))
+    viewed = {}
+    for name, t in ckpt.model.items():
+        pieces = t.mapped_pieces() if t.mapped_pieces is not None else None
+        viewed[name] = pieces is not None
+        if pieces is not None:
+            assert b"".join(bytes(p.data) for p in pieces) == bytes(raw_bytes(t.load())), name
+    if kind == "llama":
+        layer = "model.layers.1"
+        assert all(viewed[f"{layer}.{n}.weight"] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                              "mlp.gate_proj", "mlp.up_proj", "input_layernorm"))
+        assert viewed["model.embed_tokens.weight"] and viewed["lm_head.weight"]
+        assert not viewed[f"{layer}.self_attn.o_proj.weight"] and not viewed[f"{layer}.mlp.down_proj.weight"]
+    else:
+        assert not viewed["transformer.h.0.attn.c_attn.weight"] and viewed["transformer.h.0.ln_1.weight"]
