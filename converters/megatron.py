@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 from collections import OrderedDict
@@ -41,7 +42,7 @@ from .megatron_map import (
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
-from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
+from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from .torch_zip import StoredTensor, as_torch, is_tensor, materialize
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,17 @@ def load_megatron_file(path: str, trust_pickle: bool = False, stored: bool = Fal
     from interop.errors import UnsafePickleError
 
     allow: list[Any] = [argparse.Namespace, *numpy_allowlist()]
+    if stored and not trust_pickle and is_mapped(path):  # stand-ins found from the stand-in reader's own refusal:
+        from . import torch_zip  # torch's loader would check the whole file first
+
+        for _ in range(64):
+            try:
+                return torch_zip.load(path, allow)
+            except torch_zip.NeedsTorch as why:  # anything else it cannot express: torch's loader decides, below
+                found = re.fullmatch(r"references (megatron\.[\w.]+)", str(why))
+                if not found or any(isinstance(a, tuple) and a[1] == found.group(1) for a in allow):
+                    break
+                allow.append((MegatronObject, found.group(1)))
     for _ in range(64):
         try:
             return load_torch_file(path, trust_pickle, allow=allow, stored=stored)
@@ -256,23 +268,21 @@ def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: i
     return out if len(out) == len(shapes) else None
 
 
-def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: torch.dtype) -> Callable[[], list | None]:
+def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: torch.dtype,
+                 piece_shape: tuple[int, ...]) -> Callable[[], list | None]:
     """LazyTensor.mapped_pieces from row runs: each run a view of its TP piece's file (None where a piece is not a
-    contiguous stand-in of the tensor's dtype: the tensor is then loaded and merged)."""
+    contiguous stand-in of the tensor's dtype and the pieces' shape: the tensor is then loaded, checked and merged)."""
+    width = math.prod(piece_shape[1:])
 
     def mapped() -> list | None:
         stored = {}
         for t in {t for t, _, _ in runs}:
             piece = pieces[t]()
-            if not isinstance(piece, StoredTensor) or not piece.is_contiguous() or piece.dtype_name != dtype_name(dtype):
+            if (not isinstance(piece, StoredTensor) or tuple(piece.shape) != tuple(piece_shape) or not piece.is_contiguous()
+                    or piece.dtype_name != dtype_name(dtype)):
                 return None
             stored[t] = piece
-        out = []
-        for t, first, count in runs:
-            piece = stored[t]
-            width = piece.numel() // piece.shape[0]
-            out.append(piece.reshape(-1)[first * width : (first + count) * width].piece())
-        return out
+        return [stored[t].reshape(-1)[first * width : (first + count) * width].piece() for t, first, count in runs]
 
     return mapped
 
@@ -298,7 +308,7 @@ def hf_tensors(
     for i, (name, shape) in enumerate(zip(rule.hf, shapes)):
         out[name] = LazyTensor(
             TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}",
-            mapped_pieces=_mapped_rows(pieces, runs[i], dtype) if runs else None,
+            mapped_pieces=_mapped_rows(pieces, runs[i], dtype, piece_shape) if runs else None,
         )
     return out
 
@@ -705,7 +715,10 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     def lazy_for(rule: Rule, tag: str, getter, dtype: torch.dtype, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
         extra_rows = piece_shape[0] * files.tp - arch.vocab
         if rule.split == VOCAB and 0 < extra_rows <= piece_shape[0]:  # the padded rows: all in the last TP piece
-            padding[f"{tag}/{rule.megatron}"] = as_torch(getter((files.tp - 1, placed[rule.megatron][1])))[-extra_rows:].clone()
+            last = getter((files.tp - 1, placed[rule.megatron][1]))  # only the padded rows of it are read
+            width = math.prod(piece_shape[1:])
+            rows = last.reshape(-1)[(piece_shape[0] - extra_rows) * width :]
+            padding[f"{tag}/{rule.megatron}"] = as_torch(rows).reshape(extra_rows, *piece_shape[1:]).clone()
         shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
         return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes, piece_shape)

@@ -458,23 +458,28 @@ def test_megatron_without_args_converts_with_config(tmp_path):
 
 
 def test_rank_files_are_checked_only_where_an_export_reads_them(tmp_path, trained):
-    """Megatron rank files recorded block by block are read as stand-ins: an HF export checks (and reads) the
-    weights it writes, not the Adam moments beside them. A flipped byte in a moment leaves the export exact; a
-    conversion that keeps the moments, and verify, refuse the file by name."""
-    from converters import torch_zip
+    """Megatron rank files recorded block by block are read as stand-ins (Megatron-LM's own objects in ``args``
+    too): an HF export checks (and reads) the weights it writes, not the Adam moments beside them. A flipped byte
+    in a moment leaves the export exact; a conversion that keeps the moments, and verify, refuse the file by name."""
     from converters.cli import main
 
-    from .conftest import by_blocks
+    from .conftest import by_blocks, reseal
 
     meg = tmp_path / "meg"
     assert main(["convert", trained, str(meg), "--to", "megatron", "--tp", "2", "--pp", "2"]) == 0
+    iteration = meg / "iter_0000002"
+    path = iteration / "mp_rank_01_001" / "model_optim_rng.pt"
+    from megatron.core.enums import ModelType  # as Megatron-LM's args hold it: a global the stand-in reader stands in for
+    state = torch.load(path, weights_only=False)
+    state["args"].model_type = ModelType.encoder_or_decoder
+    torch.save(state, path)
+    reseal(iteration, "mp_rank_01_001/model_optim_rng.pt")
+    assert "mp_rank_01_001/model_optim_rng.pt" in by_blocks(iteration, 512)
     assert main(["convert", str(meg), str(tmp_path / "hf0"), "--to", "hf"]) == 0
     exported = {p.name: p.read_bytes() for p in (tmp_path / "hf0").iterdir()}
-    iteration = meg / "iter_0000002"
-    assert "mp_rank_01_001/model_optim_rng.pt" in by_blocks(iteration, 512)
-    path = iteration / "mp_rank_01_001" / "model_optim_rng.pt"
-    opt = torch_zip.load(str(path), [argparse.Namespace, *numpy_allowlist()])["optimizer"]
+    opt = load_megatron_file(str(path), stored=True)["optimizer"]  # read as stand-ins, the enum in args included
     moments = [e["exp_avg"] for e in opt.get("optimizer", opt)["state"].values()]
+    assert all(type(m).__name__ == "StoredTensor" for m in moments)
     lo, hi = max((m._span() for m in moments), key=lambda span: span[1] - span[0])
     at = (lo // 512 + 2) * 512 + 100  # inside a block that holds nothing but the moment
     assert at + 512 < hi, "the moment is too small to hold a block of its own"
