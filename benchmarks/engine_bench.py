@@ -13,6 +13,9 @@ from hf_roundtrip import EXPERTS_ENV, describe, model_config
 from measure import Section, measure, print_table, tree_bytes, workdir  # noqa: F401  (Section: the engine scripts')
 
 
+BATCH_SIZE, SEQ_LEN = 2, 16  # the save timings' training steps, unless --batch-size / --seq-len say otherwise
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
@@ -20,8 +23,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="keeps the trained checkpoint between runs")
     p.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts per layer instead of the Llama")
     p.add_argument("--repeat", type=int, default=3, help="runs of each step; the median wall time is reported")
-    p.add_argument("--batch-size", type=int, default=2, help="the save timings' training steps: samples per step")
-    p.add_argument("--seq-len", type=int, default=16, help="the save timings' training steps: tokens per sample")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="the save timings' training steps: samples per step")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="the save timings' training steps: tokens per sample")
     p.add_argument("--bf16", action="store_true", help="the save timings' training steps in bf16 mixed precision")
     p.add_argument("--train", default=None, help=argparse.SUPPRESS)
     p.add_argument("--saves", default=None, help=argparse.SUPPRESS)  # with --train: time saves, write them here
@@ -241,8 +244,8 @@ def save_rows(script: str, work: str, args, port: int, engine: str, env: dict[st
     out = os.path.join(work, "saves")
     measure([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
              f"--master_port={port}", os.path.abspath(script), "--saves", result, "--train", out, "--hidden", str(args.hidden),
-             "--layers", str(args.layers), "--repeat", str(args.repeat), "--batch-size", str(getattr(args, "batch_size", 2)),
-             "--seq-len", str(getattr(args, "seq_len", 16)), *(["--bf16"] if getattr(args, "bf16", False) else [])], env=env)
+             "--layers", str(args.layers), "--repeat", str(args.repeat), "--batch-size", str(getattr(args, "batch_size", BATCH_SIZE)),
+             "--seq-len", str(getattr(args, "seq_len", SEQ_LEN)), *(["--bf16"] if getattr(args, "bf16", False) else [])], env=env)
     with open(result) as f:
         timings = json.load(f)
     engine_blocking, engine_durable = f"save: {engine} alone, blocking", f"save: {engine} alone, until on disk (sync)"

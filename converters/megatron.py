@@ -43,6 +43,7 @@ from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
+from . import torch_zip
 from .torch_zip import StoredTensor, as_torch, is_tensor, materialize
 
 log = logging.getLogger(__name__)
@@ -81,26 +82,27 @@ def load_megatron_file(path: str, trust_pickle: bool = False, stored: bool = Fal
     from interop.errors import UnsafePickleError
 
     allow: list[Any] = [argparse.Namespace, *numpy_allowlist()]
-    if stored and not trust_pickle and is_mapped(path):  # stand-ins found from the stand-in reader's own refusal:
-        from . import torch_zip  # torch's loader would check the whole file first
 
-        for _ in range(64):
-            try:
-                return torch_zip.load(path, allow)
-            except torch_zip.NeedsTorch as why:  # anything else it cannot express: torch's loader decides, below
-                found = re.fullmatch(r"references (megatron\.[\w.]+)", str(why))
-                if not found or any(isinstance(a, tuple) and a[1] == found.group(1) for a in allow):
-                    break
-                allow.append((MegatronObject, found.group(1)))
+    def stand_in(problem: str) -> bool:
+        """Allow a stand-in for the ``megatron.*`` global ``problem`` names; False if it names none or a known one."""
+        found = re.search(r"references (megatron\.[\w.]+)", problem)
+        if not found or any(isinstance(a, tuple) and a[1] == found.group(1) for a in allow):
+            return False
+        allow.append((MegatronObject, found.group(1)))
+        return True
+
+    # stored: the stand-in reader's own refusals name the globals (torch's loader would check the whole file first)
+    stored = stored and not trust_pickle and is_mapped(path)
     for _ in range(64):
         try:
-            return load_torch_file(path, trust_pickle, allow=allow, stored=stored)
+            if stored:
+                return torch_zip.load(path, allow)
+            return load_torch_file(path, trust_pickle, allow=allow)
+        except torch_zip.NeedsTorch as why:  # anything else stand-ins cannot express: torch's loader decides
+            stored = stand_in(str(why))
         except UnsafePickleError as exc:
-            found = re.search(r"references ([\w.]+)", exc.problem)
-            name = found.group(1) if found else ""
-            if not name.startswith("megatron.") or any(isinstance(a, tuple) and a[1] == name for a in allow):
+            if not stand_in(exc.problem):
                 raise
-            allow.append((MegatronObject, name))
     raise CorruptCheckpointError(path, "names too many Megatron objects to stand in for")
 
 

@@ -35,9 +35,6 @@ class DeferredScalars:
     def __init__(self, readers: dict[str, dict[str, Callable[[], dict[str, Any]]]]):
         self.readers = readers
 
-    def keys(self) -> list[str]:
-        return list(self.readers)
-
     def read(self) -> dict[str, dict[str, dict[str, Any]]]:
         return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
 
@@ -59,7 +56,7 @@ class OptimizerState:
 
     @property
     def state_keys(self) -> list[str]:
-        return sorted(set(self.tensors) | set(object.__getattribute__(self, "scalars").keys()))
+        return sorted(set(self.tensors) | set(self.scalar_keys))
 
     @property
     def scalar_keys(self) -> list[str]:
