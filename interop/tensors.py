@@ -69,6 +69,19 @@ class Piece:
         return cls(data, mapped_file_range(tensor), lambda: release_mapped_pages(tensor), dtype)
 
 
+def sub_pieces(pieces: list[Piece], lo: int, hi: int) -> list[Piece]:
+    """Bytes ``lo:hi`` of what ``pieces`` hold in order, as pieces of the same memory and files (no copy)."""
+    out, at = [], 0
+    for p in pieces:
+        data = p.data if p.data.format == "B" and p.data.ndim == 1 else p.data.cast("B")
+        a, b = max(lo - at, 0), min(hi - at, len(data))
+        if a < b:
+            source = (p.source[0], p.source[1] + a, p.source[2]) if p.source is not None else None
+            out.append(Piece(data[a:b], source, p.release, p.dtype))
+        at += len(data)
+    return out
+
+
 @dataclass
 class LazyTensor:
     """A tensor whose bytes stay on disk until ``load()``; converters stream these one at a time."""

@@ -191,7 +191,7 @@ def test_ddp_and_fsdp2_checkpoints_read_the_same(runs):
 
 
 # --- accelerator.load_state on what we write ----------------------------------------------------------------
-# by default FSDP2 on 2 processes; DDP's load_state of our output runs in the resume matrix's ZeRO-3 -> DDP pair
+# by default FSDP2 on 2 processes; DDP's load_state of our output runs in test_resume_matches_uninterrupted_run's fsdp -> ddp row
 @pytest.mark.parametrize("source,fsdp,world", [pytest.param("universal", False, 1, marks=pytest.mark.slow),
                                                pytest.param("fsdp", False, 2, marks=pytest.mark.slow),
                                                pytest.param("universal", True, 1, marks=pytest.mark.slow), ("ddp", True, 2)],
@@ -245,7 +245,8 @@ def test_accelerator_load_state_accepts_ours(runs, tmp_path, source, fsdp, world
 
 
 # --- resume across process counts and layouts ---------------------------------------------------------------
-@pytest.mark.parametrize("source,target,world", [("ddp", "ddp", 2), ("fsdp", "fsdp", 2),
+@pytest.mark.parametrize("source,target,world", [pytest.param("ddp", "ddp", 2, marks=pytest.mark.slow),  # exact DDP and
+                                                  pytest.param("fsdp", "fsdp", 2, marks=pytest.mark.slow),  # FSDP2 resumes: local SGD, bf16 tests
                                                   pytest.param("ddp", "fsdp", 1, marks=pytest.mark.slow), ("fsdp", "ddp", 1)],
                          ids=["ddp2-ddp2", "fsdp2-fsdp2", "ddp2-fsdp1", "fsdp2-ddp1"])  # 2 -> 1 across strategies: one row in CI
 def test_resume_matches_uninterrupted_run(runs, tmp_path, source, target, world):
@@ -274,6 +275,7 @@ def test_resume_one_process_to_two_through_universal(runs, tmp_path):
 
 
 # --- accelerate's own tools ---------------------------------------------------------------------------------
+@pytest.mark.slow  # merge-weights on our FSDP2 files: test_accelerator_load_state_accepts_ours
 def test_accelerate_merge_weights_equals_our_hf_export(runs, tmp_path):
     ckpt = runs["fsdp"][0] / "checkpoint-4"
     merged = tmp_path / "merged"

@@ -447,12 +447,11 @@ DS3_FILES = [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for
 ACC_FILES = ["optimizer.bin", "scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"]
 HFT_FILES = ["optimizer.pt", "scheduler.pt", "rng_state.pth"]
 
-# (engine, stage, file): the default run converts every ZeRO-2 file, one ZeRO-3 file (ZeRO-3 has per-rank model
-# states) and one file of each other engine; the rest is slow
+# (engine, stage, file): the default run converts every ZeRO-2 file (a ZeRO-3 rank's model states go through the
+# same loader) and one file of each other engine; the rest is slow
 CONVERT_ROWS = (
     [pytest.param("deepspeed", 2, f, id=f"zero2-{f}") for f in DS2_FILES]
-    + [pytest.param("deepspeed", 3, f, id=f"zero3-{f}", marks=[] if f == "zero_pp_rank_1_mp_rank_00_model_states.pt"
-                    else [pytest.mark.slow]) for f in DS3_FILES]
+    + [pytest.param("deepspeed", 3, f, id=f"zero3-{f}", marks=[pytest.mark.slow]) for f in DS3_FILES]
     + [pytest.param("accelerate", None, f, id=f"accelerate-{f}", marks=[] if f == "optimizer.bin" else [pytest.mark.slow])
        for f in ACC_FILES]
     + [pytest.param("hf_trainer", None, f, id=f"hf_trainer-{f}", marks=[] if f == "optimizer.pt" else [pytest.mark.slow])
@@ -1195,7 +1194,8 @@ def test_trainer_no_verify_skips_digests_but_not_sizes(base, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "model.safetensors" in lines[0], proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("module", ["trainers.base", pytest.param("trainers.hf_trainer", marks=pytest.mark.slow),
+@pytest.mark.parametrize("module", [pytest.param("trainers.base", marks=pytest.mark.slow),  # every parser: test_every_trainer_flag_has_help
+                                    pytest.param("trainers.hf_trainer", marks=pytest.mark.slow),
                                     pytest.param("trainers.deepspeed", marks=pytest.mark.slow),
                                     pytest.param("trainers.accelerate", marks=pytest.mark.slow)])
 def test_trainer_flags_exist(module):

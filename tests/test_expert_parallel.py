@@ -105,6 +105,7 @@ def test_resume_ep2_in_the_transformers_trainer(runs, tmp_path):
         base.resume(str(directory / "checkpoint-2"))
 
 
+@pytest.mark.slow  # EP reshards: test_resume_ep2_on_one_process; TP merges: test_resume_tp2_on_one_process
 def test_resume_tp2xep2_at_ep2(runs, tmp_path):
     """TP2 x EP2 on 4 ranks -> EP2 on 2: other ep groups, the tp shards merged, the same losses."""
     directory, losses = runs["tp2xep2"]

@@ -86,6 +86,7 @@ def test_megatron_core_resumes_our_checkpoint_exactly(tmp_path, megatron_saved, 
     assert json.loads((tmp_path / "out" / "rng.json").read_text()) == {"restored": True}
 
 
+@pytest.mark.slow  # megatron-core -> universal -> Megatron, bit-exact: the [distopt] row and resumes_our_checkpoint_exactly
 def test_megatron_core_checkpoint_through_universal_keeps_every_byte(tmp_path, megatron_saved):
     """megatron-core TP2 -> universal -> Megatron TP2: each rank's tensors as megatron-core saved them,
     padded vocabulary rows and Adam moments included."""

@@ -123,6 +123,7 @@ def test_resume_tp2_on_one_process(runs, tmp_path, through_universal):
     assert trainer.train() == pytest.approx(losses[2:], rel=1e-5)
 
 
+@pytest.mark.slow  # a 4-rank resume through universal: the resume matrix's fsdp2 -> tp2pp2 pair
 def test_resume_pp2_through_universal_on_dp2_tp2(runs, tmp_path):
     """PP2 -> universal -> TP2 with two data-parallel replicas (4 processes; converted in-process by the
     trainer): the PP2 run's losses, the global batch split over the replicas."""
@@ -136,6 +137,7 @@ def test_resume_pp2_through_universal_on_dp2_tp2(runs, tmp_path):
     assert "PER_RANK component 'rng' was saved with 2 ranks, now 4: not restored, reseeded per rank" in log
 
 
+@pytest.mark.slow  # --to interop-dcp, verify and a diff of every tensor: the resume matrix's slice
 def test_convert_to_interop_dcp_is_lossless(runs, tmp_path):
     """universal -> `--to interop-dcp` -> universal keeps every tensor exactly; verify passes on both."""
     cli("convert", str(runs["1x2x2"][0] / "checkpoint-4"), str(tmp_path / "u"), "--to", "universal")

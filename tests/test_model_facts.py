@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from converters.models import facts
 from converters.models.kept import kept_path
@@ -83,6 +84,43 @@ def test_a_damaged_kept_file_is_asked_again(tmp_path, monkeypatch, damage):
     assert json.loads(path.read_text()) == raw  # rewritten
 
 
+def test_a_kept_split_plan_that_does_not_tile_its_tensor_is_asked_again(tmp_path, monkeypatch):
+    """A kept split plan is checked before it is used: two experts placed at one offset (one left out) would
+    fuse a tensor with a hole and split one expert twice, so the file is asked again and rewritten."""
+    config = config_of("mixtral")
+    monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
+    forget()
+    plans = facts.split_plans(config)
+    assert plans and all(p.views for p in plans.values())
+    (path,) = (tmp_path / "model-facts").iterdir()
+    raw = json.loads(path.read_text())
+    damaged = json.loads(path.read_text())
+    views = next(iter(damaged["splits"].values()))["views"]
+    views[1][3] = views[0][3]
+    path.write_text(json.dumps(damaged))
+    forget()
+    assert facts.split_plans(config) == plans
+    assert json.loads(path.read_text()) == raw
+
+
+def test_a_stored_tensor_of_several_module_tensors_leaves_the_model_known():
+    """hrm_text stores q, k, v and a gate as one tensor (transformers chunks it into four module tensors): its
+    reversed converter joins four module tensors, which is no split into views. The model is still known (its
+    renaming and tied weights), and its plan says transformers' operations must run (views None)."""
+    import transformers
+
+    if "hrm_text" not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no hrm_text")
+    config = transformers.AutoConfig.for_model("hrm_text", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                               num_key_value_heads=4, vocab_size=64).to_dict()
+    forget()
+    assert facts.model_facts(config).cls == "HrmTextForCausalLM"
+    plans = facts.split_plans(config)
+    joined = [n for n, p in plans.items() if p.patterns == ("attn.gqkv_proj.weight",)]
+    assert joined and all(plans[n].views is None for n in joined)
+
+
+@pytest.mark.slow  # the same probe on a MoE model, engine files included: the test below
 def test_a_conversion_with_its_answers_kept_does_not_import_transformers(tmp_path):
     """A Hugging Face directory to universal, twice, and back: only the first conversion of the model asks
     transformers; the others find its answers kept."""
@@ -97,6 +135,30 @@ def test_a_conversion_with_its_answers_kept_does_not_import_transformers(tmp_pat
         assert done.returncode == 0, done.stderr
         seen.append(done.stdout.strip().splitlines()[-1])
     assert seen == ["transformers imported", "transformers not imported", "transformers not imported"]
+
+
+def test_a_moe_conversion_with_its_answers_kept_does_not_import_transformers(tmp_path):
+    """A Mixtral's experts fused into the module's tensors for an engine and split back into per-expert tensors
+    for Hugging Face by the split plans kept with the answers: after the model's first conversion neither
+    direction imports transformers (its conversion code and the model's module cost seconds), and the round trip
+    gives the source's tensors exactly."""
+    from safetensors.torch import load_file
+
+    _, src = saved(tmp_path, "mixtral")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{facts.CACHE_ENV: str(tmp_path / "kept")})
+    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
+             "print('transformers imported' if 'transformers' in sys.modules else 'transformers not imported'); sys.exit(rc)")
+    seen = []
+    for source, out, target in ((src, "uni", "universal"), (src, "acc", "accelerate"), (tmp_path / "acc", "hf", "hf")):
+        done = subprocess.run([sys.executable, "-c", probe, "convert", str(source), str(tmp_path / out), "--to", target,
+                               "--world-size", "1"], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip().splitlines()[-1])
+    assert seen == ["transformers imported", "transformers not imported", "transformers not imported"]
+    (engine,) = (tmp_path / "acc").glob("**/model.safetensors")
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in load_file(engine))  # fused for the engine
+    theirs, ours = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs)
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])

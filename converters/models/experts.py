@@ -92,12 +92,10 @@ def count(config: dict[str, Any] | None, shapes: dict[str, tuple[int, ...]]) -> 
     if not tensors:
         return {}
     to_module, _ = facts._renamers(facts._key(config))
-    key = facts._key(config)
     layers = {t.layer: LayerCount(t.layer, t.experts) for t in tensors.values()}
-    converters = facts._converters(key)
+    splits = facts.split_plans(config)
     for t in tensors.values():  # transformers' files store it per expert where a converter makes it of such tensors
-        made_by = [c for c in converters if any(fusion.pattern_regex(tp.replace("*", "")).search(t.name) for tp in c.target_patterns)]
-        layers[t.layer].expected[t.name] = list(made_by[0].source_patterns) if made_by else [None]
+        layers[t.layer].expected[t.name] = list(splits[t.name].patterns) if t.name in splits else [None]
     for name, shape in shapes.items():
         module, pattern = to_module(name)
         t = tensors.get(module)

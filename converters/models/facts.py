@@ -5,13 +5,14 @@ order and the stored keys ``from_pretrained`` ignores.
 No table of model types: a new architecture is known as soon as the installed transformers knows it.
 
 Asking costs seconds (importing transformers and the model's module is most of a conversion's start-up), so the
-answers a conversion needs (the facts, and transformers' renaming of the model's own keys) are kept on disk per
-transformers version and config (see ``_Answers``); a question they do not answer (a key the model does not
-have, MoE experts to fuse, the meta model itself) asks transformers as before.
+answers a conversion needs (the facts, transformers' renaming of the model's own keys, and how MoE experts split
+and fuse) are kept on disk per transformers version and config (see ``_Answers``); a question they do not answer
+(a key the model does not have, a fusion that is no views, the meta model itself) asks transformers as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -121,15 +122,16 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 2  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 3  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
 class _Answers:
     """What conversions ask transformers about one model: its facts; save_pretrained's name for each of the
     module's keys (``to_stored``) and from_pretrained's renaming of each of those stored names back
-    (``to_module``: module name and the fusing converter's source pattern or None); and whether transformers fuses
-    any stored keys (MoE experts: the fusion itself runs transformers' converters on the model)."""
+    (``to_module``: module name and the fusing converter's source pattern or None), the stored experts' names
+    included; whether transformers fuses any stored keys (MoE experts); and how each fused module tensor splits
+    (``splits``: where each stored tensor lies in it, traced from transformers' converters)."""
 
     facts: ModelFacts
     to_stored: dict[str, str]
@@ -138,6 +140,9 @@ class _Answers:
     experts: dict[str, tuple[str, int]]  # expert parameters (module names): (their layer's module, experts)
     parameters: tuple[str, ...]  # named_parameters(): a tied alias once, under its source
     buffers: tuple[str, ...]  # the state dict's keys that are no parameter under any name
+    # module tensors save_pretrained splits into stored ones (MoE experts): their shape, and where each stored
+    # tensor lies in them (None where transformers' operations are no views and must run on the values)
+    splits: dict[str, fusion.SplitPlan]
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -145,7 +150,10 @@ class _Answers:
                 "prefix": f.prefix, "names": list(f.names), "ignore_unexpected": list(f.ignore_unexpected),
                 "to_stored": self.to_stored, "to_module": {k: list(v) for k, v in self.to_module.items()}, "fuses": self.fuses,
                 "experts": {k: list(v) for k, v in self.experts.items()}, "parameters": list(self.parameters),
-                "buffers": list(self.buffers)}
+                "buffers": list(self.buffers),
+                "splits": {k: {"shape": list(p.shape), "patterns": list(p.patterns), "views": None if p.views is None else
+                               [[v.stored, list(v.shape), list(v.stride), v.offset] for v in p.views]}
+                           for k, p in self.splits.items()}}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -182,10 +190,28 @@ class _Answers:
         for field in ("model_type", "cls", "prefix"):
             if not isinstance(raw.get(field), str):
                 raise ValueError(field)
+
+        def ints(v: Any) -> tuple[int, ...]:
+            if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+                raise ValueError("not a list of sizes")
+            return tuple(v)
+
+        splits = {}
+        for k, v in string_map(raw["splits"]).items():
+            if not isinstance(v, dict) or not isinstance(v.get("views"), (list, type(None))):
+                raise ValueError(f"splits[{k!r}]")
+            views = None
+            if v["views"] is not None:
+                if not all(isinstance(x, list) and len(x) == 4 and isinstance(x[0], str) and type(x[3]) is int for x in v["views"]):
+                    raise ValueError(f"splits[{k!r}]")
+                views = tuple(fusion.View(x[0], ints(x[1]), ints(x[2]), x[3]) for x in v["views"])
+                if len({x.stored for x in views}) != len(views) or not fusion.tiles(ints(v.get("shape")), list(views)):
+                    raise ValueError(f"splits[{k!r}]: the views are not the tensor once")
+            splits[k] = fusion.SplitPlan(ints(v.get("shape")), tuple(strings(v.get("patterns"))), views)
         facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
                            tuple(strings(raw["ignore_unexpected"])))
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
-                   tuple(strings(raw["buffers"])))
+                   tuple(strings(raw["buffers"])), splits)
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -197,9 +223,45 @@ def _asked(key: str) -> _Answers | ConversionError:
     to_module, to_stored = _live_renamers(key)
     stored = {n: to_stored(n) for n in facts.names}
     named = dict(model.named_parameters(remove_duplicate=False))
-    return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys(stored.values())}, bool(_live_converters(key)),
-                    _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
-                    tuple(n for n in model.state_dict() if n not in named))
+    splits = _split_plans(key, to_module, to_stored)
+    pieces = [v.stored for p in splits.values() for v in p.views or ()]  # the stored names the splits give
+    return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys([*stored.values(), *pieces])},
+                    bool(_live_converters(key)), _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
+                    tuple(n for n in model.state_dict() if n not in named), splits)
+
+
+def _split_plans(key: str, to_module: Callable[[str], tuple[str, str | None]],
+                 to_stored: Callable[[str], str]) -> dict[str, fusion.SplitPlan]:
+    """The module tensors save_pretrained splits (matched by transformers' own rename_source_key on the reversed
+    converters, as save_pretrained matches them): their shape, the stored patterns that make them, and where
+    each stored tensor lies in them. Each converter is traced once per shape (the layers share it); views are
+    kept only where transformers' loading renaming takes each stored tensor back to this module tensor."""
+    converters = _live_converters(key)
+    if not converters:
+        return {}
+    from transformers.core_model_loading import rename_source_key
+
+    facts, model = _facts(key)
+    reversed_ = [c.reverse_transform() for c in converters]
+    state = model.state_dict(keep_vars=True)
+    traced: dict[tuple[int, tuple[int, ...]], list[tuple[str, fusion.View]] | None] = {}
+    out = {}
+    for name in facts.names:
+        pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
+        if pattern is None:
+            continue
+        i = next(i for i, r in enumerate(reversed_) if pattern in r.source_patterns)
+        shape = tuple(state[name].shape)
+        if (i, shape) not in traced:
+            traced[(i, shape)] = fusion.trace(name, reversed_[i], shape, model)
+        views = None
+        if traced[(i, shape)] is not None:
+            _, prefix, suffix = fusion._placed(name, reversed_[i])
+            views = tuple(dataclasses.replace(v, stored=to_stored(prefix + k + suffix)) for k, v in traced[(i, shape)])
+            if any(to_module(v.stored)[0] != name or to_module(v.stored)[1] is None for v in views):
+                views = None  # loading would not fuse them back into this tensor: run transformers' operations
+        out[name] = fusion.SplitPlan(shape, tuple(converters[i].source_patterns), views)
+    return out
 
 
 def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:
@@ -229,6 +291,13 @@ def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int
     a dense model or one transformers cannot build."""
     answers = _kept(config)
     return answers.experts if answers is not None else {}
+
+
+def split_plans(config: dict[str, Any] | None) -> dict[str, fusion.SplitPlan]:
+    """The module tensors (module names) save_pretrained splits into stored ones (MoE experts) and how; empty for
+    a model that has none or that transformers cannot build."""
+    answers = _kept(config)
+    return answers.splits if answers is not None else {}
 
 
 def _kept(config: dict[str, Any] | None) -> _Answers | None:
@@ -387,38 +456,47 @@ def in_module_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
     key = _key(config)
     to_module, _ = _renamers(key)
     names = sorted(ckpt.names() - _adapter_names(ckpt))
-    plans = fusion.plan(names, to_module, _converters(key))
+    answers = _answers(key)
+    if (isinstance(answers, _Answers) and all(p.views is not None for p in answers.splits.values())
+            and all(n in answers.to_module for n in names)):  # every name known: the fused ones are the plans' pieces
+        plans = fusion.plan_from_views(names, answers.splits)
+        shapes = {n: p.shape for n, p in answers.splits.items()}
+    else:
+        plans, shapes = fusion.plan(names, to_module, _converters(key)), None
     fused = {n for p in plans for n in p.names}
     renamed = ckpt.renamed({n: m for n, m in module_names(config, names).items() if n not in fused})
-    return fusion.fuse(renamed, plans, _facts(key)[1] if plans else None)
+    meta = _facts(key)[1] if plans and shapes is None else None
+    return fusion.fuse(renamed, plans, meta, shapes)
 
 
 def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     """``ckpt`` read under the module's names, under universal's (save_pretrained's) names: fused module
-    tensors (MoE experts) split back into the stored per-expert tensors (matched by transformers' own
-    rename_source_key on the reversed converters, as save_pretrained matches them), the rest renamed."""
+    tensors (MoE experts) split back into the stored per-expert tensors (as the kept split plans say, which
+    transformers' own reversed converters gave), the rest renamed."""
     config = config or ckpt.config
-    facts = _known(config)
-    if facts is None:
+    if _known(config) is None:
         return ckpt
     key = _key(config)
     _, to_stored = _renamers(key)
-    reversed_ = [c.reverse_transform() for c in _converters(key)]
-    known = set(facts.names)
-    meta = _facts(key)[1] if reversed_ else None  # nothing to split: no model needed
-    shapes = fusion.parameter_shapes(meta) if reversed_ else {}
+    answers = _answers(key)
+    plans = answers.splits if isinstance(answers, _Answers) else {}
     splits = []
-    if reversed_:
-        from transformers.core_model_loading import rename_source_key
-    for name in sorted(n for n in ckpt.model if n in known) if reversed_ else ():
-        pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
-        if pattern is not None:
-            if name in shapes and tuple(ckpt.model[name].spec.shape) != shapes[name]:  # split by its size, it would
-                # give another number of experts than the model has
-                raise ConversionError(f"{name}: {list(ckpt.model[name].spec.shape)} in the checkpoint, but the model's fused "
-                                      f"tensor is {list(shapes[name])}: experts are missing or extra")
-            reverse = next(r for r in reversed_ if pattern in r.source_patterns)
-            splits.append(fusion.plan_split(name, reverse, ckpt.model[name].spec, to_stored, meta))
+    for name in sorted(n for n in ckpt.model if n in plans):
+        p = plans[name]
+        if tuple(ckpt.model[name].spec.shape) != p.shape:  # split by its size, it would give another number of experts
+            raise ConversionError(f"{name}: {list(ckpt.model[name].spec.shape)} in the checkpoint, but the model's fused "
+                                  f"tensor is {list(p.shape)}: experts are missing or extra")
+        splits.append(fusion.Split(name, p.views, p.shape) if p.views is not None else _split_by_values(key, name, ckpt.model[name].spec))
     fused = {s.source for s in splits}
     renamed = ckpt.renamed({n: to_stored(n) for n in ckpt.names() - _adapter_names(ckpt) if n not in fused})
-    return fusion.split(renamed, splits, meta)
+    return fusion.split(renamed, splits, _facts(key)[1] if any(s.views is None for s in splits) else None)
+
+
+def _split_by_values(key: str, name: str, spec: Any) -> fusion.Split:
+    """The split of module tensor ``name`` whose operations are no views: transformers' reversed converter run on it."""
+    from transformers.core_model_loading import rename_source_key
+
+    reversed_ = [c.reverse_transform() for c in _live_converters(key)]
+    pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
+    reverse = next(r for r in reversed_ if pattern in r.source_patterns)
+    return fusion.plan_split(name, reverse, spec, _renamers(key)[1], _facts(key)[1])
