@@ -376,7 +376,7 @@ def _split_tensor(s: Split, t: LazyTensor, meta: Any) -> dict[str, LazyTensor]:
         def cut(full: torch.Tensor) -> dict[str, torch.Tensor]:
             return {v.stored: full.as_strided(v.shape, v.stride, v.offset) for v in s.views}
 
-        specs = {v.stored: TensorSpec(v.shape, t.spec.dtype) for v in s.views}
+        specs = {v.stored: TensorSpec(v.shape, dtype_name=t.spec.dtype_name) for v in s.views}
     else:
         (pattern,) = s.reverse.source_patterns
 
