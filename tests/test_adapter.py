@@ -312,6 +312,23 @@ def test_release_mapped_pages_keeps_data_and_never_touches_anonymous_memory(tmp_
     assert torch.equal(anonymous, data)
 
 
+def test_a_range_of_pieces_is_cut_across_their_boundaries():
+    """sub_pieces: bytes lo:hi of what several pieces hold in order, cut across piece boundaries, with each
+    part's file offset moved by as much (what a MoE expert inside an engine's flat buffer is copied from)."""
+    from interop.tensors import Piece, sub_pieces
+
+    parts = [bytes(range(i, i + n)) for i, n in ((0, 10), (10, 0), (10, 7), (17, 20))]
+    pieces = [Piece(memoryview(b), ("f", 100 * k, 1)) for k, b in enumerate(parts)]
+    whole = b"".join(parts)
+    for lo, hi in ((0, 37), (3, 12), (10, 17), (9, 30), (12, 13), (5, 5)):
+        cut = sub_pieces(pieces, lo, hi)
+        assert b"".join(bytes(p.data) for p in cut) == whole[lo:hi], (lo, hi)
+        assert all(len(p.data) for p in cut)
+        starts = [max(lo, sum(map(len, parts[:k]))) - sum(map(len, parts[:k])) + 100 * k
+                  for k in range(len(parts)) if max(lo, sum(map(len, parts[:k]))) < min(hi, sum(map(len, parts[:k + 1])))]
+        assert [p.source[1] for p in cut] == starts, (lo, hi)
+
+
 def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
     """A view of a torch.load(mmap=True) file is found in the file it maps (path and offset), and an export
     without digests copies those ranges in the kernel: the file equals the one written through memory, and

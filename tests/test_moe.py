@@ -206,3 +206,24 @@ def test_split_plans_place_each_expert_where_transformers_own_operations_put_it(
     back = in_module_names(by_views)  # fused again by the plans' views
     for n in plans:
         assert torch.equal(back.model[n].load(), state[n]), n
+
+
+def test_an_expert_in_an_engine_file_is_offered_as_its_byte_range(tmp_path):
+    """An expert that is one run of its module tensor's bytes is offered as that range of the engine file
+    (mapped pieces: the writer copies it file to file), and those bytes are the expert's."""
+    from converters.models import facts
+    from interop.logical import LogicalCheckpoint
+    from interop.safetensors_io import SafetensorsFile
+
+    model = architectures.build("mixtral")
+    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, tmp_path / "module.safetensors")
+    f = SafetensorsFile(tmp_path / "module.safetensors")
+    ckpt = facts.in_stored_names(LogicalCheckpoint(model={n: f.lazy(n) for n in model.state_dict()}, config=model.config.to_dict()))
+    experts = [n for n in ckpt.model if ".experts." in n and n.endswith(".weight")]
+    assert experts
+    raw = (tmp_path / "module.safetensors").read_bytes()
+    for name in experts:
+        pieces = ckpt.model[name].mapped_pieces()
+        assert pieces and all(p.source[0] == str(tmp_path / "module.safetensors") for p in pieces), name
+        held = b"".join(raw[p.source[1]:p.source[1] + len(p.data)] for p in pieces)
+        assert held == b"".join(bytes(p.data) for p in pieces) == ckpt.model[name].load().numpy().tobytes(), name

@@ -254,14 +254,25 @@ def _split_plans(key: str, to_module: Callable[[str], tuple[str, str | None]],
         shape = tuple(state[name].shape)
         if (i, shape) not in traced:
             traced[(i, shape)] = fusion.trace(name, reversed_[i], shape, model)
-        views = None
-        if traced[(i, shape)] is not None:
-            _, prefix, suffix = fusion._placed(name, reversed_[i])
-            views = tuple(dataclasses.replace(v, stored=to_stored(prefix + k + suffix)) for k, v in traced[(i, shape)])
-            if any(to_module(v.stored)[0] != name or to_module(v.stored)[1] is None for v in views):
-                views = None  # loading would not fuse them back into this tensor: run transformers' operations
+        views = _named(name, reversed_[i], traced[(i, shape)], to_module, to_stored)
         out[name] = fusion.SplitPlan(shape, tuple(converters[i].source_patterns), views)
     return out
+
+
+def _named(name: str, reverse: Any, traced: list[tuple[str, fusion.View]] | None,
+           to_module: Callable[[str], tuple[str, str | None]], to_stored: Callable[[str], str]) -> tuple[fusion.View, ...] | None:
+    """The traced views of module tensor ``name`` under the stored names they make; None where they cannot be
+    named, or where loading would not fuse those names back into it (transformers' operations then run)."""
+    if traced is None:
+        return None
+    try:
+        _, prefix, suffix = fusion.placed(name, reverse)
+    except ConversionError:  # said when (if ever) the tensor is split
+        return None
+    views = tuple(dataclasses.replace(v, stored=to_stored(prefix + k + suffix)) for k, v in traced)
+    if len({v.stored for v in views}) != len(views):
+        return None
+    return views if all(to_module(v.stored)[0] == name and to_module(v.stored)[1] is not None for v in views) else None
 
 
 def _expert_parameters(meta: torch.nn.Module) -> dict[str, tuple[str, int]]:

@@ -247,6 +247,17 @@ class View:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def dense(self) -> bool:
+        """Whether the view's elements are one run of the module tensor (in some order of its dimensions: a
+        transpose of a block is dense), so bounds alone say what it covers."""
+        step = 1
+        for size, stride in sorted(((sz, st) for sz, st in zip(self.shape, self.stride) if sz != 1), key=lambda d: d[1]):
+            if stride != step:
+                return False
+            step *= size
+        return True
+
 
 @dataclass(frozen=True)
 class SplitPlan:
@@ -270,12 +281,12 @@ _VIEW_CALLS = frozenset({
 })
 
 
-def _placed(name: str, reverse: Any) -> tuple[str, str, str]:
+def placed(name: str, reverse: Any) -> tuple[str, str, str]:
     """The reversed converter's source pattern (a module tensor's) and ``name``'s text before and after it."""
     if len(reverse.source_patterns) != 1:
         raise ConversionError(f"{name}: transformers stores it joined with other module tensors "
-                              f"({', '.join(reverse.source_patterns)}), which engine layouts here do not split; convert "
-                              "to universal or hf")
+                              f"({', '.join(reverse.source_patterns)}); a checkpoint of the module's tensors is not "
+                              "joined into that here")
     (pattern,) = reverse.source_patterns
     found = pattern_regex(pattern).search(name)
     if found is None:
@@ -306,7 +317,7 @@ def trace(name: str, reverse: Any, shape: tuple[int, ...], meta: Any) -> list[tu
 
     root, mode = torch.empty(shape, device="meta"), Traced()
     try:
-        pattern = _placed(name, reverse)[0]
+        pattern = placed(name, reverse)[0]
         with mode:
             out = _run(reverse, {pattern: root}, name, meta)
     except ConversionError:
@@ -325,9 +336,10 @@ def tiles(shape: tuple[int, ...], views: list[View]) -> bool:
         return False
     for v in views:
         if (v.offset < 0 or len(v.shape) != len(v.stride) or any(x < 0 for x in (*v.shape, *v.stride))
+                or any(st == 0 and n > 1 for n, st in zip(v.shape, v.stride))  # an element held twice by one view
                 or (v.numel and v.offset + sum((n - 1) * st for n, st in zip(v.shape, v.stride)) >= numel)):
             return False
-    if all(v.contiguous for v in views):
+    if all(v.dense for v in views):
         at = 0
         for lo, hi in sorted((v.offset, v.offset + v.numel) for v in views if v.numel):
             if lo != at:
@@ -335,8 +347,11 @@ def tiles(shape: tuple[int, ...], views: list[View]) -> bool:
             at = hi
         return at == numel
     count = torch.zeros(numel, dtype=torch.uint8)  # as many elements as the views hold, so no element can
-    for v in views:  # wrap around to 1 without another being left at 0
-        count.as_strided(v.shape, v.stride, v.offset).add_(1)
+    try:  # wrap around to 1 without another being left at 0
+        for v in views:
+            count.as_strided(v.shape, v.stride, v.offset).add_(1)
+    except RuntimeError:  # a view that holds one element twice (torch refuses to add through it)
+        return False
     return bool((count == 1).all())
 
 
@@ -360,7 +375,7 @@ class Split:
 def plan_split(name: str, reverse: Any, spec: TensorSpec, to_stored: Callable[[str], str], meta: Any) -> Split:
     """How module tensor ``name`` (matched by transformers to the reversed converter ``reverse``) splits into
     stored tensors by running the reverse operations, from their run on a meta tensor of its shape."""
-    pattern, prefix, suffix = _placed(name, reverse)
+    pattern, prefix, suffix = placed(name, reverse)
     out = _run(reverse, {pattern: torch.empty(spec.shape, dtype=spec.dtype, device="meta")}, name, meta)
     return Split(name, None, None, reverse, tuple((to_stored(prefix + key + suffix), key) for key in out))
 
