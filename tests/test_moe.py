@@ -227,3 +227,29 @@ def test_an_expert_in_an_engine_file_is_offered_as_its_byte_range(tmp_path):
         assert pieces and all(p.source[0] == str(tmp_path / "module.safetensors") for p in pieces), name
         held = b"".join(raw[p.source[1]:p.source[1] + len(p.data)] for p in pieces)
         assert held == b"".join(bytes(p.data) for p in pieces) == ckpt.model[name].load().numpy().tobytes(), name
+
+
+def test_experts_stored_as_one_renamed_tensor_are_counted(tmp_path, capsys):
+    """Qwen3-VL-MoE stores each layer's experts as one tensor, renamed by a converter of its own (no ``*``: not
+    one tensor per expert). They are counted along the dimension that is the module tensor's experts (found from
+    the split plan), as fused tensors are, so a conversion writes the checkpoint; every expert used to be called
+    missing and every target refused it."""
+    import transformers
+
+    if "qwen3_vl_moe" not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_vl_moe")
+    config = transformers.Qwen3VLMoeConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                         vocab_size=64, head_dim=8),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]))
+    torch.manual_seed(0)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    _, ckpt = registry.read(str(tmp_path / "hf"))
+    assert experts.problems(ckpt) == []
+    assert experts.summary(ckpt) == "4 experts in each of 2 MoE layers"
+    code, out, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "uni", "--to", "universal")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "diff", tmp_path / "hf", tmp_path / "uni")
+    assert code == 0 and " 0 different" in out, out + err

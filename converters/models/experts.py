@@ -10,6 +10,7 @@ is expert 2 of ``...experts.gate_up_proj``; a tensor stored fused (GPT-OSS) hold
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,16 +95,20 @@ def count(config: dict[str, Any] | None, shapes: dict[str, tuple[int, ...]]) -> 
     to_module, _ = facts._renamers(facts._key(config))
     layers = {t.layer: LayerCount(t.layer, t.experts) for t in tensors.values()}
     splits = facts.split_plans(config)
+    per_expert = {n for n, p in splits.items() if any("*" in pattern for pattern in p.patterns)}
     for t in tensors.values():  # transformers' files store it per expert where a converter makes it of such tensors
-        layers[t.layer].expected[t.name] = list(splits[t.name].patterns) if t.name in splits else [None]
+        layers[t.layer].expected[t.name] = list(splits[t.name].patterns) if t.name in per_expert else [None]
     for name, shape in shapes.items():
         module, pattern = to_module(name)
         t = tensors.get(module)
         if t is None:
             continue
+        if module not in per_expert:  # stored fused, as held or rearranged (a transpose): one stored tensor
+            pattern = None
         held = layers[t.layer].held.setdefault((module, pattern), {})
-        if pattern is None:  # stored fused: its first dimension
-            for i in range(shape[0] if shape else 0):
+        if pattern is None:  # stored fused: the dimension that is the module tensor's first
+            dim = _experts_dim(splits.get(module), name)
+            for i in range(shape[dim] if len(shape) > dim else 0):
                 held.setdefault(i, []).append(name)
             continue
         found = fusion.pattern_regex(pattern).search(name)
@@ -112,6 +117,16 @@ def count(config: dict[str, Any] | None, shapes: dict[str, tuple[int, ...]]) -> 
         held.setdefault(int(found.group(1)), []).append(name)
         layers[t.layer].example.setdefault((module, pattern), name)
     return layers
+
+
+def _experts_dim(plan: fusion.SplitPlan | None, stored: str) -> int:
+    """Which dimension of a fused stored tensor holds the experts: the module tensor's first, found where the
+    split plan lays the stored tensor out in it (a transposing converter may move it); 0 without a plan."""
+    view = next((v for v in (plan.views or ()) if v.stored == stored), None) if plan is not None else None
+    if view is None or not plan.shape:
+        return 0
+    first = math.prod(plan.shape[1:])  # the module tensor's stride along its experts dimension
+    return next((d for d, (size, stride) in enumerate(zip(view.shape, view.stride)) if stride == first and size == plan.shape[0]), 0)
 
 
 def problems(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> list[str]:
