@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from .pickle_safety import save_torch
 log = logging.getLogger(__name__)
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+WRITERS = min(4, os.cpu_count() or 1)  # files written at once: enough to keep a disk busy while others are pickled
 
 
 def _deepspeed():
@@ -118,21 +120,29 @@ def zero12_owners(order: EngineOrder, world: int, ep: int, data_before_expert: b
 
 
 def _zero12_buffers(ckpt, owners: Owners, world: int, key: str | None) -> list[list[torch.Tensor]]:
-    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``."""
+    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``: each group's copy is
+    one flat buffer of its tensors in order, cut into equal rank partitions; each tensor's bytes are copied
+    straight into the partitions they fall in (not into the whole flat first and then cloned apart)."""
     out: list[list[torch.Tensor]] = [[None] * len(owners) for _ in range(world)]  # type: ignore[list-item]
     for g, copies in enumerate(owners):
         for ranks, pairs in copies:
             total = sum(_numel(ckpt, n) for n, _ in pairs)
             size = zero12_partition(total, len(ranks))
-            flat = torch.zeros(size * len(ranks), dtype=torch.float32)
+            parts = [torch.zeros(size, dtype=torch.float32) for _ in ranks]
             offset = 0
             for n, _ in pairs:
+                numel = _numel(ckpt, n)
                 t = _state_tensor(ckpt, key, n)
                 if t is not None:
-                    flat[offset : offset + t.numel()] = t
-                offset += _numel(ckpt, n)
+                    flat = t.reshape(-1)
+                    for i in range(offset // size if size else 0, len(ranks)):
+                        lo, hi = max(offset, i * size), min(offset + numel, (i + 1) * size)
+                        if lo >= hi:
+                            break
+                        parts[i][lo - i * size : hi - i * size] = flat[lo - offset : hi - offset]
+                offset += numel
             for i, r in enumerate(ranks):
-                out[r][g] = flat[i * size : (i + 1) * size].clone()
+                out[r][g] = parts[i]
     return out
 
 
@@ -286,7 +296,8 @@ def write_native(
         for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
             save_torch(tensors, os.path.join(tag_dir, name))
     frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
-    for r in range(world):
+    def write_rank(r: int) -> None:
+        """Rank ``r``'s files, as its engine's save_checkpoint writes them."""
         state = {}
         for i in range(len(subs)):
             entry = {k: states[k][r][i] for k in keys if _has_state(ckpt, k, subs[i])}
@@ -334,6 +345,9 @@ def write_native(
                 states_dict.update(num_experts=list(deepspeed_moe.ExpertLayers.of(experts).experts.values()), ds_autoep_layers=None)
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
             save_torch(states_dict, os.path.join(tag_dir, name))
+    # the ranks' files at once: one is pickled while another's bytes go to the disk
+    with ThreadPoolExecutor(min(world, WRITERS), thread_name_prefix="deepspeed-rank") as pool:
+        list(pool.map(write_rank, range(world)))
     with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
         f.write(tag)
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")

@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,7 +44,7 @@ from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
 from .engine_checkpoint import Written, native_dir, write_engine_checkpoint
-from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
+from .deepspeed_writer import WRITERS, _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
 from .torch_zip import as_torch, dtype_name_of, is_tensor, piece_of
@@ -249,27 +251,40 @@ def write_ds_universal(
     def write_files(out: str) -> Written:
         zero = os.path.join(out, tag, ZERO_DIR)
         group_steps: list[torch.Tensor] = []
-        filled = 0
+        jobs: list[tuple[str, torch.Tensor]] = []
         for names in order.groups:
             group_step = _group_scalars(ckpt, names).get("step", torch.tensor(0.0))
             group_steps.append(group_step)
-            for name in names:
-                folder = os.path.join(zero, plain_name(name, "parameter"))  # DeepSpeed's layout: a folder per parameter
-                t = ckpt.model[name]
-                _save({PARAM: t.load().to(torch.float32), "cat_dim": 0}, os.path.join(folder, "fp32.pt"))
-                if progress is not None:
-                    progress(t)
-                for key in ADAM_KEYS:
-                    lazy = opt.tensors.get(key, {}).get(name) if opt is not None else None
-                    if lazy is not None:
-                        value = lazy.load().to(torch.float32)
-                        if progress is not None:
-                            progress(lazy)
-                    else:
-                        value = torch.zeros(t.spec.shape, dtype=torch.float32)
-                        filled += 1
-                    _save({PARAM: value, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
-                _save(group_step.clone(), os.path.join(folder, "step.pt"))
+            jobs += [(name, group_step) for name in names]
+
+        reading = threading.Lock()
+
+        def write_parameter(name: str, group_step: torch.Tensor) -> tuple[list[LazyTensor], int]:
+            """One parameter's folder (DeepSpeed's layout): its fp32 weight, Adam's moments and its group's step."""
+            folder = os.path.join(zero, plain_name(name, "parameter"))
+            t = ckpt.model[name]
+            lazies = {key: opt.tensors.get(key, {}).get(name) if opt is not None else None for key in ADAM_KEYS}
+            with reading:  # one tensor read at a time: a reader's caches (a TP merge's) are not shared across threads
+                values = {"fp32": t.load().to(torch.float32),
+                          **{key: lazy.load().to(torch.float32) for key, lazy in lazies.items() if lazy is not None}}
+            zeros = 0
+            for key in ADAM_KEYS:
+                if key not in values:
+                    values[key] = torch.zeros(t.spec.shape, dtype=torch.float32)
+                    zeros += 1
+            for key, value in values.items():
+                _save({PARAM: value, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
+            _save(group_step.clone(), os.path.join(folder, "step.pt"))
+            return [t, *(lazy for lazy in lazies.values() if lazy is not None)], zeros
+
+        filled = 0
+        # Several parameters at once: one's bytes are read from the source while others' are pickled and written
+        # (each file is the same as written one after another)
+        with ThreadPoolExecutor(WRITERS, thread_name_prefix="ds-universal") as pool:
+            for done, zeros in pool.map(lambda job: write_parameter(*job), jobs):
+                filled += zeros
+                for lazy in done if progress is not None else ():
+                    progress(lazy)
         kept = {n: ckpt.model[n].load() for n in order.frozen + order.buffers}  # read once: also in the model states
         for name, t in kept.items():  # as ds_to_universal keeps them: whole, in fp32
             _save({PARAM: t.to(torch.float32)}, os.path.join(zero, plain_name(name, "tensor"), "fp32.pt"))

@@ -488,3 +488,27 @@ def test_staged_save_writes_the_state_of_its_step(tmp_path):
     assert verify_checkpoint(str(later))[1] == []
     a, b = logical_tensors(read_deepspeed(str(blocking))), logical_tensors(read_deepspeed(str(later)))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "ds-universal"])
+def test_files_written_at_once_are_the_files_written_one_by_one(layouts, tmp_path, monkeypatch, target):
+    """The writers write several rank files (deepspeed) or parameter folders (ds-universal) at once, reading the
+    source one tensor at a time; the engine's files are byte for byte those of writing them one after another."""
+    import converters.deepspeed_writer as deepspeed_writer
+    import converters.ds_universal as ds_universal
+
+    from .conftest import native_files
+
+    source = read_deepspeed(str(layouts[(2, "float32")]))
+
+    def write(out, writers: int) -> dict[str, bytes]:
+        monkeypatch.setattr(deepspeed_writer, "WRITERS", writers)
+        monkeypatch.setattr(ds_universal, "WRITERS", writers)
+        if target == "deepspeed":
+            tag = write_native(source, str(out), NativeLayout(4, 2, "float32"), {"train_batch_size": 4})
+        else:
+            tag = out / write_ds_universal(source, str(out))
+        return native_files(tag)
+
+    one, several = write(tmp_path / "one", 1), write(tmp_path / "several", 4)
+    assert len(one) > 4 and one == several
