@@ -33,14 +33,13 @@ from interop.universal import scalar_value
 
 from . import deepspeed_moe
 from .deepspeed import NATIVE_KEY, NativeLayout
-from .engine_checkpoint import Written, write_engine_checkpoint
+from .engine_checkpoint import WRITERS, Written, write_engine_checkpoint
 from .param_order import EngineOrder, engine_order, regroup
 from .pickle_safety import save_torch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-WRITERS = min(4, os.cpu_count() or 1)  # files written at once: enough to keep a disk busy while others are pickled
 
 
 def _deepspeed():

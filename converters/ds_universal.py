@@ -43,8 +43,8 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
-from .engine_checkpoint import Written, native_dir, write_engine_checkpoint
-from .deepspeed_writer import WRITERS, _deepspeed, _group_scalars, model_states, shapes
+from .engine_checkpoint import WRITERS, Written, native_dir, write_engine_checkpoint
+from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
 from .torch_zip import as_torch, dtype_name_of, is_tensor, piece_of

@@ -118,6 +118,8 @@ def per_rank_notes(components: dict[str, ComponentRecord], topology: dict | None
             for key, rec in components.items() if rec.pattern == SharingPattern.PER_RANK.value and not rec.native]
 
 
+WRITERS = min(4, os.cpu_count() or 1)  # an engine's files written at once: one pickled while others go to the disk
+
 @dataclass
 class Written:
     """What an engine writer put in the output: ``at`` is the folder (named by the engine's tag file it wrote at

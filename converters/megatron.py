@@ -21,6 +21,7 @@ import math
 import os
 import re
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ from .megatron_map import (
     rules, split, stack_index, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
-from .engine_checkpoint import Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
+from .engine_checkpoint import WRITERS, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
@@ -959,21 +960,29 @@ def write_megatron(
     ckpt.notes.extend(rng_notes)
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
+
+        def write_rank(stage_write: _StageWrite, p: int, t: int, e: int) -> str:
+            with_optim = opt is not None and not distributed_optimizer
+            experts = _ExpertShare(e, arch.experts // ep) if ep > 1 else None
+            state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng[(t, p, e)], experts)
+            d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
+            os.makedirs(d)
+            if distributed_optimizer and opt is not None:
+                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt)
+                save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
+            save_torch(state, os.path.join(d, FILE))
+            return d
+
         for p, stage in enumerate(stages):
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
             stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
-            for t, e in ((t, e) for t in range(tp) for e in range(ep)):
-                with_optim = opt is not None and not distributed_optimizer
-                experts = _ExpertShare(e, arch.experts // ep) if ep > 1 else None
-                state = _rank_file(args, step, stage_write, t, hyper, with_optim, mixed, scheduler, rng[(t, p, e)], experts)
-                d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
-                os.makedirs(d)
-                if distributed_optimizer and opt is not None:
-                    state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt)
-                    save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
-                save_torch(state, os.path.join(d, FILE))
-                if progress:
-                    progress(d)
+            # the stage's rank files at once: one is pickled while another's bytes go to the disk
+            with ThreadPoolExecutor(min(tp * ep, WRITERS), thread_name_prefix="megatron-rank") as pool:
+                ranks = [(t, e) for t in range(tp) for e in range(ep)]
+                n = len(ranks)
+                for d in pool.map(write_rank, [stage_write] * n, [p] * n, [t for t, _ in ranks], [e for _, e in ranks]):
+                    if progress:
+                        progress(d)
             del stage_write
         durable_write(os.path.join(out, TRACKER), str(step).encode())
         return Written(at=os.path.basename(iteration_dir))

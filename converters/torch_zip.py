@@ -32,7 +32,7 @@ from typing import Any, Callable
 from interop.dtypes import is_dtype_name, itemsize, unpack_scalar
 from interop.errors import CorruptCheckpointError
 from interop.lazy_import import instance_of, torch
-from interop.tensors import LazyTensor, Piece, TensorSpec
+from interop.tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 # torch's legacy storage classes, as data.pkl names them, and the dtype each holds (torch.serialization).
 STORAGE_DTYPES = {
@@ -290,10 +290,14 @@ class StoredTensor:
         if hi == lo:
             return torch.empty(self.shape, dtype=dtype)
         self.archive.checked_storage(self.key, lo, hi)
-        data = bytearray(self.archive.mapping()[lo:hi])
+        flat, view = unfilled_bytes(hi - lo)
+        source = memoryview(self.archive.mapping())[lo:hi]  # one copy, into memory nothing filled before
+        try:
+            view[:] = source
+        finally:
+            source.release()
         self.archive.release(lo, hi)
-        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-        return flat.as_strided(self.shape, self.stride, 0)
+        return flat.view(dtype).as_strided(self.shape, self.stride, 0)
 
 
 # --- the restricted unpickler ----------------------------------------------------------------------------------

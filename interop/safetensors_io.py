@@ -23,7 +23,7 @@ from .jsonio import loads as json_loads
 from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
-from .tensors import LazyTensor, Piece, TensorSpec, tensor_from_bytes
+from .tensors import LazyTensor, Piece, TensorSpec, read_exactly, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -322,12 +322,11 @@ class SafetensorsFile:
             spec, begin, end = self._entries[name]
         except KeyError:
             raise CorruptCheckpointError(self.path, f"no tensor named {name!r}") from None
-        buffer = bytearray(end - begin)
+        flat, view = unfilled_bytes(end - begin)
         with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin)
-            if f.readinto(buffer) != len(buffer):
+            if read_exactly(f.fileno(), view, self.data_start + begin) != len(view):
                 raise CorruptCheckpointError(self.path, f"truncated while reading tensor {name!r}")
-        return tensor_from_bytes(buffer, spec)
+        return flat.view(spec.dtype).reshape(spec.shape)
 
     def lazy(self, name: str) -> LazyTensor:
         return LazyTensor(self.spec(name), lambda: self.read(name), f"{self.path}:{name}", mapped_pieces=lambda: self.mapped(name))

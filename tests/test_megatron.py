@@ -519,3 +519,22 @@ def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
         assert not viewed[f"{layer}.self_attn.o_proj.weight"] and not viewed[f"{layer}.mlp.down_proj.weight"]
     else:
         assert not viewed["transformer.h.0.attn.c_attn.weight"] and viewed["transformer.h.0.ln_1.weight"]
+
+
+def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, trained, monkeypatch):
+    """A stage's rank files are pickled and written on several threads; each is byte for byte the file written
+    alone (and the manifest's files are the same ones)."""
+    import converters.megatron as megatron
+    from converters import registry
+
+    from .conftest import native_files
+
+    _, src = registry.read(trained)
+
+    def write(out, writers: int) -> dict[str, bytes]:
+        monkeypatch.setattr(megatron, "WRITERS", writers)
+        write_megatron(src, str(out), 2, 2)
+        return native_files(out / "iter_0000002")
+
+    one, several = write(tmp_path / "one", 1), write(tmp_path / "several", 4)
+    assert len(one) == 4 and one == several
