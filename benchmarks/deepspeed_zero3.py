@@ -51,7 +51,7 @@ def collect(args) -> engine_bench.Section:
     """Train (once per workdir), then measure every step; the rows and which row each is compared with."""
     prepared = engine_bench.prepare(args, __file__, "deepspeed", "DeepSpeed ZeRO-3", 29517, {"DS_ACCELERATOR": "cpu"})
     work, ckpt, native = prepared.work, prepared.ckpt, prepared.native
-    outputs = {k: os.path.join(work, k) for k in ("universal", "universal_2", "ds_universal", "hf", "ref_universal", "ref_hf")}
+    outputs = {k: os.path.join(work, k) for k in ("universal", "universal_2", "ds_universal", "hf", "zero", "ref_universal", "ref_hf")}
     for d in outputs.values():
         shutil.rmtree(d, ignore_errors=True)
 
@@ -76,6 +76,9 @@ def collect(args) -> engine_bench.Section:
             ds_env, n, outputs["ref_universal"],
         )),
         ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        ("universal -> ZeRO-2, 4 ranks (interop)", measure(  # the way back: DeepSpeed's own files at another layout
+            cli + ["convert", outputs["universal"], outputs["zero"], "--to", "deepspeed", "--zero-stage", "2", "--world-size", "4"],
+            ds_env, n, outputs["zero"])),
         ("zero_to_fp32.py --safe_serialization (DeepSpeed)", measure(
             [sys.executable, os.path.join(native, "zero_to_fp32.py"), os.path.dirname(tag), outputs["ref_hf"], "--safe_serialization",
              "--tag", os.path.basename(tag)],

@@ -88,6 +88,11 @@ def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, 
     sys.stdout.flush()
 
 
+# a conversion row's marker in its name, and the output it writes, whose bytes dd writes for the floor
+FLOORED = (("-> universal", "universal"), ("-> ds-universal", "ds_universal"), ("-> HF", "hf"), ("-> ZeRO", "zero"),
+           ("-> Megatron", "megatron"))
+
+
 @dataclass
 class Section:
     """One benchmark's measurements: rows (name, (wall s, peak RSS bytes)), the row each interop row is
@@ -102,14 +107,14 @@ class Section:
         """The rows, and below them the floor under the interop outputs: dd writing as many bytes, with fsync."""
         return self.rows + [
             (floor_row(name), disk_floor(tree_bytes(self.outputs[name]), self.work, repeat))
-            for name in ("universal", "ds_universal", "hf") if name in self.outputs
+            for _, name in FLOORED if name in self.outputs
         ]
 
     def floors(self) -> dict[str, str]:
         """Each interop conversion row, and the disk-floor row of its output's bytes."""
         out = {}
         for name, _ in self.rows:
-            for marker, output in (("-> universal", "universal"), ("-> ds-universal", "ds_universal"), ("-> HF", "hf")):
+            for marker, output in FLOORED:
                 if marker in name and output in self.outputs:
                     out[name] = floor_row(output)
         return out

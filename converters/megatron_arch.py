@@ -84,7 +84,40 @@ class MegatronArch:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "MegatronArch":
         """Sizes through transformers' own config class (its attribute map reads GPT-2's ``n_embd`` as
-        ``hidden_size``), ties from the model transformers builds, the structure from the family's map."""
+        ``hidden_size``), ties from the model transformers builds, the structure from the family's map: asked once
+        per config and installed transformers, then kept (``models.kept``), as :meth:`to_hf` is."""
+        import json
+
+        key = json.dumps(config, sort_keys=True, default=str)
+        return kept("megatron-arch", 1, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()},
+                    lambda raw: cls.from_json(raw["arch"]))
+
+    def to_json(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {**dataclasses.asdict(self), "options": [list(o) for o in self.options]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "MegatronArch":
+        """The inverse of :meth:`to_json`, each field checked (a TypeError or ValueError for a damaged one)."""
+        import dataclasses
+
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if not isinstance(raw, dict) or set(raw) != set(fields):
+            raise ValueError("not a MegatronArch")
+        kinds = {"family": str, "model_type": str, "norm": str, "tied": bool, "gated": bool, "linear_bias": bool, "qkv_bias": bool,
+                 "eps": (int, float), "rotary_percent": (int, float), "rope_theta": (int, float, type(None))}
+        for name, value in raw.items():
+            if name == "options":
+                if not isinstance(value, list) or not all(isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) for o in value):
+                    raise ValueError("options")
+            elif not isinstance(value, kinds.get(name, int)) or (isinstance(value, bool) and kinds.get(name, int) is int):
+                raise TypeError(f"{name}: {value!r}")
+        family_for(raw["model_type"])  # a family this code still maps
+        return cls(**{**raw, "options": tuple(tuple(o) for o in raw["options"])})
+
+    @classmethod
+    def _asked_from_hf(cls, config: dict[str, Any]) -> "MegatronArch":
         kind = config.get("model_type")
         fam = family_for(kind)
         import transformers

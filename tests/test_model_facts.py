@@ -180,3 +180,23 @@ def test_a_megatron_checkpoints_config_is_asked_once(tmp_path, monkeypatch, name
     path.write_text('{"config": 3}')
     answers.append(arch.to_hf())
     assert answers == [asked] * 3 and len(calls) == 2  # asked, read, asked again
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_megatron_targets_shape_is_asked_once(tmp_path, monkeypatch, name):
+    """The other way: the Megatron shape of a Hugging Face config (every --to megatron needs it; transformers'
+    config class reads the sizes) is kept: asked once, then read, the same; a damaged kept file is asked again."""
+    from converters.megatron_arch import MegatronArch
+
+    config = config_of(name)
+    monkeypatch.setenv(facts.CACHE_ENV, "off")
+    asked = MegatronArch.from_hf(config)
+    monkeypatch.setenv(facts.CACHE_ENV, str(tmp_path))
+    calls = []
+    real = MegatronArch._asked_from_hf
+    monkeypatch.setattr(MegatronArch, "_asked_from_hf", classmethod(lambda cls, c: calls.append(1) or real(c)))
+    answers = [MegatronArch.from_hf(config), MegatronArch.from_hf(config)]
+    (path,) = [p for p in (tmp_path / "model-facts").iterdir() if '"arch"' in p.read_text()]
+    path.write_text('{"arch": {"family": "llama"}}')
+    answers.append(MegatronArch.from_hf(config))
+    assert answers == [asked] * 3 and len(calls) == 2  # asked, read, asked again
