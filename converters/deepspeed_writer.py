@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -118,31 +119,27 @@ def zero12_owners(order: EngineOrder, world: int, ep: int, data_before_expert: b
     return out
 
 
-def _zero12_buffers(ckpt, owners: Owners, world: int, key: str | None) -> list[list[torch.Tensor]]:
-    """[rank][group] partitions of the fp32 weights (key None) or optimizer state ``key``: each group's copy is
-    one flat buffer of its tensors in order, cut into equal rank partitions; each tensor's bytes are copied
-    straight into the partitions they fall in (not into the whole flat first and then cloned apart)."""
-    out: list[list[torch.Tensor]] = [[None] * len(owners) for _ in range(world)]  # type: ignore[list-item]
-    for g, copies in enumerate(owners):
-        for ranks, pairs in copies:
-            total = sum(_numel(ckpt, n) for n, _ in pairs)
-            size = zero12_partition(total, len(ranks))
-            parts = [torch.zeros(size, dtype=torch.float32) for _ in ranks]
-            offset = 0
-            for n, _ in pairs:
-                numel = _numel(ckpt, n)
-                t = _state_tensor(ckpt, key, n)
-                if t is not None:
-                    flat = t.reshape(-1)
-                    for i in range(offset // size if size else 0, len(ranks)):
-                        lo, hi = max(offset, i * size), min(offset + numel, (i + 1) * size)
-                        if lo >= hi:
-                            break
-                        parts[i][lo - i * size : hi - i * size] = flat[lo - offset : hi - offset]
-                offset += numel
-            for i, r in enumerate(ranks):
-                out[r][g] = parts[i]
-    return out
+def _zero12_partition(ckpt, owners: Owners, g: int, rank: int, key: str | None) -> torch.Tensor:
+    """Rank ``rank``'s partition of group ``g``'s fp32 weights (key None) or optimizer state ``key``: the flat
+    buffer of its copy's tensors in order, cut into equal rank partitions. Only the tensors this partition holds
+    are read (one or two per tensor over all ranks), so a rank's file is built while another's is written, and
+    memory holds the ranks in flight, not every rank."""
+    index, count, pairs = _copy_of(owners, g, rank)
+    size = zero12_partition(sum(_numel(ckpt, n) for n, _ in pairs), count)
+    part = torch.zeros(size, dtype=torch.float32)
+    first, end = index * size, (index + 1) * size
+    offset = 0
+    for n, _ in pairs:
+        numel = _numel(ckpt, n)
+        lo, hi = max(offset, first), min(offset + numel, end)
+        if lo < hi:
+            t = _state_tensor(ckpt, key, n)
+            if t is not None:
+                part[lo - first : hi - first] = t[lo - offset : hi - offset]
+        offset += numel
+        if offset >= end:
+            break
+    return part
 
 
 def _copy_of(owners: Owners, g: int, rank: int) -> tuple[int, int, list[tuple[str, str]]]:
@@ -281,8 +278,6 @@ def write_native(
     else:
         owners = zero12_owners(order, world, layout.ep_size, bool(ds_config.get(deepspeed_moe.DATA_BEFORE_EXPERT)))
         flat_ids = [[g] for g in range(len(order.groups))]
-        fp32 = _zero12_buffers(ckpt, owners, world, None)
-        states = {k: _zero12_buffers(ckpt, owners, world, k) for k in keys}
         scalars = [_group_scalars(ckpt, names) for names in order.groups]
         # rank 0's view, which it saves: its own experts under their local numbers
         param_shapes = [OrderedDict((local, torch.Size(ckpt.model[n].spec.shape)) for n, local in _copy_of(owners, g, 0)[2])
@@ -295,11 +290,19 @@ def write_native(
         for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
             save_torch(tensors, os.path.join(tag_dir, name))
     frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
+    reading = threading.Lock()
+
     def write_rank(r: int) -> None:
         """Rank ``r``'s files, as its engine's save_checkpoint writes them."""
+        if stage == 3:  # every rank holds a slice of every tensor: all built above, each tensor read once
+            fp32_r, states_r = fp32[r], {k: states[k][r] for k in keys}
+        else:
+            with reading:  # one rank's partitions read at a time: a reader's caches (a TP merge's) are not shared
+                fp32_r = [_zero12_partition(ckpt, owners, g, r, None) for g in range(len(owners))]
+                states_r = {k: [_zero12_partition(ckpt, owners, g, r, k) for g in range(len(owners))] for k in keys}
         state = {}
         for i in range(len(subs)):
-            entry = {k: states[k][r][i] for k in keys if _has_state(ckpt, k, subs[i])}
+            entry = {k: states_r[k][i] for k in keys if _has_state(ckpt, k, subs[i])}
             if entry or scalars[i]:
                 state[i] = {**{k: v.clone() for k, v in scalars[i].items()}, **entry}
         base = _optimizer_state_dict(state, order.hyper, flat_ids)
@@ -311,7 +314,7 @@ def write_native(
                 "overflow": False,
                 "partition_count": world,
                 "optimizer_state_dict": base,
-                "fp32_flat_groups": fp32[r],
+                "fp32_flat_groups": fp32_r,
             }
         else:
             copies = [_copy_of(owners, g, r) for g in range(len(owners))]
@@ -321,7 +324,7 @@ def write_native(
                 "dynamic_loss_scale": False,
                 "overflow": False,
                 "base_optimizer_state": base,
-                "single_partition_of_fp32_groups": [t[: t.numel() - p] for t, p in zip(fp32[r], paddings)],
+                "single_partition_of_fp32_groups": [t[: t.numel() - p] for t, p in zip(fp32_r, paddings)],
                 "zero_stage": ZeroStageEnum(stage),
                 "group_paddings": paddings,
                 "param_alignment_paddings": [[0] * len(pairs) for _, _, pairs in copies],
