@@ -28,11 +28,11 @@ from typing import Any, Callable
 from interop.lazy_import import torch
 
 from interop.commit import MEGATRON_TRACKER, durable_write, read_iteration_tracker
-from interop.dtypes import dtype_from_name, dtype_name
+from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.logical import DeferredScalars, LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredList, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
-from interop.tensors import LazyTensor, TensorSpec, release_mapped_pages
+from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages, sub_pieces
 from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
@@ -45,7 +45,7 @@ from .engine_checkpoint import WRITERS, Written, carried_components, component_s
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
-from .torch_zip import StoredTensor, as_torch, is_tensor, materialize
+from .torch_zip import StoredTensor, as_torch, dtype_name_of, is_tensor, materialize
 
 log = logging.getLogger(__name__)
 
@@ -244,55 +244,82 @@ class MergedCache:
 
 def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: int,
              shapes: list[tuple[int, ...]]) -> list[list[tuple[int, int, int]]] | None:
-    """For each Hugging Face tensor of ``rule``, the runs of whole rows it is made of, ``(TP piece, first row,
-    rows)`` in order, where merging the pieces and unfusing moves whole rows only (a row split, the vocabulary,
-    [gate; up], a fused QKV); None where anything else moves (a column split, a transpose). Worked out by running
-    the merge and the unfuse themselves on each piece's row numbers, so it holds for whatever they do."""
-    if not piece_shape or (rule.split == COLS and tp > 1):
+    """For each Hugging Face tensor of ``rule``, the runs of whole piece rows it is made of, ``(TP piece, first
+    row, rows)`` in order, where merging the pieces and unfusing moves whole rows of the pieces only (a row split,
+    the vocabulary, [gate; up], a fused QKV, and a column split, whose every row is one piece row after another);
+    None where anything else moves (a transpose). Worked out by running the merge and the unfuse themselves on each
+    piece's row numbers (numpy, no torch), so it holds for whatever they do."""
+    import numpy as np
+
+    from .row_numbers import RowNumbers
+
+    if not piece_shape:
         return None
     rows, rest = piece_shape[0], (1,) * (len(piece_shape) - 1)
-    numbers = [torch.arange(t * rows, (t + 1) * rows).reshape(rows, *rest) for t in range(tp)]
+    across = rule.split == COLS and tp > 1  # a row of the full tensor is one row of each piece, side by side
+    if across and len(piece_shape) != 2:
+        return None
+    numbers = [RowNumbers.of(np.arange(t * rows, (t + 1) * rows).reshape(rows, *rest)) for t in range(tp)]
     full = merge(rule, numbers)
     if rule.split == VOCAB:
         full = full[: arch.vocab]
     parts = rule.unfuse(full)
     out = []
     for part, shape in zip(parts, shapes):
-        if tuple(part.shape) != (shape[0], *rest) or tuple(shape[1:]) != tuple(piece_shape[1:]):
+        unit = (tp,) if across else rest  # what one row of the Hugging Face tensor is, in piece rows
+        width = (tp * piece_shape[1],) if across else tuple(piece_shape[1:])
+        if tuple(part.shape) != (shape[0], *unit) or tuple(shape[1:]) != width:
             return None
-        ids = part.reshape(-1)
-        if ids.numel() == 0:
+        ids = np.asarray(part).reshape(-1)
+        if ids.size == 0:
             out.append([])
             continue
         # a run breaks where the next row is not the next one of the same piece
-        breaks = ((ids[1:] != ids[:-1] + 1) | (ids[1:] // rows != ids[:-1] // rows)).nonzero().reshape(-1) + 1
-        bounds = [0, *breaks.tolist(), ids.numel()]
+        breaks = np.flatnonzero((ids[1:] != ids[:-1] + 1) | (ids[1:] // rows != ids[:-1] // rows)) + 1
+        bounds = [0, *breaks.tolist(), int(ids.size)]
         out.append([(int(ids[a]) // rows, int(ids[a]) % rows, b - a) for a, b in zip(bounds, bounds[1:])])
     return out if len(out) == len(shapes) else None
 
 
-def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: torch.dtype,
+_JOIN_BELOW = 1 << 16  # runs shorter than this on average are copied into one buffer, not written one by one
+
+
+def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: str,
                  piece_shape: tuple[int, ...]) -> Callable[[], list | None]:
-    """LazyTensor.mapped_pieces from row runs: each run a view of its TP piece's file (None where a piece is not a
-    contiguous stand-in of the tensor's dtype and the pieces' shape: the tensor is then loaded, checked and merged)."""
+    """LazyTensor.mapped_pieces from row runs: each run a view of its TP piece's file, or, where the runs are short
+    (a column split's rows), their bytes joined in one buffer; None where a piece is not a contiguous stand-in of
+    the tensor's dtype and the pieces' shape (the tensor is then loaded, checked and merged with torch)."""
     width = math.prod(piece_shape[1:])
 
     def mapped() -> list | None:
-        stored = {}
+        whole = {}
         for t in {t for t, _, _ in runs}:
             piece = pieces[t]()
             if (not isinstance(piece, StoredTensor) or tuple(piece.shape) != tuple(piece_shape) or not piece.is_contiguous()
-                    or piece.dtype_name != dtype_name(dtype)):
+                    or piece.dtype_name != dtype):
                 return None
-            stored[t] = piece
-        return [stored[t].reshape(-1)[first * width : (first + count) * width].piece() for t, first, count in runs]
+            whole[t] = piece.reshape(-1).piece()  # the bytes checked against the manifest once, as one view
+        row_bytes = width * itemsize(dtype)
+        views = [sub_pieces([whole[t]], first * row_bytes, (first + count) * row_bytes) for t, first, count in runs]
+        total = sum(count for _, _, count in runs) * row_bytes
+        if len(runs) > 1 and total < len(runs) * _JOIN_BELOW:
+            joined = bytearray(total)
+            at = 0
+            for (view,) in views:
+                joined[at : at + len(view.data)] = view.data
+                at += len(view.data)
+            for p in whole.values():
+                if p.release is not None:
+                    p.release()
+            return [Piece(memoryview(joined), dtype=dtype)]
+        return [view for (view,) in views]
 
     return mapped
 
 
 def hf_tensors(
     rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: MergedCache, tag: str,
-    dtype: torch.dtype, shapes: list[tuple[int, ...]], piece_shape: tuple[int, ...] | None = None,
+    dtype: str, shapes: list[tuple[int, ...]], piece_shape: tuple[int, ...] | None = None,
 ) -> dict[str, LazyTensor]:
     """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded. Given the
     pieces' shape, a tensor whose rows lie whole in the pieces' files is also offered as views of them
@@ -317,10 +344,13 @@ def hf_tensors(
 
 
 def hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Shapes of the Hugging Face tensors a rule unfuses into, from the full tensor's shape, without loading."""
+    """Shapes of the Hugging Face tensors a rule unfuses into, from the full tensor's shape, without loading (nor
+    torch: the unfuse runs on a shape-only stand-in)."""
+    from .row_numbers import RowNumbers
+
     if rule.split == VOCAB:
         full_shape = (arch.vocab, *full_shape[1:])
-    return [tuple(t.shape) for t in rule.unfuse(torch.empty(full_shape, device="meta"))]
+    return [tuple(t.shape) for t in rule.unfuse(RowNumbers.shaped(full_shape))]
 
 
 def _full_shape(rule: Rule, piece_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -706,22 +736,22 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
 
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
-    model_dtype = next(iter(ranks[(0, 0)].tensors.values())).dtype
+    model_dtype = dtype_name_of(next(iter(ranks[(0, 0)].tensors.values())))
     cache = MergedCache()
 
     def pieces_of(rule: Rule, getter: Callable[[tuple[int, int]], torch.Tensor]) -> list[Callable[[], torch.Tensor]]:
         p = placed[rule.megatron][1]
         return [lambda t=t: getter((t, p)) for t in range(files.tp)]
 
-    padding: dict[str, torch.Tensor] = {}
+    padding: dict[str, tuple[Any, tuple[int, ...]]] = {}  # the padded rows, as read (a stand-in), and their shape
 
-    def lazy_for(rule: Rule, tag: str, getter, dtype: torch.dtype, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
+    def lazy_for(rule: Rule, tag: str, getter, dtype: str, piece_shape: tuple[int, ...]) -> dict[str, LazyTensor]:
         extra_rows = piece_shape[0] * files.tp - arch.vocab
         if rule.split == VOCAB and 0 < extra_rows <= piece_shape[0]:  # the padded rows: all in the last TP piece
             last = getter((files.tp - 1, placed[rule.megatron][1]))  # only the padded rows of it are read
             width = math.prod(piece_shape[1:])
             rows = last.reshape(-1)[(piece_shape[0] - extra_rows) * width :]
-            padding[f"{tag}/{rule.megatron}"] = as_torch(rows).reshape(extra_rows, *piece_shape[1:]).clone()
+            padding[f"{tag}/{rule.megatron}"] = (rows, (extra_rows, *piece_shape[1:]))
         shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
         return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes, piece_shape)
@@ -732,16 +762,17 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         piece = ranks[key0].tensors[rule.megatron]
         if has_master:
             getter = lambda key, r=rule: optim[key][2][r.megatron]  # noqa: E731
-            model.update(lazy_for(rule, "master", getter, torch.float32, tuple(piece.shape)))
+            model.update(lazy_for(rule, "master", getter, "float32", tuple(piece.shape)))
         else:
             getter = lambda key, r=rule: ranks[key].tensors[r.megatron]  # noqa: E731
-            model.update(lazy_for(rule, "model", getter, piece.dtype, tuple(piece.shape)))
+            model.update(lazy_for(rule, "model", getter, dtype_name_of(piece), tuple(piece.shape)))
 
     optimizer = _logical_optimizer(all_rules, optim, placed, lazy_for, files)
     step = files.iteration if files.iteration is not None else int(head.get("iteration") or 0)
     extra: dict[str, Any] = {}
-    if any(bool(t.any()) for t in padding.values()):
-        extra[PADDING] = padding  # not part of the Hugging Face model, but of Megatron's softmax: kept for a Megatron target
+    if any(_nonzero(rows) for rows, _ in padding.values()):  # not part of the Hugging Face model, but of Megatron's
+        # softmax: kept for a Megatron target (built with torch; zero rows, as a conversion pads, are not kept)
+        extra[PADDING] = {k: as_torch(rows).reshape(shape).clone() for k, (rows, shape) in padding.items()}
     if head.get("opt_param_scheduler") is not None:
         extra[SCHEDULER] = materialize(head["opt_param_scheduler"])
     rank_state = {}
@@ -750,7 +781,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         rank_state["rng"] = rng
     source = {
         "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp * files.ep,
-        "dtype": dtype_name(model_dtype), "iteration": step, **({"ep": files.ep} if arch.experts else {}),
+        "dtype": model_dtype, "iteration": step, **({"ep": files.ep} if arch.experts else {}),
     }
     if has_master:
         source["master_dtype"] = "float32"
@@ -765,6 +796,22 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
     )
+
+
+def _nonzero(value: Any) -> bool:
+    """Whether a tensor holds a value other than zero, as ``bool(t.any())`` says (a float's -0.0 is zero), read
+    from a stand-in's bytes without torch."""
+    if not isinstance(value, StoredTensor):
+        return bool(value.any())
+    import numpy as np
+
+    size = itemsize(value.dtype_name)
+    if size not in (1, 2, 4, 8) or not value.is_contiguous():
+        return bool(as_torch(value).any())
+    words = np.frombuffer(value.piece().data, dtype=f"<u{size}")
+    if is_floating(value.dtype_name):
+        words = words & np.array((1 << (8 * size - 1)) - 1, dtype=words.dtype)  # every bit but the sign
+    return bool(words.any())
 
 
 def hf_config(arch: MegatronArch, args: dict[str, Any]) -> dict[str, Any]:
@@ -805,7 +852,7 @@ def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -
         for skey, value in entries.items():
             if is_tensor(value) and value.dim() > 0:
                 getter = lambda key, r=rule, s=skey: optim[key][0][r.megatron][s]  # noqa: E731
-                tensors.setdefault(skey, {}).update(lazy_for(rule, f"optim:{skey}", getter, value.dtype, tuple(value.shape)))
+                tensors.setdefault(skey, {}).update(lazy_for(rule, f"optim:{skey}", getter, dtype_name_of(value), tuple(value.shape)))
             else:  # read when a target asks for them (AdamW's step lies between the moments)
                 read = lambda v=value: scalar_entry(as_torch(v) if is_tensor(v) else torch.tensor(v))  # noqa: E731
                 for name in rule.hf:
@@ -834,12 +881,13 @@ def _rng_states(files: LegacyFiles, states: dict[tuple[int, int, int], dict]) ->
     for p in range(files.pp):
         for e in range(files.ep):
             for t in range(files.tp):
-                rng = materialize(states[(t, p, e)].get("rng_state"))
+                rng = states[(t, p, e)].get("rng_state")
                 entry = our_rng(rng[0]) if isinstance(rng, list) and len(rng) == 1 else None
                 if entry is None:
                     return None
                 out.append(entry)
-    return out
+    # the generators' tensors built with torch only when a target keeps them (an export to HF does not)
+    return DeferredList(lambda: [materialize(entry) for entry in out])
 
 
 # --- writing --------------------------------------------------------------------------------------------------

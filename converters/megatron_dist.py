@@ -154,7 +154,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         shape = tuple(spec.shape[len(stack_index(rule.megatron)):])
         if rule.split == VOCAB and shape[0] > arch.vocab:
             padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
-        return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype,
+        return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype_name,
                           hf_shapes(rule, arch, shape))
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
@@ -175,7 +175,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             if rule.split == VOCAB and shape[0] > arch.vocab:
                 padding[f"{tag}/{rule.megatron}"] = merge(rule, [p() for p in pieces])[arch.vocab:].clone()
             return hf_tensors(rule, pieces, arch, f"{directory}[{regions[rule.megatron][0].bucket}.{skey}]", cache, tag,
-                              torch.float32, hf_shapes(rule, arch, shape))
+                              "float32", hf_shapes(rule, arch, shape))
 
         has_master = True
         for rule in all_rules:

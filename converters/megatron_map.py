@@ -42,6 +42,13 @@ class Rule:
     aliases: tuple[str, ...] = ()  # other names of the same tensor (Transformer Engine fuses norms into linears)
 
 
+def cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat; on :class:`row_numbers.RowNumbers` the same without torch (an export plans its byte copies so)."""
+    if type(ts[0]).__name__ == "RowNumbers":  # by name: planning imports numpy, values import torch, neither the other
+        return type(ts[0]).cat(ts, dim)
+    return torch.cat(ts, dim=dim)
+
+
 def _one(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0]
 
@@ -67,7 +74,7 @@ def _qkv(arch: MegatronArch) -> tuple[Callable, Callable]:
         q, k, v = ts
         rest = tuple(q.shape[1:])
         parts = (q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
-        return torch.cat(parts, dim=1).reshape((arch.heads + 2 * g) * d, *rest)
+        return cat(list(parts), dim=1).reshape((arch.heads + 2 * g) * d, *rest)
 
     def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
         rest = tuple(t.shape[1:])
@@ -88,14 +95,14 @@ def _packed_qkv(arch: MegatronArch, transposed: bool) -> tuple[Callable, Callabl
         return fuse3(list(t.split(sizes, dim=0)))
 
     def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
-        full = torch.cat(unfuse3(t), dim=0)
+        full = cat(unfuse3(t), dim=0)
         return [full.t().contiguous() if transposed else full]
 
     return fuse, unfuse
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(ts, dim=0)
+    return cat(ts, dim=0)
 
 
 def _halves(t: torch.Tensor) -> list[torch.Tensor]:
@@ -228,11 +235,11 @@ def merge(rule: Rule, pieces: list[torch.Tensor]) -> torch.Tensor:
     if rule.split == REPLICATED or len(pieces) == 1:
         return pieces[0]
     if rule.split in (ROWS, VOCAB):
-        return torch.cat(pieces, dim=0)
+        return cat(pieces, dim=0)
     if rule.split == COLS:
-        return torch.cat(pieces, dim=1)
+        return cat(pieces, dim=1)
     halves = [p.chunk(2, dim=0) for p in pieces]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
 def check_pieces(rule: Rule, pieces: list[torch.Tensor], where: str) -> None:

@@ -13,6 +13,7 @@ tests.
 
 from __future__ import annotations
 
+import math
 import random
 import struct
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from interop.lazy_import import numpy as np
 from interop.lazy_import import torch
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
+
+from .torch_zip import dtype_name_of, is_tensor
 
 DEFAULT_SEED = 1234  # Megatron-LM's --seed
 DATA, MODEL, EXPERT = "data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"
@@ -33,7 +36,8 @@ def cuda_state(seed: int, offset: int = 0) -> torch.Tensor:
 
 
 def is_cuda_state(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == CUDA_STATE_BYTES
+    """A CUDA generator's state (torch's, or a stand-in read without torch)."""
+    return is_tensor(t) and dtype_name_of(t) == "uint8" and len(t.shape) == 1 and math.prod(t.shape) == CUDA_STATE_BYTES
 
 
 def rank_seed(seed: int, pp_rank: int) -> int:
@@ -74,7 +78,7 @@ def our_rng(entry: Any) -> dict[str, Any] | None:
                                "torch": entry["torch_rng_state"]}
     except (KeyError, TypeError, ValueError):
         return None
-    if not isinstance(out["torch"], torch.Tensor):
+    if not is_tensor(out["torch"]):
         return None
     if is_cuda_state(entry.get("cuda_rng_state")):
         out["cuda"] = [entry["cuda_rng_state"]]

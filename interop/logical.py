@@ -39,6 +39,38 @@ class DeferredScalars:
         return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
 
 
+class DeferredList(list):
+    """A list built when first used (length, iteration, indexing): per-rank state a target may never keep (an
+    export to Hugging Face keeps no RNG) whose values need torch to build, which such a conversion never imports."""
+
+    def __init__(self, build: Callable[[], list[Any]]):
+        super().__init__()
+        self._build: Callable[[], list[Any]] | None = build
+
+    def _built(self) -> "DeferredList":
+        build, self._build = self._build, None
+        if build is not None:
+            super().extend(build())
+        return self
+
+    def __len__(self) -> int:
+        return super(DeferredList, self._built()).__len__()
+
+    def __iter__(self):
+        return super(DeferredList, self._built()).__iter__()
+
+    def __getitem__(self, index):
+        return super(DeferredList, self._built()).__getitem__(index)
+
+    def __eq__(self, other: object) -> bool:
+        return super(DeferredList, self._built()).__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return super(DeferredList, self._built()).__repr__()
+
+
 @dataclass
 class OptimizerState:
     cls: str  # "AdamW"

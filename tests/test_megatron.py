@@ -4,6 +4,7 @@ state, and bad input. Real megatron-core interop is in test_megatron_core.py."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -498,8 +499,9 @@ def test_rank_files_are_checked_only_where_an_export_reads_them(tmp_path, traine
 @pytest.mark.parametrize("kind", ["llama", "gpt2-tied"])
 def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
     """A tensor whose tensor-parallel merge and unfuse move whole rows (a row split, the vocabulary, [gate; up], a
-    fused QKV) is offered as views of the rank files, which a writer copies file to file; their bytes are the
-    merged tensor's, exactly. A column split, and GPT-2's transposed weights, are merged with torch."""
+    fused QKV) is offered as views of the rank files, which a writer copies file to file; a column split's rows (one
+    row of each piece, side by side) as their bytes joined without torch; their bytes are the merged tensor's,
+    exactly. GPT-2's transposed weights are merged with torch."""
     from interop.tensors import raw_bytes
 
     make(MODELS[kind]()).save_pretrained(tmp_path / "hf")
@@ -516,7 +518,9 @@ def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
         assert all(viewed[f"{layer}.{n}.weight"] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                               "mlp.gate_proj", "mlp.up_proj", "input_layernorm"))
         assert viewed["model.embed_tokens.weight"] and viewed["lm_head.weight"]
-        assert not viewed[f"{layer}.self_attn.o_proj.weight"] and not viewed[f"{layer}.mlp.down_proj.weight"]
+        assert viewed[f"{layer}.self_attn.o_proj.weight"] and viewed[f"{layer}.mlp.down_proj.weight"]  # column splits
+        joined = ckpt.model[f"{layer}.mlp.down_proj.weight"].mapped_pieces()
+        assert len(joined) == 1 and joined[0].source is None  # short runs: one buffer, not a write per piece row
     else:
         assert not viewed["transformer.h.0.attn.c_attn.weight"] and viewed["transformer.h.0.ln_1.weight"]
 
@@ -538,3 +542,61 @@ def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, t
 
     one, several = write(tmp_path / "one", 1), write(tmp_path / "several", 4)
     assert len(one) == 4 and one == several
+
+
+def test_an_export_to_hf_imports_no_torch(tmp_path):
+    """Megatron -> Hugging Face only moves bytes: the rank files are read as stand-ins, the merges are planned on
+    row numbers (numpy), a column split's rows are joined as bytes and the RNG states are built only for a target
+    that keeps them. With the config's answers kept (the first conversion asks transformers), the export imports
+    neither torch nor transformers, and gives the merged tensors exactly."""
+    from safetensors.torch import load_file
+
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    env = dict(worker_env(), INTEROP_CACHE_DIR=str(tmp_path / "kept"))
+    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    seen = []
+    for out in ("first", "again"):
+        done = subprocess.run([sys.executable, "-c", probe, "convert", str(tmp_path / "meg"), str(tmp_path / out), "--to", "hf"],
+                              env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip().splitlines()[-1])
+    assert seen[1] == "[]", seen
+    ours, theirs = load_file(tmp_path / "again" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_row_numbers_chunk_and_split_as_torch_does():
+    """The planning stand-in answers chunk, split, t and cat as torch does (the merges and fusers run on it)."""
+    import numpy as np
+
+    from converters.megatron_map import cat
+    from converters.row_numbers import RowNumbers
+
+    for shape, dim, n in (((7, 3), 0, 3), ((8, 4), 1, 2), ((5,), 0, 5), ((6, 2, 2), 0, 4)):
+        t = torch.arange(math.prod(shape)).reshape(shape)
+        r = RowNumbers.of(np.arange(math.prod(shape)).reshape(shape))
+        assert [x.tolist() for x in r.chunk(n, dim)] == [x.tolist() for x in t.chunk(n, dim)]
+        assert [x.tolist() for x in r.split(2, dim)] == [x.tolist() for x in t.split(2, dim)]
+        sizes = [1, shape[dim] - 1]
+        assert [x.tolist() for x in r.split(sizes, dim)] == [x.tolist() for x in t.split(sizes, dim)]
+        assert cat([r, r], dim).tolist() == torch.cat([t, t], dim).tolist()
+    m = torch.arange(6).reshape(2, 3)
+    assert RowNumbers.of(m.numpy()).t().tolist() == m.t().tolist()
+    assert RowNumbers.shaped((4, 5)).reshape(2, 2, 5).shape == (2, 2, 5)
+
+
+def test_padded_rows_are_judged_zero_from_their_bytes_as_torch_judges_them(tmp_path):
+    """Whether a source's padded vocabulary rows are kept (they are, unless all zero) is read from the stand-ins'
+    bytes without torch, with torch's answer: -0.0 is zero, a denormal or a NaN is not."""
+    from converters import torch_zip
+    from converters.megatron import _nonzero
+
+    values = [torch.zeros(4), torch.tensor([0.0, -0.0]), torch.tensor([0.0, 1e-40]), torch.tensor([-0.0, float("nan")]),
+              torch.tensor([-0.0], dtype=torch.bfloat16), torch.tensor([0.0, 2.0], dtype=torch.float16),
+              torch.zeros(3, dtype=torch.int64), torch.tensor([0, -1], dtype=torch.int32)]
+    torch.save(values, tmp_path / "rows.pt")
+    stored = torch_zip.load(str(tmp_path / "rows.pt"))
+    assert all(isinstance(s, torch_zip.StoredTensor) for s in stored)
+    assert [_nonzero(s) for s in stored] == [bool(v.any()) for v in values] == [False, False, True, True, False, True, False, True]
