@@ -19,9 +19,8 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from interop.lazy_import import torch
 
@@ -34,7 +33,7 @@ from interop.universal import scalar_value
 
 from . import deepspeed_moe
 from .deepspeed import NATIVE_KEY, NativeLayout
-from .engine_checkpoint import WRITERS, Written, write_engine_checkpoint
+from .engine_checkpoint import Written, at_once, write_engine_checkpoint
 from .param_order import EngineOrder, engine_order, regroup
 from .pickle_safety import save_torch
 
@@ -119,27 +118,44 @@ def zero12_owners(order: EngineOrder, world: int, ep: int, data_before_expert: b
     return out
 
 
-def _zero12_partition(ckpt, owners: Owners, g: int, rank: int, key: str | None) -> torch.Tensor:
-    """Rank ``rank``'s partition of group ``g``'s fp32 weights (key None) or optimizer state ``key``: the flat
-    buffer of its copy's tensors in order, cut into equal rank partitions. Only the tensors this partition holds
-    are read (one or two per tensor over all ranks), so a rank's file is built while another's is written, and
-    memory holds the ranks in flight, not every rank."""
+def _zero12_partition(owners: Owners, g: int, rank: int, numel: Callable[[str], int],
+                      read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
+    """Rank ``rank``'s partition of group ``g``'s fp32 weights or one optimizer state (``read(name)``: the whole
+    tensor, flat, or None): the flat buffer of its copy's tensors in order, cut into equal rank partitions. Only
+    the tensors this partition holds are read, so a rank's file is built while another's is written, and memory
+    holds the ranks in flight, not every rank."""
     index, count, pairs = _copy_of(owners, g, rank)
-    size = zero12_partition(sum(_numel(ckpt, n) for n, _ in pairs), count)
+    size = zero12_partition(sum(numel(n) for n, _ in pairs), count)
     part = torch.zeros(size, dtype=torch.float32)
     first, end = index * size, (index + 1) * size
     offset = 0
     for n, _ in pairs:
-        numel = _numel(ckpt, n)
-        lo, hi = max(offset, first), min(offset + numel, end)
+        lo, hi = max(offset, first), min(offset + numel(n), end)
         if lo < hi:
-            t = _state_tensor(ckpt, key, n)
+            t = read(n)
             if t is not None:
                 part[lo - first : hi - first] = t[lo - offset : hi - offset]
-        offset += numel
+        offset += numel(n)
         if offset >= end:
             break
     return part
+
+
+class _LastRead:
+    """The tensor read last for each state key: a tensor larger than a rank's partition spans several ranks'
+    partitions, built one after another, and is read once for them, not once for each."""
+
+    def __init__(self, ckpt: LogicalCheckpoint):
+        self.ckpt, self.last = ckpt, {}
+
+    def reader(self, key: str | None) -> Callable[[str], torch.Tensor | None]:
+        def read(name: str) -> torch.Tensor | None:
+            found = self.last.get(key)
+            if found is None or found[0] != name:
+                found = self.last[key] = (name, _state_tensor(self.ckpt, key, name))
+            return found[1]
+
+        return read
 
 
 def _copy_of(owners: Owners, g: int, rank: int) -> tuple[int, int, list[tuple[str, str]]]:
@@ -290,16 +306,17 @@ def write_native(
         for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
             save_torch(tensors, os.path.join(tag_dir, name))
     frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
-    reading = threading.Lock()
+    reading, last = threading.Lock(), _LastRead(ckpt)
 
     def write_rank(r: int) -> None:
         """Rank ``r``'s files, as its engine's save_checkpoint writes them."""
         if stage == 3:  # every rank holds a slice of every tensor: all built above, each tensor read once
             fp32_r, states_r = fp32[r], {k: states[k][r] for k in keys}
         else:
+            numel = lambda n: _numel(ckpt, n)  # noqa: E731
             with reading:  # one rank's partitions read at a time: a reader's caches (a TP merge's) are not shared
-                fp32_r = [_zero12_partition(ckpt, owners, g, r, None) for g in range(len(owners))]
-                states_r = {k: [_zero12_partition(ckpt, owners, g, r, k) for g in range(len(owners))] for k in keys}
+                fp32_r = [_zero12_partition(owners, g, r, numel, last.reader(None)) for g in range(len(owners))]
+                states_r = {k: [_zero12_partition(owners, g, r, numel, last.reader(k)) for g in range(len(owners))] for k in keys}
         state = {}
         for i in range(len(subs)):
             entry = {k: states_r[k][i] for k in keys if _has_state(ckpt, k, subs[i])}
@@ -347,9 +364,9 @@ def write_native(
                 states_dict.update(num_experts=list(deepspeed_moe.ExpertLayers.of(experts).experts.values()), ds_autoep_layers=None)
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
             save_torch(states_dict, os.path.join(tag_dir, name))
-    # the ranks' files at once: one is pickled while another's bytes go to the disk
-    with ThreadPoolExecutor(min(world, WRITERS), thread_name_prefix="deepspeed-rank") as pool:
-        list(pool.map(write_rank, range(world)))
+    # the ranks' files at once, in rank order: one is pickled while another's bytes go to the disk
+    for _ in at_once(write_rank, [(r,) for r in range(world)], "deepspeed-rank"):
+        pass
     with open(os.path.join(directory, "latest"), "w", encoding="utf-8") as f:
         f.write(tag)
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")

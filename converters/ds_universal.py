@@ -26,7 +26,6 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,7 +42,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
-from .engine_checkpoint import WRITERS, Written, native_dir, write_engine_checkpoint
+from .engine_checkpoint import Written, at_once, native_dir, write_engine_checkpoint
 from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
@@ -260,31 +259,31 @@ def write_ds_universal(
         reading = threading.Lock()
 
         def write_parameter(name: str, group_step: torch.Tensor) -> tuple[list[LazyTensor], int]:
-            """One parameter's folder (DeepSpeed's layout): its fp32 weight, Adam's moments and its group's step."""
+            """One parameter's folder (DeepSpeed's layout): its fp32 weight, Adam's moments and its group's step,
+            one tensor in memory at a time."""
             folder = os.path.join(zero, plain_name(name, "parameter"))
             t = ckpt.model[name]
-            lazies = {key: opt.tensors.get(key, {}).get(name) if opt is not None else None for key in ADAM_KEYS}
-            with reading:  # one tensor read at a time: a reader's caches (a TP merge's) are not shared across threads
-                values = {"fp32": t.load().to(torch.float32),
-                          **{key: lazy.load().to(torch.float32) for key, lazy in lazies.items() if lazy is not None}}
-            zeros = 0
-            for key in ADAM_KEYS:
-                if key not in values:
-                    values[key] = torch.zeros(t.spec.shape, dtype=torch.float32)
+            done, zeros = [], 0
+            for key, lazy in (("fp32", t), *((k, opt.tensors.get(k, {}).get(name) if opt is not None else None) for k in ADAM_KEYS)):
+                if lazy is None:
+                    value = torch.zeros(t.spec.shape, dtype=torch.float32)
                     zeros += 1
-            for key, value in values.items():
+                else:
+                    with reading:  # one tensor read at a time: a reader's caches (a TP merge's) are not shared across threads
+                        value = lazy.load().to(torch.float32)
+                    done.append(lazy)
                 _save({PARAM: value, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
+                del value
             _save(group_step.clone(), os.path.join(folder, "step.pt"))
-            return [t, *(lazy for lazy in lazies.values() if lazy is not None)], zeros
+            return done, zeros
 
         filled = 0
         # Several parameters at once: one's bytes are read from the source while others' are pickled and written
         # (each file is the same as written one after another)
-        with ThreadPoolExecutor(WRITERS, thread_name_prefix="ds-universal") as pool:
-            for done, zeros in pool.map(lambda job: write_parameter(*job), jobs):
-                filled += zeros
-                for lazy in done if progress is not None else ():
-                    progress(lazy)
+        for done, zeros in at_once(write_parameter, jobs, "ds-universal"):
+            filled += zeros
+            for lazy in done if progress is not None else ():
+                progress(lazy)
         kept = {n: ckpt.model[n].load() for n in order.frozen + order.buffers}  # read once: also in the model states
         for name, t in kept.items():  # as ds_to_universal keeps them: whole, in fp32
             _save({PARAM: t.to(torch.float32)}, os.path.join(zero, plain_name(name, "tensor"), "fp32.pt"))

@@ -7,10 +7,12 @@ everything is staged, listed and digested in the manifest, and published at once
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
 from interop.errors import ConversionError, UnknownFormatError
@@ -25,6 +27,7 @@ from interop.universal import copy_components
 from interop.verify import open_checkpoint, tree_records
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RNG = "rng"  # the per-rank generators' component, in every format that keeps them
 
@@ -119,6 +122,27 @@ def per_rank_notes(components: dict[str, ComponentRecord], topology: dict | None
 
 
 WRITERS = min(4, os.cpu_count() or 1)  # an engine's files written at once: one pickled while others go to the disk
+
+
+def at_once(work: Callable[..., T], items: list[tuple], name: str) -> Iterator[T]:
+    """``work(*item)`` for each item on up to :data:`WRITERS` threads, the results in the items' order (progress is
+    reported by the caller, on its own thread). A failure, or Ctrl-C, cancels the items not started instead of
+    writing every one of them before the error is seen."""
+    threads = max(1, min(WRITERS, len(items)))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    pending: collections.deque = collections.deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(work, *item))
+            if len(pending) > threads:  # a window of work ahead, not every item queued at once
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
 
 @dataclass
 class Written:

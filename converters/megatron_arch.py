@@ -88,9 +88,18 @@ class MegatronArch:
         per config and installed transformers, then kept (``models.kept``), as :meth:`to_hf` is."""
         import json
 
-        key = json.dumps(config, sort_keys=True, default=str)
-        return kept("megatron-arch", 1, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()},
-                    lambda raw: cls.from_json(raw["arch"]))
+        try:
+            key = json.dumps(config, sort_keys=True, default=str)
+        except (TypeError, ValueError):  # keys JSON cannot sort: asked every time
+            return cls._asked_from_hf(config)
+
+        def read(raw: dict[str, Any]) -> "MegatronArch":
+            arch = cls.from_json(raw["arch"])
+            if arch.model_type != config.get("model_type"):
+                raise ValueError("kept for another model type")
+            return arch
+
+        return kept("megatron-arch", 1, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
 
     def to_json(self) -> dict[str, Any]:
         import dataclasses
@@ -111,9 +120,18 @@ class MegatronArch:
             if name == "options":
                 if not isinstance(value, list) or not all(isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) for o in value):
                     raise ValueError("options")
-            elif not isinstance(value, kinds.get(name, int)) or (isinstance(value, bool) and kinds.get(name, int) is int):
+                continue
+            kind = kinds.get(name, int)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise TypeError(f"{name}: {value!r}")
-        family_for(raw["model_type"])  # a family this code still maps
+            if kind is int and value <= 0:
+                raise ValueError(f"{name}: {value!r}")
+        try:
+            fam = family_for(raw["model_type"])  # a family this code still maps, the one kept
+        except ConversionError as exc:
+            raise ValueError(str(exc)) from None
+        if (fam.name, fam.gated, fam.norm) != (raw["family"], raw["gated"], raw["norm"]):
+            raise ValueError(f"not {raw['model_type']}'s Megatron family")
         return cls(**{**raw, "options": tuple(tuple(o) for o in raw["options"])})
 
     @classmethod

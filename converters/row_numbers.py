@@ -47,7 +47,9 @@ class RowNumbers(np.ndarray):
     def chunk(self, chunks: int, dim: int = 0) -> list["RowNumbers"]:
         """torch.chunk's split: pieces of ceil(n / chunks), the last smaller (and fewer pieces if they run out)."""
         n = self.shape[dim]
-        size = max(1, -(-n // chunks))
+        if n == 0:
+            return [self] * chunks
+        size = -(-n // chunks)
         return [self[(slice(None),) * dim + (slice(i, i + size),)] for i in range(0, n, size)]
 
     def split(self, sizes: int | list[int], dim: int = 0) -> list["RowNumbers"]:  # type: ignore[override]

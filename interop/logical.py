@@ -7,6 +7,7 @@ tensor at a time. Names are canonical (Hugging Face names of the model family).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -39,36 +40,34 @@ class DeferredScalars:
         return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
 
 
-class DeferredList(list):
-    """A list built when first used (length, iteration, indexing): per-rank state a target may never keep (an
-    export to Hugging Face keeps no RNG) whose values need torch to build, which such a conversion never imports."""
+class DeferredList(Sequence):
+    """A per-rank list built when first used: state a target may never keep (an export to Hugging Face keeps no
+    RNG) whose values need torch to build, which such a conversion then never imports. A read-only sequence, so
+    anything beyond reading it fails loudly rather than seeing it empty."""
 
     def __init__(self, build: Callable[[], list[Any]]):
-        super().__init__()
         self._build: Callable[[], list[Any]] | None = build
+        self._items: list[Any] = []
 
-    def _built(self) -> "DeferredList":
-        build, self._build = self._build, None
-        if build is not None:
-            super().extend(build())
-        return self
+    def _built(self) -> list[Any]:
+        if self._build is not None:
+            self._items = list(self._build())  # kept only once built: a failed build fails again where used
+            self._build = None
+        return self._items
 
     def __len__(self) -> int:
-        return super(DeferredList, self._built()).__len__()
-
-    def __iter__(self):
-        return super(DeferredList, self._built()).__iter__()
+        return len(self._built())
 
     def __getitem__(self, index):
-        return super(DeferredList, self._built()).__getitem__(index)
+        return self._built()[index]
 
     def __eq__(self, other: object) -> bool:
-        return super(DeferredList, self._built()).__eq__(other)
+        return self._built() == (list(other) if isinstance(other, Sequence) and not isinstance(other, str) else other)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return super(DeferredList, self._built()).__repr__()
+        return f"DeferredList({self._built()!r})"
 
 
 @dataclass

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -494,16 +495,14 @@ def test_staged_save_writes_the_state_of_its_step(tmp_path):
 def test_files_written_at_once_are_the_files_written_one_by_one(layouts, tmp_path, monkeypatch, target):
     """The writers write several rank files (deepspeed) or parameter folders (ds-universal) at once, reading the
     source one tensor at a time; the engine's files are byte for byte those of writing them one after another."""
-    import converters.deepspeed_writer as deepspeed_writer
-    import converters.ds_universal as ds_universal
+    import converters.engine_checkpoint as engine_checkpoint
 
     from .conftest import native_files
 
     source = read_deepspeed(str(layouts[(2, "float32")]))
 
     def write(out, writers: int) -> dict[str, bytes]:
-        monkeypatch.setattr(deepspeed_writer, "WRITERS", writers)
-        monkeypatch.setattr(ds_universal, "WRITERS", writers)
+        monkeypatch.setattr(engine_checkpoint, "WRITERS", writers)
         if target == "deepspeed":
             tag = write_native(source, str(out), NativeLayout(4, 2, "float32"), {"train_batch_size": 4})
         else:
@@ -512,3 +511,25 @@ def test_files_written_at_once_are_the_files_written_one_by_one(layouts, tmp_pat
 
     one, several = write(tmp_path / "one", 1), write(tmp_path / "several", 4)
     assert len(one) > 4 and one == several
+
+
+def test_a_failed_file_stops_the_writers_before_the_rest_are_written(monkeypatch):
+    """The writers' pool: a failure surfaces as itself, and the files not yet started are not written first
+    (a conversion that fails on its first rank file does not write the other hundred before saying so)."""
+    import converters.engine_checkpoint as engine_checkpoint
+
+    monkeypatch.setattr(engine_checkpoint, "WRITERS", 2)
+    started = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        if i == 1:
+            raise OSError("disk full")
+        time.sleep(0.05)  # a file being written
+        return i
+
+    results = engine_checkpoint.at_once(work, [(i,) for i in range(100)], "test")
+    assert next(results) == 0
+    with pytest.raises(OSError, match="disk full"):
+        next(results)
+    assert len(started) <= 4  # at most the window of items already submitted: the rest never start

@@ -528,7 +528,7 @@ def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
 def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, trained, monkeypatch):
     """A stage's rank files are pickled and written on several threads; each is byte for byte the file written
     alone (and the manifest's files are the same ones)."""
-    import converters.megatron as megatron
+    import converters.engine_checkpoint as engine_checkpoint
     from converters import registry
 
     from .conftest import native_files
@@ -536,7 +536,7 @@ def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, t
     _, src = registry.read(trained)
 
     def write(out, writers: int) -> dict[str, bytes]:
-        monkeypatch.setattr(megatron, "WRITERS", writers)
+        monkeypatch.setattr(engine_checkpoint, "WRITERS", writers)
         write_megatron(src, str(out), 2, 2)
         return native_files(out / "iter_0000002")
 
@@ -574,12 +574,12 @@ def test_row_numbers_chunk_and_split_as_torch_does():
     from converters.megatron_map import cat
     from converters.row_numbers import RowNumbers
 
-    for shape, dim, n in (((7, 3), 0, 3), ((8, 4), 1, 2), ((5,), 0, 5), ((6, 2, 2), 0, 4)):
+    for shape, dim, n in (((7, 3), 0, 3), ((8, 4), 1, 2), ((5,), 0, 5), ((6, 2, 2), 0, 4), ((0, 3), 0, 2)):
         t = torch.arange(math.prod(shape)).reshape(shape)
         r = RowNumbers.of(np.arange(math.prod(shape)).reshape(shape))
         assert [x.tolist() for x in r.chunk(n, dim)] == [x.tolist() for x in t.chunk(n, dim)]
         assert [x.tolist() for x in r.split(2, dim)] == [x.tolist() for x in t.split(2, dim)]
-        sizes = [1, shape[dim] - 1]
+        sizes = [1, shape[dim] - 1] if shape[dim] else [0]
         assert [x.tolist() for x in r.split(sizes, dim)] == [x.tolist() for x in t.split(sizes, dim)]
         assert cat([r, r], dim).tolist() == torch.cat([t, t], dim).tolist()
     m = torch.arange(6).reshape(2, 3)
@@ -600,3 +600,24 @@ def test_padded_rows_are_judged_zero_from_their_bytes_as_torch_judges_them(tmp_p
     stored = torch_zip.load(str(tmp_path / "rows.pt"))
     assert all(isinstance(s, torch_zip.StoredTensor) for s in stored)
     assert [_nonzero(s) for s in stored] == [bool(v.any()) for v in values] == [False, False, True, True, False, True, False, True]
+
+
+def test_rng_states_are_built_once_when_first_read():
+    """The RNG states a Megatron read defers: built on first use, once; a build that fails fails again where used
+    (never an empty list that would reseed every rank in silence); read-only."""
+    from interop.logical import DeferredList
+
+    calls = []
+    states = DeferredList(lambda: calls.append(1) or [{"torch": 1}, {"torch": 2}])
+    assert not calls and len(states) == 2 and states[1] == {"torch": 2} and list(states) == [{"torch": 1}, {"torch": 2}]
+    assert states == [{"torch": 1}, {"torch": 2}] and len(calls) == 1
+
+    def broken():
+        raise ValueError("damaged rng_state")
+
+    failing = DeferredList(broken)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="damaged"):
+            len(failing)
+    with pytest.raises(AttributeError):
+        failing.append(3)
