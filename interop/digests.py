@@ -76,16 +76,24 @@ def block_count(size: int, block_bytes: int) -> int:
     return max(1, -(-size // block_bytes))
 
 
+def read_exactly(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` with pread (threads may share ``fd``; one read returns at most about
+    2 GiB on Linux); the bytes read, fewer only where the file ends first."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 def hash_block(fd: int, index: int, block_bytes: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
     """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)
     into ``buffer``, up to its length."""
     buffer = buffer if buffer is not None else bytearray(block_bytes)
-    view, got = memoryview(buffer)[:block_bytes], 0  # (a shorter buffer: the file's short last block)
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], index * block_bytes + got)
-        if n == 0:
-            break
-        got += n
+    view = memoryview(buffer)[:block_bytes]  # (a shorter buffer: the file's short last block)
+    got = read_exactly(fd, view, index * block_bytes)
     h = hasher(algo)
     h.update(view[:got])
     return h.hexdigest(), got

@@ -23,7 +23,8 @@ from .jsonio import loads as json_loads
 from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
-from .tensors import LazyTensor, Piece, TensorSpec, read_exactly, unfilled_bytes
+from .digests import read_exactly
+from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
 

@@ -254,15 +254,3 @@ def unfilled_bytes(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     the read then writes again (a third of the time of reading a safetensors tensor from the page cache)."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     return flat, memoryview(flat.numpy()) if nbytes else memoryview(bytearray())
-
-
-def read_exactly(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``fd`` at ``offset`` (one read returns at most about 2 GiB on Linux); the bytes read,
-    fewer only where the file ends first."""
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            break
-        done += got
-    return done
