@@ -74,7 +74,8 @@ def collect(args) -> engine_bench.Section:
     size = engine_bench.warm(meg)
     print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
           f"Megatron legacy checkpoint, TP 2 x PP 2: {size / 2**30:.2f} GiB (weights, Adam moments, args, RNG)")
-    outputs = {k: os.path.join(work, k) for k in ("hf", "ref_hf", "universal", "megatron_back")}
+    outputs = {k: os.path.join(work, k) for k in ("hf", "ref_hf", "universal")}
+    outputs["megatron"] = os.path.join(work, "megatron_back")  # "megatron" is the source's folder
     n = args.repeat
     interop, reference = "Megatron TP2xPP2 -> HF safetensors (interop)", "torch.load x4 + merge + save_file"
     rows = [
@@ -83,10 +84,9 @@ def collect(args) -> engine_bench.Section:
         (reference, measure([sys.executable, "-c", REFERENCE, meg, outputs["ref_hf"]], None, n, outputs["ref_hf"])),
         ("Megatron TP2xPP2 -> universal (interop)", measure(cli + ["convert", meg, outputs["universal"], "--to", "universal"],
                                                            None, n, outputs["universal"])),
-        ("universal -> Megatron TP2xPP2 (interop)", measure(cli + ["convert", outputs["universal"], outputs["megatron_back"], "--to",
-                                                                   "megatron", "--tp", "2", "--pp", "2"], None, n, outputs["megatron_back"])),
+        ("universal -> Megatron TP2xPP2 (interop)", measure(cli + ["convert", outputs["universal"], outputs["megatron"], "--to",
+                                                                   "megatron", "--tp", "2", "--pp", "2"], None, n, outputs["megatron"])),
     ]
-    outputs["megatron"] = outputs.pop("megatron_back")  # the output the floor's dd writes as many bytes as
     return engine_bench.Section(rows, {interop: reference}, outputs, work)
 
 

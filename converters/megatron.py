@@ -267,10 +267,10 @@ def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: i
     except Exception as exc:  # noqa: BLE001 - a fuser calling what the stand-in lacks: merged with torch instead
         log.debug("no row plan for %s: %s", rule.megatron, exc)
         return None
+    unit = (tp,) if across else rest  # what one row of the Hugging Face tensor is, in piece rows
+    width = (tp * piece_shape[1],) if across else tuple(piece_shape[1:])
     out = []
     for part, shape in zip(parts, shapes):
-        unit = (tp,) if across else rest  # what one row of the Hugging Face tensor is, in piece rows
-        width = (tp * piece_shape[1],) if across else tuple(piece_shape[1:])
         if tuple(part.shape) != (shape[0], *unit) or tuple(shape[1:]) != width:
             return None
         ids = np.asarray(part).reshape(-1)
@@ -293,6 +293,7 @@ def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int
     (a column split's rows), their bytes joined in one buffer; None where a piece is not a contiguous stand-in of
     the tensor's dtype and the pieces' shape (the tensor is then loaded, checked and merged with torch)."""
     width = math.prod(piece_shape[1:])
+    row_bytes = width * itemsize(dtype)
 
     def mapped() -> list | None:
         stored = {}
@@ -302,9 +303,8 @@ def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int
                     or piece.dtype_name != dtype):
                 return None
             stored[t] = piece.reshape(-1)
-        if len(runs) > 1 and sum(count for _, _, count in runs) * width * itemsize(dtype) < len(runs) * _JOIN_BELOW:
+        if len(runs) > 1 and sum(count for _, _, count in runs) * row_bytes < len(runs) * _JOIN_BELOW:
             whole = {t: s.piece() for t, s in stored.items()}  # each piece's bytes checked against the manifest once
-            row_bytes = width * itemsize(dtype)
             joined = b"".join(whole[t].data[first * row_bytes : (first + count) * row_bytes] for t, first, count in runs)
             for p in whole.values():
                 if p.release is not None:
