@@ -31,7 +31,7 @@ from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
-from interop.tensors import LazyTensor, Piece, TensorSpec, release_mapped_pages
+from interop.tensors import LazyTensor, Piece, TensorSpec, own_storage, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
@@ -241,13 +241,30 @@ class MergedCache:
         return self.value
 
 
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """The piece rows one Hugging Face tensor is made of, in order: ``ids[i]`` is row ``ids[i] % rows`` of TP piece
+    ``ids[i] // rows``; ``starts`` where each run of consecutive rows of one piece begins. Kept as arrays: a column
+    split's plan is a run per piece row, thousands per tensor."""
+
+    ids: Any  # numpy int64, one per row of the Hugging Face tensor (in piece rows)
+    starts: Any  # numpy int64, ascending, starts[0] == 0
+    rows: int  # rows of each piece
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(TP piece, first row, rows)`` of each run."""
+        bounds = [*self.starts.tolist(), int(self.ids.size)]
+        firsts = self.ids[self.starts].tolist()
+        return [(first // self.rows, first % self.rows, b - a) for first, a, b in zip(firsts, bounds, bounds[1:])]
+
+
 def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: int,
-             shapes: list[tuple[int, ...]]) -> list[list[tuple[int, int, int]]] | None:
-    """For each Hugging Face tensor of ``rule``, the runs of whole piece rows it is made of, ``(TP piece, first
-    row, rows)`` in order, where merging the pieces and unfusing moves whole rows of the pieces only (a row split,
-    the vocabulary, [gate; up], a fused QKV, and a column split, whose every row is one piece row after another);
-    None where anything else moves (a transpose). Worked out by running the merge and the unfuse themselves on each
-    piece's row numbers (numpy, no torch), so it holds for whatever they do."""
+             shapes: list[tuple[int, ...]]) -> list[RowPlan] | None:
+    """For each Hugging Face tensor of ``rule``, the piece rows it is made of (:class:`RowPlan`), where merging the
+    pieces and unfusing moves whole rows of the pieces only (a row split, the vocabulary, [gate; up], a fused QKV, and
+    a column split, whose every row is one piece row after another); None where anything else moves (a transpose).
+    Worked out by running the merge and the unfuse themselves on each piece's row numbers (numpy, no torch), so it
+    holds for whatever they do."""
     import numpy as np
 
     from .row_numbers import RowNumbers
@@ -273,44 +290,65 @@ def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: i
     for part, shape in zip(parts, shapes):
         if tuple(part.shape) != (shape[0], *unit) or tuple(shape[1:]) != width:
             return None
-        ids = np.asarray(part).reshape(-1)
-        if ids.size == 0:
-            out.append([])
-            continue
+        ids = np.ascontiguousarray(part, dtype=np.int64).reshape(-1)
         # a run breaks where the next row is not the next one of the same piece
         breaks = np.flatnonzero((ids[1:] != ids[:-1] + 1) | (ids[1:] // rows != ids[:-1] // rows)) + 1
-        bounds = [0, *breaks.tolist(), int(ids.size)]
-        out.append([(int(ids[a]) // rows, int(ids[a]) % rows, b - a) for a, b in zip(bounds, bounds[1:])])
+        out.append(RowPlan(ids, np.concatenate([np.zeros(min(ids.size, 1), np.int64), breaks]), rows))
     return out if len(out) == len(shapes) else None
 
 
 _JOIN_BELOW = 1 << 16  # runs shorter than this on average are copied into one buffer, not written one by one
 
 
-def _mapped_rows(pieces: list[Callable[[], Any]], runs: list[tuple[int, int, int]], dtype: str,
+def _gather_rows(plan: RowPlan, whole: dict[int, Piece], row_bytes: int) -> memoryview:
+    """The plan's rows, one after another, copied out of each piece's bytes (numpy, no torch): a piece whose rows
+    land evenly spaced (a column split: every TP-th row) is copied in one strided assignment."""
+    import numpy as np
+
+    out = np.empty((plan.ids.size, row_bytes), np.uint8)
+    of_piece = plan.ids // plan.rows
+    for t, piece in whole.items():
+        at = np.flatnonzero(of_piece == t)
+        if not at.size:
+            continue
+        source = np.frombuffer(piece.data, np.uint8).reshape(plan.rows, row_bytes)
+        local = plan.ids[at] - t * plan.rows
+        step = int(at[1] - at[0]) if at.size > 1 else 1
+        if np.all(np.diff(at) == step) and np.all(np.diff(local) == 1):
+            out[at[0] :: step][: at.size] = source[local[0] : local[0] + at.size]
+        else:
+            out[at] = source[local]
+        del source
+    return out.reshape(-1).data
+
+
+def _mapped_rows(pieces: list[Callable[[], Any]], plan: RowPlan, dtype: str,
                  piece_shape: tuple[int, ...]) -> Callable[[], list | None]:
-    """LazyTensor.mapped_pieces from row runs: each run a view of its TP piece's file, or, where the runs are short
-    (a column split's rows), their bytes joined in one buffer; None where a piece is not a contiguous stand-in of
+    """LazyTensor.mapped_pieces from a row plan: each run a view of its TP piece's file, or, where the runs are short
+    (a column split's rows), their bytes gathered in one buffer; None where a piece is not a contiguous stand-in of
     the tensor's dtype and the pieces' shape (the tensor is then loaded, checked and merged with torch)."""
     width = math.prod(piece_shape[1:])
     row_bytes = width * itemsize(dtype)
 
     def mapped() -> list | None:
         stored = {}
-        for t in {t for t, _, _ in runs}:
+        used = sorted(set((plan.ids // plan.rows).tolist())) if plan.ids.size else []
+        for t in used:
             piece = pieces[t]()
             if (not isinstance(piece, StoredTensor) or tuple(piece.shape) != tuple(piece_shape) or not piece.is_contiguous()
                     or piece.dtype_name != dtype):
                 return None
             stored[t] = piece.reshape(-1)
-        if len(runs) > 1 and sum(count for _, _, count in runs) * row_bytes < len(runs) * _JOIN_BELOW:
+        if len(plan.starts) > 1 and plan.ids.size * row_bytes < len(plan.starts) * _JOIN_BELOW:
             whole = {t: s.piece() for t, s in stored.items()}  # each piece's bytes checked against the manifest once
-            joined = b"".join(whole[t].data[first * row_bytes : (first + count) * row_bytes] for t, first, count in runs)
-            for p in whole.values():
-                if p.release is not None:
-                    p.release()
-            return [Piece(memoryview(joined), dtype=dtype)]
-        return [stored[t][first * width : (first + count) * width].piece() for t, first, count in runs]
+            try:
+                joined = _gather_rows(plan, whole, row_bytes)
+            finally:
+                for p in whole.values():
+                    if p.release is not None:
+                        p.release()
+            return [Piece(joined, dtype=dtype)]
+        return [stored[t][first * width : (first + count) * width].piece() for t, first, count in plan.runs()]
 
     return mapped
 
@@ -1104,9 +1142,9 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
         names.append(rule.megatron)
         no_decay.append(is_no_decay(rule.megatron, tuple(pieces[0].shape)))
         for t in range(tp):
-            models[t][name] = pieces[t].to(dtype).clone()
+            models[t][name] = own_storage(pieces[t].to(dtype))
             if mixed:
-                masters[t].append(pieces[t].float().clone())
+                masters[t].append(own_storage(pieces[t].float()))
             extra = extra_state_key(name)
             if extra is not None:
                 models[t][extra] = None
@@ -1117,7 +1155,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, 
                     continue
                 fill = padding_rows(padding, rule, f"optim:{skey}")
                 for t, piece in enumerate(megatron_pieces(rule, vals, tp, padded, fill)):
-                    states[t].setdefault(rule.megatron, {})[skey] = piece.clone()
+                    states[t].setdefault(rule.megatron, {})[skey] = own_storage(piece)
             for skey, per in opt.scalars.items():
                 entry = next((per[n] for n in rule.hf if n in per), None)
                 if entry is not None:

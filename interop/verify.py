@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import digests
+from .hash_ahead import HashAhead
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .logical import stored_name
 from .manifest import MANIFEST, NATIVE_TOP, FileRecord, Manifest, read_manifest
@@ -42,10 +43,11 @@ def digest_as(path: str, recorded: str | None, block_bytes: int | None = None) -
     return digests.of_file(path, algo)
 
 
-def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dict[str, FileRecord]:
+def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead: HashAhead | None = None) -> dict[str, FileRecord]:
     """FileRecords (size, digest) of every file under ``root/subdir``, keyed relative to ``root``; each made
     durable. ``share=(rank, world)`` takes this rank's share of the bytes, so ranks digest a tree between them.
-    ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders."""
+    ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders.
+    ``ahead``: digests taken as the files were finished (:mod:`interop.hash_ahead`), used where still current."""
     from .commit import fsync_path
 
     top = os.path.join(root, subdir)
@@ -56,7 +58,9 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1)) -> dic
     mine = balanced_share(rels, [os.path.getsize(os.path.join(root, r)) for r in rels], world)[rank]
     for rel in mine:
         fsync_path(os.path.join(root, rel))
-    hashed = digests.of_files([os.path.join(root, rel) for rel in mine])
+    taken = {rel: ahead.digest(os.path.join(root, rel)) for rel in mine} if ahead is not None else {}
+    hashed = digests.of_files([os.path.join(root, rel) for rel in mine if taken.get(rel) is None])
+    hashed.update({os.path.join(root, rel): d for rel, d in taken.items() if d is not None})
     records = {}
     for rel in mine:
         found = hashed[os.path.join(root, rel)]

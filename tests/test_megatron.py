@@ -525,6 +525,26 @@ def test_whole_rows_are_offered_as_views_of_the_rank_files(tmp_path, kind):
         assert not viewed["transformer.h.0.attn.c_attn.weight"] and viewed["transformer.h.0.ln_1.weight"]
 
 
+@pytest.mark.parametrize("order", ["columns", "shuffled", "one piece"])
+def test_a_row_plans_rows_are_gathered_in_its_order(order):
+    """The bytes gathered for a plan of short runs are its piece rows one after another, in the plan's order: a
+    column split's (every TP-th row from one piece: one strided copy) and any other order (row by row)."""
+    import numpy as np
+
+    from converters.megatron import RowPlan, _gather_rows
+    from interop.tensors import Piece
+
+    rows, row_bytes, tp = 6, 12, 3
+    data = {t: bytes(np.random.default_rng(t).integers(0, 256, rows * row_bytes, dtype=np.uint8)) for t in range(tp)}
+    ids = {"columns": np.array([t * rows + r for r in range(rows) for t in range(tp)]),
+           "shuffled": np.random.default_rng(7).permutation(tp * rows),
+           "one piece": np.array([rows + r for r in (5, 0, 1, 2)])}[order].astype(np.int64)
+    plan = RowPlan(ids, np.arange(ids.size), rows)
+    whole = {t: Piece(memoryview(data[t]), dtype="uint8") for t in sorted(set((ids // rows).tolist()))}
+    want = b"".join(data[int(i) // rows][int(i) % rows * row_bytes : (int(i) % rows + 1) * row_bytes] for i in ids)
+    assert bytes(_gather_rows(plan, whole, row_bytes)) == want
+
+
 def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, trained, monkeypatch):
     """A stage's rank files are pickled and written on several threads; each is byte for byte the file written
     alone (and the manifest's files are the same ones)."""
