@@ -15,6 +15,11 @@ from typing import Callable
 
 import os
 
+# A conversion runs torch only to copy and save tensors, between threads that read, hash and write. OpenMP's default
+# wait policy keeps its idle threads spinning after each copy, on cores those threads need: a seventh of the time of
+# universal -> Megatron on 2 cores. Set before anything loads torch (libgomp reads it once); a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 if __name__ == "__main__":  # python -m converters.cli: the source's digests start before torch is imported below
     from converters.console import check_ahead
 

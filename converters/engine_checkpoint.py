@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
-from interop.hash_ahead import hashing_ahead
+from interop.written_digests import digesting_as_written
 from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
 from interop.errors import ConversionError, UnknownFormatError
 from interop.logical import ComponentSource, LogicalCheckpoint
@@ -169,7 +169,7 @@ def write_engine_checkpoint(
     ``dst``); ``consumed`` names the source components those files already hold, which are not carried beside.
     ``sharding.any_world_size``: the engine's files load on any number of ranks (DCP), so no world size is the
     target's and the carried per-rank state is judged by the run that loads it, not here."""
-    with staged_output(dst, overwrite) as out, hashing_ahead() as ahead:
+    with staged_output(dst, overwrite) as out, digesting_as_written() as ahead:
         written = write_files(out)  # each file hashed as it is finished (save_torch says so), beside the next ones
         if not isinstance(written, Written):
             written = Written(notes=list(written or []))

@@ -135,10 +135,10 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
 
 def save_torch(obj: Any, path: str) -> None:
     """``torch.save`` whose write failures (a full disk makes torch's zip writer raise RuntimeError) are
-    one error naming the file; the finished file is hashed for the manifest from now on (:mod:`interop.hash_ahead`)."""
+    one error naming the file; the finished file is hashed for the manifest from now on (:mod:`interop.written_digests`)."""
     from interop.errors import OutputWriteError
 
-    from interop import hash_ahead
+    from interop import written_digests
 
     try:
         torch.save(obj, path)
@@ -148,7 +148,7 @@ def save_torch(obj: Any, path: str) -> None:
         free = _free_bytes(os.path.dirname(os.path.abspath(path)))
         why = "no space left on the device" if free is not None and free < (1 << 20) else str(exc).splitlines()[0]
         raise OutputWriteError(path, f"could not be written: {why}") from None
-    hash_ahead.finished(path)
+    written_digests.finished(path)
 
 
 def _free_bytes(directory: str) -> int | None:

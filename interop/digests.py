@@ -131,12 +131,16 @@ def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
             raise CorruptCheckpointError(path, f"changed size while it was hashed (block {index} read {got} bytes)")
         return digest
 
+    tasks = [(p, i) for p in large for i in range(block_count(sizes[p], block_bytes))]
     try:
-        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            tasks = [(p, i) for p in large for i in range(block_count(sizes[p], block_bytes))]
-            plain = pool.map(lambda p: of_file(p, algo), small)
-            hashed = list(pool.map(block, tasks))
-            out.update(zip(small, (FileDigest(d) for d in plain)))
+        if (threads or os.cpu_count() or 1) == 1:  # on the caller's thread: no pool to start for a small file
+            plain = [of_file(p, algo) for p in small]
+            hashed = [block(t) for t in tasks]
+        else:
+            with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+                plain = list(pool.map(lambda p: of_file(p, algo), small))
+                hashed = list(pool.map(block, tasks))
+        out.update(zip(small, (FileDigest(d) for d in plain)))
     finally:
         for fd in fds.values():
             os.close(fd)

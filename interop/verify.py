@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import digests
-from .hash_ahead import HashAhead
+from .written_digests import WrittenDigests
 from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .logical import stored_name
 from .manifest import MANIFEST, NATIVE_TOP, FileRecord, Manifest, read_manifest
@@ -43,11 +43,11 @@ def digest_as(path: str, recorded: str | None, block_bytes: int | None = None) -
     return digests.of_file(path, algo)
 
 
-def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead: HashAhead | None = None) -> dict[str, FileRecord]:
+def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead: WrittenDigests | None = None) -> dict[str, FileRecord]:
     """FileRecords (size, digest) of every file under ``root/subdir``, keyed relative to ``root``; each made
     durable. ``share=(rank, world)`` takes this rank's share of the bytes, so ranks digest a tree between them.
     ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders.
-    ``ahead``: digests taken as the files were finished (:mod:`interop.hash_ahead`), used where still current."""
+    ``ahead``: digests taken as the files were finished (:mod:`interop.written_digests`), used where still current."""
     from .commit import fsync_path
 
     top = os.path.join(root, subdir)

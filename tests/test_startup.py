@@ -128,3 +128,15 @@ except KeyboardInterrupt:
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stdout.split() == ["interrupted", "True", "True", "2.0"]
+
+
+def test_a_conversion_lets_openmp_threads_sleep_unless_told_otherwise(tmp_path):
+    """The CLI sets OpenMP's wait policy to PASSIVE before torch loads (its idle threads spun on the cores the
+    readers, hashers and writers need), and leaves a user's own setting alone."""
+    probe = "import os, converters.cli, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE"]
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["ACTIVE"]

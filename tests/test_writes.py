@@ -8,7 +8,7 @@ import zipfile
 import torch
 
 from converters.pickle_safety import save_torch
-from interop import digests, hash_ahead
+from interop import digests, written_digests
 from interop.tensors import own_storage
 from interop.verify import tree_records
 
@@ -32,12 +32,12 @@ def test_a_row_slice_is_saved_as_its_own_bytes_without_a_copy(tmp_path):
 
 
 def test_files_are_hashed_as_they_are_finished_and_again_if_changed(tmp_path, monkeypatch):
-    """Inside hashing_ahead, a file save_torch finishes is hashed then, and tree_records takes that digest instead
+    """Inside digesting_as_written, a file save_torch finishes is hashed then, and tree_records takes that digest instead
     of reading the file again; a file changed after it was hashed is hashed again, so the manifest's digest is always
     of the bytes on disk."""
     root = tmp_path / "out"
     root.mkdir()
-    with hash_ahead.hashing_ahead() as ahead:
+    with written_digests.digesting_as_written() as ahead:
         save_torch({"w": torch.randn(300_000)}, str(root / "kept.pt"))
         save_torch({"w": torch.randn(1000)}, str(root / "changed.pt"))
         ahead.digest(str(root / "kept.pt"))  # both hashed before one is changed
@@ -53,4 +53,4 @@ def test_files_are_hashed_as_they_are_finished_and_again_if_changed(tmp_path, mo
     for name in ("kept.pt", "changed.pt"):
         path = str(root / name)
         assert records[name].digest == real([path])[path].digest
-    assert hash_ahead._CURRENT is None
+    assert written_digests._CURRENT is None

@@ -4,7 +4,7 @@ An engine writer (a Megatron stage's rank files, a ZeRO rank's optimizer file) f
 another, and the manifest needs every file's digest. Hashed at the end, they cost a pass over every byte after the
 last write (a second, for 3 GiB here); hashed as each is finished, that pass runs while the writer builds and
 writes the next files, on a core the writer leaves idle. A digest is used only for the file it was taken of: same
-inode, size and modification time when the manifest is made, else the file is hashed again then.
+device, inode, size, modification and change times when the manifest is made, else the file is hashed again then.
 """
 
 from __future__ import annotations
@@ -21,27 +21,31 @@ from . import digests
 log = logging.getLogger(__name__)
 
 
-def _identity(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+def _digest_of(path: str) -> tuple[tuple[int, ...] | None, digests.FileDigest]:
+    """The file's digest and its identity (device, inode, size, modification and change times), None where the
+    file changed while it was read. No "changed too recently" window as for a source's early digests
+    (``digests.hash_ahead``): these files were just finished by their only writer, in a staged output no one else
+    writes, and a change after this is still seen by its times."""
+    before = digests._identity(path)
+    found = digests.of_files([path], threads=1)[path]
+    return (before if digests._identity(path) == before else None), found
 
 
-class HashAhead:
+class WrittenDigests:
     """Files hashed on a background thread as writers report them finished (:meth:`finished`), and their digests
     for the manifest (:meth:`digest`)."""
 
     def __init__(self, threads: int = 1):
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hash-ahead")
-        self._taken: dict[str, tuple[tuple[int, int, int], Future]] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="written-digests")
+        self._taken: dict[str, Future] = {}
         self._lock = threading.Lock()
 
     def finished(self, path: str) -> None:
         """``path`` is written and will not change: hash it now."""
         key = os.path.realpath(path)
-        identity = _identity(path)
-        future = self._pool.submit(lambda: digests.of_files([key], threads=1)[key])
+        future = self._pool.submit(_digest_of, key)
         with self._lock:
-            self._taken[key] = (identity, future)
+            self._taken[key] = future
 
     def digest(self, path: str) -> digests.FileDigest | None:
         """The digest taken of ``path`` as it is now, or None (never reported, changed since, or its hashing failed:
@@ -50,27 +54,26 @@ class HashAhead:
             taken = self._taken.get(os.path.realpath(path))
         if taken is None:
             return None
-        identity, future = taken
         try:
-            found = future.result()
-            return found if _identity(path) == identity else None
+            identity, found = taken.result()
         except Exception as exc:  # noqa: BLE001 - hashed again by the caller, which reports what is wrong
             log.debug("%s: hashed again (%s)", path, exc)
             return None
+        return found if identity is not None and digests._identity(path) == identity else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-_CURRENT: HashAhead | None = None
+_CURRENT: WrittenDigests | None = None
 _CURRENT_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def hashing_ahead() -> Iterator[HashAhead]:
+def digesting_as_written() -> Iterator[WrittenDigests]:
     """Files reported by :func:`finished` in this block (by any thread) are hashed as they come."""
     global _CURRENT
-    ahead = HashAhead()
+    ahead = WrittenDigests()
     with _CURRENT_LOCK:
         outer, _CURRENT = _CURRENT, ahead
     try:
@@ -82,7 +85,7 @@ def hashing_ahead() -> Iterator[HashAhead]:
 
 
 def finished(path: str) -> None:
-    """A writer's file is complete: hashed now when a :func:`hashing_ahead` block is open, else at commit as before."""
+    """A writer's file is complete: hashed now when a :func:`digesting_as_written` block is open, else at commit as before."""
     current = _CURRENT
     if current is not None:
         current.finished(path)
