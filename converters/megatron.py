@@ -29,7 +29,7 @@ from interop.lazy_import import torch
 from interop.commit import MEGATRON_TRACKER, durable_write, read_iteration_tracker
 from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.logical import DeferredList, DeferredScalars, LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
 from interop.tensors import LazyTensor, Piece, TensorSpec, own_storage, release_mapped_pages
 from interop.universal import scalar_entry, scalar_value
@@ -811,8 +811,9 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     step = files.iteration if files.iteration is not None else int(head.get("iteration") or 0)
     extra: dict[str, Any] = {}
     if any(_nonzero(rows) for rows, _ in padding.values()):  # not part of the Hugging Face model, but of Megatron's
-        # softmax: kept for a Megatron target (built with torch; zero rows, as a conversion pads, are not kept)
-        extra[PADDING] = {k: as_torch(rows).reshape(shape).clone() for k, (rows, shape) in padding.items()}
+        # softmax: kept for a Megatron target (zero rows, as a conversion pads, are not kept); built with torch when
+        # a target reads them, so an export to Hugging Face of a Megatron-LM run (its padded rows trained) needs none
+        extra[PADDING] = DeferredMapping(lambda: {k: as_torch(rows).reshape(shape).clone() for k, (rows, shape) in padding.items()})
     if head.get("opt_param_scheduler") is not None:
         extra[SCHEDULER] = materialize(head["opt_param_scheduler"])
     rank_state = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from .dtypes import dtype_from_name, dtype_name
@@ -70,7 +71,7 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             return {"__tuple__": [enc(v, path + [str(i)]) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
             return [enc(v, path + [str(i)]) for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
+        if isinstance(obj, Mapping):  # a dict, or one built on first use (interop.logical.DeferredMapping)
             if all(isinstance(k, str) and k not in _TAGS for k in obj):
                 return {k: enc(v, path + [k]) for k, v in obj.items()}
             return {"__dict__": [[enc(k, path), enc(v, path + [str(k)])] for k, v in obj.items()]}

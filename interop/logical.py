@@ -7,7 +7,7 @@ tensor at a time. Names are canonical (Hugging Face names of the model family).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -40,20 +40,35 @@ class DeferredScalars:
         return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
 
 
-class DeferredList(Sequence):
+class _BuiltOnce:
+    """A value built on first use; kept only once built, so a failed build fails again where it is next used."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self._build: Callable[[], Any] | None = build
+        self._value: Any = None
+
+    def _make(self, built: Any) -> Any:
+        raise NotImplementedError
+
+    def _built(self) -> Any:
+        if self._build is not None:
+            self._value = self._make(self._build())
+            self._build = None
+        return self._value
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._built()!r})"
+
+
+class DeferredList(_BuiltOnce, Sequence):
     """A per-rank list built when first used: state a target may never keep (an export to Hugging Face keeps no
     RNG) whose values need torch to build, which such a conversion then never imports. A read-only sequence, so
     anything beyond reading it fails loudly rather than seeing it empty."""
 
-    def __init__(self, build: Callable[[], list[Any]]):
-        self._build: Callable[[], list[Any]] | None = build
-        self._items: list[Any] = []
-
-    def _built(self) -> list[Any]:
-        if self._build is not None:
-            self._items = list(self._build())  # kept only once built: a failed build fails again where used
-            self._build = None
-        return self._items
+    def _make(self, built: Any) -> list[Any]:
+        return list(built)
 
     def __len__(self) -> int:
         return len(self._built())
@@ -64,10 +79,25 @@ class DeferredList(Sequence):
     def __eq__(self, other: object) -> bool:
         return self._built() == (list(other) if isinstance(other, Sequence) and not isinstance(other, str) else other)
 
-    __hash__ = None  # type: ignore[assignment]
 
-    def __repr__(self) -> str:
-        return f"DeferredList({self._built()!r})"
+class DeferredMapping(_BuiltOnce, Mapping):
+    """A read-only mapping built when first used, as :class:`DeferredList` (Megatron's padded vocabulary rows: kept
+    for a Megatron target, built with torch, never wanted by a Hugging Face one)."""
+
+    def _make(self, built: Any) -> dict[Any, Any]:
+        return dict(built)
+
+    def __getitem__(self, key):
+        return self._built()[key]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __eq__(self, other: object) -> bool:
+        return self._built() == (dict(other) if isinstance(other, Mapping) else other)
 
 
 @dataclass

@@ -566,13 +566,22 @@ def test_rank_files_written_at_once_are_the_files_written_one_by_one(tmp_path, t
 
 def test_an_export_to_hf_imports_no_torch(tmp_path):
     """Megatron -> Hugging Face only moves bytes: the rank files are read as stand-ins, the merges are planned on
-    row numbers (numpy), a column split's rows are joined as bytes and the RNG states are built only for a target
-    that keeps them. With the config's answers kept (the first conversion asks transformers), the export imports
-    neither torch nor transformers, and gives the merged tensors exactly."""
+    row numbers (numpy), a column split's rows are joined as bytes, and the RNG states and the padded vocabulary
+    rows (nonzero, as a Megatron-LM run trains them) are built only for a target that keeps them. With the config's
+    answers kept (the first conversion asks transformers), the export imports neither torch nor transformers, and
+    gives the merged tensors exactly; a reader that does want the padded rows gets them exactly."""
     from safetensors.torch import load_file
 
+    from converters.megatron import PADDING
+
     make(llama_config()).save_pretrained(tmp_path / "hf")
-    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    src = read_hf(str(tmp_path / "hf"))
+    trained_rows = {"model/embedding.word_embeddings.weight": torch.randn(6, 48)}  # vocab 250 padded to 256
+    src.extra_state[PADDING] = trained_rows
+    write_megatron(src, str(tmp_path / "meg"), 2, 2)
+    kept = read_megatron(str(tmp_path / "meg")).extra_state[PADDING]
+    assert torch.equal(kept["model/embedding.word_embeddings.weight"], trained_rows["model/embedding.word_embeddings.weight"])
+    assert torch.equal(kept["model/output_layer.weight"], torch.zeros(6, 48))  # padded by the writer
     env = dict(worker_env(), INTEROP_CACHE_DIR=str(tmp_path / "kept"))
     probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
