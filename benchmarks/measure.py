@@ -107,7 +107,7 @@ def print_table(rows: list[tuple[str, tuple[float, int]]], reference: dict[str, 
 
 # a conversion row's marker in its name, and the output it writes, whose bytes dd writes for the floor
 FLOORED = (("-> universal", "universal"), ("-> ds-universal", "ds_universal"), ("-> HF", "hf"), ("-> ZeRO", "zero"),
-           ("-> Megatron", "megatron"))
+           ("-> Megatron", "megatron"), ("-> Megatron torch_dist", "megatron_dist"))  # later markers win: the more specific
 
 
 @dataclass

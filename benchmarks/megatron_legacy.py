@@ -11,6 +11,9 @@ PP 2 (four model_optim_rng.pt files: weights, fp32 Adam moments, args, RNG). The
   interop convert MEG HF --to hf        maps each file, merges one tensor's TP pieces at a time, streams out
   torch.load + merge + save_file        loads the four files whole (as Megatron-LM's checkpoint tools do), merges
                                         every tensor with the same rules, writes the state dict with safetensors
+
+and the same for torch_dist (Megatron-LM's default format), written from the universal checkpoint at TP 2 x PP 2:
+interop's export against torch's own dcp_to_torch_save, each layer then cut from its stacked tensor and merged.
 """
 
 from __future__ import annotations
@@ -49,6 +52,36 @@ fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd);
 """
 
 
+# torch_dist: torch's own tool flattens the DCP directory into one torch.save file; each layer is then cut from its
+# stacked tensor, merged the same way, and written with safetensors
+REFERENCE_DIST = r"""
+import os, sys, tempfile, torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from converters.megatron_dist import locate, stacked_name
+from converters.megatron_arch import MegatronArch
+from converters.megatron_map import rules, stack_index, VOCAB
+
+src, out = sys.argv[1], sys.argv[2]
+d = locate(src)
+args = torch.load(os.path.join(d, "common.pt"), map_location="cpu", weights_only=False)["args"]
+arch = MegatronArch.from_args(vars(args), d, grouped_gemm=True)
+with tempfile.TemporaryDirectory() as tmp:
+    dcp_to_torch_save(d, os.path.join(tmp, "all.pt"))
+    state = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
+tensors = {}
+for rule in rules(arch):
+    key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in state)
+    full = state[key][stack_index(rule.megatron)]
+    if rule.split == VOCAB:
+        full = full[: arch.vocab]
+    tensors.update(zip(rule.hf, (t.contiguous() for t in rule.unfuse(full))))
+os.makedirs(out, exist_ok=True)
+save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd); os.close(fd)
+"""
+
+
 def train_and_save(out: str, hidden: int, layers: int) -> None:
     """One AdamW step of the base trainer (one process), then its checkpoint."""
     from trainers.base import BaseTrainer, TrainerConfig
@@ -74,10 +107,11 @@ def collect(args) -> engine_bench.Section:
     size = engine_bench.warm(meg)
     print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f}M parameters; "
           f"Megatron legacy checkpoint, TP 2 x PP 2: {size / 2**30:.2f} GiB (weights, Adam moments, args, RNG)")
-    outputs = {k: os.path.join(work, k) for k in ("hf", "ref_hf", "universal")}
+    outputs = {k: os.path.join(work, k) for k in ("hf", "ref_hf", "universal", "megatron_dist", "hf_dist", "ref_hf_dist")}
     outputs["megatron"] = os.path.join(work, "megatron_back")  # "megatron" is the source's folder
     n = args.repeat
     interop, reference = "Megatron TP2xPP2 -> HF safetensors (interop)", "torch.load x4 + merge + save_file"
+    dist_interop, dist_reference = "Megatron torch_dist -> HF safetensors (interop)", "dcp_to_torch_save + unstack + merge + save_file (torch)"
     rows = [
         ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
         (interop, measure(cli + ["convert", meg, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
@@ -86,8 +120,15 @@ def collect(args) -> engine_bench.Section:
                                                            None, n, outputs["universal"])),
         ("universal -> Megatron TP2xPP2 (interop)", measure(cli + ["convert", outputs["universal"], outputs["megatron"], "--to",
                                                                    "megatron", "--tp", "2", "--pp", "2"], None, n, outputs["megatron"])),
+        # torch_dist, Megatron-LM's default format: written from the universal checkpoint, then exported
+        ("universal -> Megatron torch_dist TP2xPP2 (interop)", measure(
+            cli + ["convert", outputs["universal"], outputs["megatron_dist"], "--to", "megatron-dist", "--tp", "2", "--pp", "2"],
+            None, n, outputs["megatron_dist"])),
+        (dist_interop, measure(cli + ["convert", outputs["megatron_dist"], outputs["hf_dist"], "--to", "hf"], None, n, outputs["hf_dist"])),
+        (dist_reference, measure([sys.executable, "-c", REFERENCE_DIST, outputs["megatron_dist"], outputs["ref_hf_dist"]], None, n,
+                                 outputs["ref_hf_dist"])),
     ]
-    return engine_bench.Section(rows, {interop: reference}, outputs, work)
+    return engine_bench.Section(rows, {interop: reference, dist_interop: dist_reference}, outputs, work)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import pickle
 import warnings
@@ -238,6 +239,17 @@ class _Chunk:
     length: int
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """One stacked slot of a tensor (a layer's weight in torch_dist's ``[layers, ...]``) as the chunks holding it,
+    which tile its dimension ``dim`` in equal pieces of ``shape``: ``pieces[i]()`` gives the i-th as a stand-in of
+    its bytes in the data file (a torch_zip.StoredTensor, read and checked only where used)."""
+
+    dim: int
+    shape: tuple[int, ...]
+    pieces: list[Callable[[], Any]]
+
+
 def _regular_file(path: str) -> None:
     """Refuse a data file that is a pipe or device: opening it would wait forever or read something else."""
     if os.path.exists(path) and not os.path.isfile(path):
@@ -317,6 +329,55 @@ class DCPReader:
                 )
             out.append(data.reshape(-1))
         return out
+
+    def tiles(self, key: str, lead: tuple[int, ...] = ()) -> Tiles | None:
+        """The slot at leading index ``lead`` of ``key`` (all of it for ``()``) as the chunks holding it, when they
+        tile one of its dimensions in equal pieces (each rank's share of a layer, or one chunk for all of it); None
+        for any other layout (read with :meth:`read`). Metadata only: no data file is opened."""
+        spec, n = self.spec(key), len(lead)
+        shape = spec.shape[n:]
+        if not shape or len(spec.shape) < n:
+            return None
+        holding = [c for c in self._chunks.get(key, []) if all(o <= i < o + k for i, o, k in zip(lead, c.offsets, c.sizes))]
+        split = {d for c in holding for d in range(len(shape)) if c.sizes[n + d] != shape[d]}
+        if not holding or len(split) > 1:
+            return None
+        dim = split.pop() if split else 0
+        ordered = sorted(holding, key=lambda c: c.offsets[n + dim])
+        size = ordered[0].sizes[n + dim]
+        for i, c in enumerate(ordered):
+            if c.sizes[n + dim] != size or c.offsets[n + dim] != i * size or any(c.offsets[n + d] for d in range(len(shape)) if d != dim):
+                return None
+        if size * len(ordered) != shape[dim]:
+            return None
+        piece_shape = tuple(size if d == dim else k for d, k in enumerate(shape))
+        return Tiles(dim, piece_shape, [lambda c=c: self._slot(key, c, lead) for c in ordered])
+
+    def _slot(self, key: str, chunk: _Chunk, lead: tuple[int, ...]) -> Any:
+        """The part of ``chunk`` at leading index ``lead``: contiguous in it, so a stand-in of its bytes."""
+        data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
+        spec = self.spec(key)
+        if not is_tensor(data) or tuple(data.shape) != chunk.sizes or dtype_name_of(data) != spec.dtype_name or not data.is_contiguous():
+            got = f"{dtype_name_of(data)}{list(data.shape)}" if is_tensor(data) else type(data).__name__
+            raise CorruptCheckpointError(os.path.join(self.directory, chunk.file),
+                                         f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype_name}{list(chunk.sizes)}")
+        tail = chunk.sizes[len(lead):]
+        per, index = math.prod(tail), 0
+        for i, o, k in zip(lead, chunk.offsets, chunk.sizes):
+            index = index * k + (i - o)
+        return data.reshape(-1)[index * per : (index + 1) * per].reshape(tail)
+
+    def view(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any | None:
+        """The region ``offsets .. offsets + sizes`` of ``key`` as a stand-in of its bytes, when one chunk holds it
+        and it is whole rows of that chunk (Megatron's padded vocabulary rows); None otherwise."""
+        for c in self._chunks.get(key, []):
+            inside_ = all(c0 <= o and o + s <= c0 + k for o, s, c0, k in zip(offsets, sizes, c.offsets, c.sizes))
+            if inside_ and offsets and tuple(sizes[1:]) == tuple(c.sizes[1:]) and not any(offsets[1:]):
+                rows = self._slot(key, c, ())
+                width = math.prod(c.sizes[1:])
+                start = offsets[0] - c.offsets[0]
+                return rows.reshape(-1)[start * width : (start + sizes[0]) * width].reshape(sizes)
+        return None
 
     # the bytes
     def _mapped(self, relative: str, offset: int, length: int, what: str) -> Any:

@@ -22,7 +22,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from interop.lazy_import import torch
 
@@ -36,7 +36,7 @@ from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
-    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows,
+    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows,
     rules, split, stack_index, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
@@ -45,6 +45,9 @@ from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
 from .torch_zip import StoredTensor, as_torch, dtype_name_of, is_tensor, materialize
+
+if TYPE_CHECKING:
+    from .dcp import Tiles
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +262,13 @@ class RowPlan:
 
 
 def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: int,
-             shapes: list[tuple[int, ...]]) -> list[RowPlan] | None:
+             shapes: list[tuple[int, ...]], tiled: int | None = None) -> list[RowPlan] | None:
     """For each Hugging Face tensor of ``rule``, the piece rows it is made of (:class:`RowPlan`), where merging the
     pieces and unfusing moves whole rows of the pieces only (a row split, the vocabulary, [gate; up], a fused QKV, and
     a column split, whose every row is one piece row after another); None where anything else moves (a transpose).
     Worked out by running the merge and the unfuse themselves on each piece's row numbers (numpy, no torch), so it
-    holds for whatever they do."""
+    holds for whatever they do. The pieces are the TP ranks' (merged by the rule), or with ``tiled`` the chunks of a
+    torch_dist slot that tile that dimension of the full tensor (joined along it)."""
     import numpy as np
 
     from .row_numbers import RowNumbers
@@ -272,12 +276,13 @@ def row_runs(rule: Rule, arch: MegatronArch, piece_shape: tuple[int, ...], tp: i
     if not piece_shape:
         return None
     rows, rest = piece_shape[0], (1,) * (len(piece_shape) - 1)
-    across = rule.split == COLS and tp > 1  # a row of the full tensor is one row of each piece, side by side
+    # a row of the full tensor is one row of each piece, side by side
+    across = (rule.split == COLS if tiled is None else tiled == 1) and tp > 1
     if across and len(piece_shape) != 2:
         return None
     numbers = [RowNumbers.of(np.arange(t * rows, (t + 1) * rows).reshape(rows, *rest)) for t in range(tp)]
     try:
-        full = merge(rule, numbers)
+        full = merge(rule, numbers) if tiled is None else cat(numbers, dim=tiled) if tp > 1 else numbers[0]
         if rule.split == VOCAB:
             full = full[: arch.vocab]
         parts = rule.unfuse(full)
@@ -355,11 +360,12 @@ def _mapped_rows(pieces: list[Callable[[], Any]], plan: RowPlan, dtype: str,
 
 def hf_tensors(
     rule: Rule, pieces: list[Callable[[], torch.Tensor]], arch: MegatronArch, where: str, cache: MergedCache, tag: str,
-    dtype: str, shapes: list[tuple[int, ...]], piece_shape: tuple[int, ...] | None = None,
+    dtype: str, shapes: list[tuple[int, ...]], piece_shape: tuple[int, ...] | None = None, tiles: Tiles | None = None,
 ) -> dict[str, LazyTensor]:
     """Lazy Hugging Face tensors of one rule: each merges the TP pieces and unfuses when first loaded. Given the
     pieces' shape, a tensor whose rows lie whole in the pieces' files is also offered as views of them
-    (``mapped_pieces``: a writer copies them file to file), see :func:`row_runs`."""
+    (``mapped_pieces``: a writer copies them file to file), see :func:`row_runs`; given ``tiles`` (a torch_dist
+    slot's chunks), views of those instead."""
 
     def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         loaded = [as_torch(p()) for p in pieces]
@@ -369,12 +375,17 @@ def hf_tensors(
             full = full[: arch.vocab]
         return rule.unfuse(full), loaded
 
-    runs = row_runs(rule, arch, piece_shape, len(pieces), shapes) if piece_shape else None
+    if tiles is not None:
+        viewed, piece_shape = tiles.pieces, tiles.shape
+        runs = row_runs(rule, arch, piece_shape, len(viewed), shapes, tiled=tiles.dim)
+    else:
+        viewed = pieces
+        runs = row_runs(rule, arch, piece_shape, len(pieces), shapes) if piece_shape else None
     out = {}
     for i, (name, shape) in enumerate(zip(rule.hf, shapes)):
         out[name] = LazyTensor(
             TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}",
-            mapped_pieces=_mapped_rows(pieces, runs[i], dtype, piece_shape) if runs else None,
+            mapped_pieces=_mapped_rows(viewed, runs[i], dtype, piece_shape) if runs else None,
         )
     return out
 

@@ -34,7 +34,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.jsonio import read_json
-from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
@@ -42,12 +42,13 @@ from . import megatron_buckets as buckets
 from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
-    CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, hf_config, hf_shapes, hf_tensors, hf_values,
+    CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
     expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
+from .torch_zip import as_torch, is_tensor, materialize
 from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     common_path = os.path.join(directory, COMMON)
     if not os.path.isfile(common_path):
         raise MissingFileError(common_path, "missing: torch_dist keeps args and iteration there")
-    common = load_megatron_file(common_path, trust_pickle)
+    common = load_megatron_file(common_path, trust_pickle, stored=True)  # its tensors (a step) read without torch
     args = common.get("args")
     if args is None:
         raise CorruptCheckpointError(common_path, "holds no 'args': the model's shape is unknown")
@@ -133,7 +134,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if args_d.get("padded_vocab_size") and int(args_d["padded_vocab_size"]) != padded:
         raise CorruptCheckpointError(directory, f"embedding has {padded} rows, but args.padded_vocab_size is {args_d['padded_vocab_size']}")
     cache = MergedCache()
-    padding: dict[str, torch.Tensor] = {}
+    padding: dict[str, Any] = {}  # the padded vocabulary rows, as stand-ins where one chunk holds them
 
     def full_shape(rule: Rule) -> tuple[int, ...]:
         key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in stored)
@@ -153,9 +154,13 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         spec = reader.spec(key)
         shape = tuple(spec.shape[len(stack_index(rule.megatron)):])
         if rule.split == VOCAB and shape[0] > arch.vocab:
-            padding[f"{tag}/{rule.megatron}"] = reader.read(key, (arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
+            region = ((arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
+            rows = reader.view(key, *region)
+            padding[f"{tag}/{rule.megatron}"] = rows if rows is not None else reader.read(key, *region)
+        # each layer's chunks as views of the data files: a tensor whose rows lie whole in them is copied file to file
+        tiles = reader.tiles(key, stack_index(rule.megatron))
         return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype_name,
-                          hf_shapes(rule, arch, shape))
+                          hf_shapes(rule, arch, shape), tiles=tiles)
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
     if common.get("optimizer") is not None and not isinstance(common["optimizer"], dict):
@@ -206,23 +211,28 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         optimizer = _optimizer(reader, parts, names, state_keys, state_lazy, common_path)
     step = int(common.get("iteration") or 0)
     extra: dict[str, Any] = {}
-    if any(bool(t.any()) for t in padding.values()):
-        extra[PADDING] = padding
+    if any(_nonzero(t) for t in padding.values()):  # built with torch for a target that keeps them (as the legacy reader)
+        extra[PADDING] = DeferredMapping(lambda: {k: as_torch(t).clone() for k, t in padding.items()})
     if common.get(SCHEDULER) is not None:
-        extra[SCHEDULER] = common[SCHEDULER]
+        extra[SCHEDULER] = materialize(common[SCHEDULER])
     layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
                                                       ("ep", "expert_model_parallel_size"))}
-    rng = _rng_states(reader, layout["tp"], layout["pp"])
+    rng = DeferredList(lambda: _rng_states(reader, layout["tp"], layout["pp"]) or []) if _has_rng(reader, layout["tp"], layout["pp"]) else None
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
-                "dtype": dtype_name(reader.spec(names[all_rules[0].megatron]).dtype), "iteration": step,
+                "dtype": reader.spec(names[all_rules[0].megatron]).dtype_name, "iteration": step,
                 **({"master_dtype": "float32"} if has_master else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
         rank_state={RNG: rng} if rng is not None else {},
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
     )
+
+
+def _has_rng(reader: DCPReader, tp: int, pp: int) -> bool:
+    objects = set(reader.object_keys())
+    return all(f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}" in objects for p in range(pp) for t in range(tp))
 
 
 def _rng_states(reader: DCPReader, tp: int, pp: int) -> list[dict[str, Any]] | None:
@@ -293,11 +303,12 @@ def _optimizer(reader, parts: list[tuple[dict[str, Any], list[Rule]]], names, st
         if part_step is None and groups and all("step" in g for g in groups):  # the distributed optimizer keeps it per group
             part_step = groups[0]["step"]
         step = part_step if step is None else step
-    scalars = {}
-    if step is not None:
-        entry = scalar_entry(step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
-        scalars["step"] = {n: entry for g in param_groups for n in g["params"]}
-    return OptimizerState("AdamW", param_groups, tensors, scalars)
+    readers = {}
+    if step is not None:  # read when a target asks (an export to Hugging Face never does: no torch for it)
+        def entry() -> dict[str, Any]:
+            return scalar_entry(step if is_tensor(step) else torch.tensor(float(step)))
+        readers["step"] = {n: entry for g in param_groups for n in g["params"]}
+    return OptimizerState("AdamW", param_groups, tensors, DeferredScalars(readers))
 
 
 # --- writing ------------------------------------------------------------------------------------------------

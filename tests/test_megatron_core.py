@@ -138,6 +138,36 @@ def test_megatron_core_torch_dist_to_hf_has_its_logits(tmp_path, megatron_dist_s
     torch.testing.assert_close(ours, logits[..., :VOCAB], rtol=0, atol=1e-5)
 
 
+def test_megatron_core_torch_dist_exports_views_of_its_chunks_without_torch(tmp_path, megatron_dist_saved):
+    """megatron-core's TP2 torch_dist, where each layer's weight lies in one chunk per TP rank: every Hugging Face
+    tensor is offered as views of those chunks in the data files (rows copied file to file, a row-parallel
+    weight's rows gathered from both chunks), byte for byte the tensor the reader's torch path merges; and the
+    export (the config's answers kept after the first) imports neither torch nor transformers."""
+    from converters.dcp import DCPReader
+    from converters.megatron_dist import read_megatron_dist
+    from interop.tensors import raw_bytes
+
+    ckpt_dir, _, _ = megatron_dist_saved
+    reader = DCPReader(str(ckpt_dir / "iter_0000001") if (ckpt_dir / "iter_0000001").is_dir() else str(ckpt_dir))
+    tiles = {k: reader.tiles(k, (0,) if k.startswith("decoder.layers.") else ()) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    assert {t.dim for t in tiles.values() if len(t.pieces) == 2} == {0, 1}  # column- and row-parallel weights, in 2 chunks
+    ckpt = read_megatron_dist(str(ckpt_dir))
+    for name, t in ckpt.model.items():
+        pieces = t.mapped_pieces() if t.mapped_pieces is not None else None
+        assert pieces is not None, name
+        assert b"".join(bytes(p.data) for p in pieces) == bytes(raw_bytes(t.load())), name
+    env = dict(worker_env(), INTEROP_CACHE_DIR=str(tmp_path / "kept"))
+    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    seen = []
+    for out in ("first", "again"):
+        done = subprocess.run([sys.executable, "-c", probe, "convert", str(ckpt_dir), str(tmp_path / out), "--to", "hf"],
+                              env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip().splitlines()[-1])
+    assert seen[1] == "[]", seen
+
+
 def test_megatron_core_loads_our_torch_dist_on_another_layout(tmp_path, megatron_dist_saved):
     """megatron-core's TP2 torch_dist -> universal -> ours (`--to megatron-dist`) -> megatron-core at PP2 loads
     model and optimizer with dist_checkpointing.load and trains on with the uninterrupted run's losses."""
