@@ -66,7 +66,7 @@ src, out = sys.argv[1], sys.argv[2]
 d = locate(src)
 args = torch.load(os.path.join(d, "common.pt"), map_location="cpu", weights_only=False)["args"]
 arch = MegatronArch.from_args(vars(args), d, grouped_gemm=True)
-with tempfile.TemporaryDirectory() as tmp:
+with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp:  # on the same disk as the rest
     dcp_to_torch_save(d, os.path.join(tmp, "all.pt"))
     state = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
 tensors = {}
@@ -91,6 +91,7 @@ def train_and_save(out: str, hidden: int, layers: int) -> None:
 
 
 LAYERS = 18  # 268M parameters at hidden 1024
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}  # the references' OpenMP threads sleep when idle, as interop's CLI has them
 
 
 def collect(args) -> engine_bench.Section:
@@ -115,7 +116,7 @@ def collect(args) -> engine_bench.Section:
     rows = [
         ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
         (interop, measure(cli + ["convert", meg, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
-        (reference, measure([sys.executable, "-c", REFERENCE, meg, outputs["ref_hf"]], None, n, outputs["ref_hf"])),
+        (reference, measure([sys.executable, "-c", REFERENCE, meg, outputs["ref_hf"]], PASSIVE, n, outputs["ref_hf"])),
         ("Megatron TP2xPP2 -> universal (interop)", measure(cli + ["convert", meg, outputs["universal"], "--to", "universal"],
                                                            None, n, outputs["universal"])),
         ("universal -> Megatron TP2xPP2 (interop)", measure(cli + ["convert", outputs["universal"], outputs["megatron"], "--to",
@@ -125,7 +126,7 @@ def collect(args) -> engine_bench.Section:
             cli + ["convert", outputs["universal"], outputs["megatron_dist"], "--to", "megatron-dist", "--tp", "2", "--pp", "2"],
             None, n, outputs["megatron_dist"])),
         (dist_interop, measure(cli + ["convert", outputs["megatron_dist"], outputs["hf_dist"], "--to", "hf"], None, n, outputs["hf_dist"])),
-        (dist_reference, measure([sys.executable, "-c", REFERENCE_DIST, outputs["megatron_dist"], outputs["ref_hf_dist"]], None, n,
+        (dist_reference, measure([sys.executable, "-c", REFERENCE_DIST, outputs["megatron_dist"], outputs["ref_hf_dist"]], PASSIVE, n,
                                  outputs["ref_hf_dist"])),
     ]
     return engine_bench.Section(rows, {interop: reference, dist_interop: dist_reference}, outputs, work)

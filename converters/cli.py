@@ -15,11 +15,6 @@ from typing import Callable
 
 import os
 
-# A conversion runs torch only to copy and save tensors, between threads that read, hash and write. OpenMP's default
-# wait policy keeps its idle threads spinning after each copy, on cores those threads need: a seventh of the time of
-# universal -> Megatron on 2 cores. Set before anything loads torch (libgomp reads it once); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 if __name__ == "__main__":  # python -m converters.cli: the source's digests start before torch is imported below
     from converters.console import check_ahead
 
@@ -465,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries(args.verbose)
+    if args.command in ("convert", "verify", "inspect", "diff"):
+        # these run torch only to copy and save tensors, between threads that read, hash and write; OpenMP's default
+        # wait policy keeps its idle threads spinning after each copy, on the cores those threads need (a seventh of
+        # universal -> Megatron's time on 2 cores). Set before torch loads (libgomp reads it once; nothing here has
+        # imported torch yet); a user's own setting wins, and a plugin command (a demo that trains) is left alone
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `interop inspect ... | head`: the reader left; not an error

@@ -140,14 +140,18 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in stored)
         return tuple(reader.spec(key).shape[len(stack_index(rule.megatron)):])
 
+    def check_stacking(rule: Rule, key: str) -> None:
+        spec, n = reader.spec(key), len(stack_index(rule.megatron))
+        for what, held, expected in zip(("layers", "experts")[:n], spec.shape, (arch.num_layers, arch.experts)):
+            if held != expected:
+                raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
+
     def stored_full(rule: Rule, key: str) -> torch.Tensor:
         spec, index = reader.spec(key), stack_index(rule.megatron)
         if not index:
             return reader.read(key)
         n = len(index)
-        for what, held, expected in zip(("layers", "experts")[:n], spec.shape, (arch.num_layers, arch.experts)):
-            if held != expected:
-                raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
+        check_stacking(rule, key)
         return reader.read(key, index + (0,) * (len(spec.shape) - n), (1,) * n + tuple(spec.shape[n:])).reshape(spec.shape[n:])
 
     def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
@@ -158,6 +162,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             rows = reader.view(key, *region)
             padding[f"{tag}/{rule.megatron}"] = rows if rows is not None else reader.read(key, *region)
         # each layer's chunks as views of the data files: a tensor whose rows lie whole in them is copied file to file
+        # (its stacking checked against the args first, as the torch path checks it)
+        check_stacking(rule, key)
         tiles = reader.tiles(key, stack_index(rule.megatron))
         return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype_name,
                           hf_shapes(rule, arch, shape), tiles=tiles)
@@ -217,7 +223,13 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         extra[SCHEDULER] = materialize(common[SCHEDULER])
     layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
                                                       ("ep", "expert_model_parallel_size"))}
-    rng = DeferredList(lambda: _rng_states(reader, layout["tp"], layout["pp"]) or []) if _has_rng(reader, layout["tp"], layout["pp"]) else None
+    def rng_states() -> list[dict[str, Any]]:
+        found = _rng_states(reader, layout["tp"], layout["pp"])
+        if found is None:  # every rank's entry is there, in a shape not Megatron's: said, not carried as no state
+            raise CorruptCheckpointError(directory, f"{RNG_STATE} entries are not megatron-core's per-rank RNG states")
+        return found
+
+    rng = DeferredList(rng_states) if _has_rng(reader, layout["tp"], layout["pp"]) else None
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
@@ -298,7 +310,8 @@ def _optimizer(reader, parts: list[tuple[dict[str, Any], list[Rule]]], names, st
             raise CorruptCheckpointError(common_path, f"optimizer state without megatron-core's {len(held)} param groups "
                                          f"({' and '.join(k for k, m in zip(('decay', 'no decay'), members) if m)}) in common.pt")
         decay_first = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
-        param_groups += [{**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": m} for g, m in zip(decay_first, held)]
+        param_groups += [{**{k: materialize(v) for k, v in g.items() if k not in ("params", "step")}, "params": m}
+                         for g, m in zip(decay_first, held)]
         part_step = (saved.get("state") or {}).get("common_step")
         if part_step is None and groups and all("step" in g for g in groups):  # the distributed optimizer keeps it per group
             part_step = groups[0]["step"]

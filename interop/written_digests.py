@@ -39,11 +39,15 @@ class WrittenDigests:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="written-digests")
         self._taken: dict[str, Future] = {}
         self._lock = threading.Lock()
+        self.closed = False
 
     def finished(self, path: str) -> None:
-        """``path`` is written and will not change: hash it now."""
+        """``path`` is written and will not change: hash it now (or, once closed, at commit as before)."""
         key = os.path.realpath(path)
-        future = self._pool.submit(_digest_of, key)
+        try:
+            future = self._pool.submit(_digest_of, key)
+        except RuntimeError:  # closed meanwhile: the file is hashed where its manifest is made
+            return
         with self._lock:
             self._taken[key] = future
 
@@ -62,6 +66,7 @@ class WrittenDigests:
         return found if identity is not None and digests._identity(path) == identity else None
 
     def close(self) -> None:
+        self.closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -80,7 +85,8 @@ def digesting_as_written() -> Iterator[WrittenDigests]:
         yield ahead
     finally:
         with _CURRENT_LOCK:
-            _CURRENT = outer
+            if _CURRENT is ahead:  # blocks on other threads may close out of order: never put back a closed one
+                _CURRENT = outer if outer is None or not outer.closed else None
         ahead.close()
 
 

@@ -131,9 +131,10 @@ except KeyboardInterrupt:
 
 
 def test_a_conversion_lets_openmp_threads_sleep_unless_told_otherwise(tmp_path):
-    """The CLI sets OpenMP's wait policy to PASSIVE before torch loads (its idle threads spun on the cores the
-    readers, hashers and writers need), and leaves a user's own setting alone."""
-    probe = "import os, converters.cli, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    """A conversion command sets OpenMP's wait policy to PASSIVE before torch loads (its idle threads spun on the
+    cores the readers, hashers and writers need), and leaves a user's own setting alone."""
+    probe = ("import os; from converters import cli; cli.main(['verify', os.devnull + '.missing']); import torch; "
+             "print(os.environ.get('OMP_WAIT_POLICY'))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["PASSIVE"]
