@@ -26,6 +26,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_bench  # noqa: E402
 from measure import REPO, measure, workdir  # noqa: E402
 
+# both references end alike: each full Megatron tensor cut to the vocabulary, unfused as interop unfuses it, and the
+# state dict written with safetensors and fsynced (``add`` is called per rule, the rest runs after the loop)
+WRITE_HF = r"""
+os.makedirs(out, exist_ok=True)
+save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd); os.close(fd)
+"""
+ADD_HF = r"""
+tensors = {}
+def add(rule, full):
+    if rule.split == VOCAB:
+        full = full[: arch.vocab]
+    tensors.update(zip(rule.hf, (t.contiguous() for t in rule.unfuse(full))))
+"""
+
 REFERENCE = r"""
 import argparse, os, sys, torch
 from safetensors.torch import save_file
@@ -38,18 +53,13 @@ files = locate(src)
 states = {k: torch.load(p, map_location="cpu", weights_only=False) for k, p in files.paths.items()}
 arch = MegatronArch.from_args(vars(states[(0, 0)]["args"]), src)
 per_stage = arch.num_layers // files.pp
-tensors = {}
+""" + ADD_HF + r"""
 for rule in rules(arch):
     p = 0 if rule.layer == -1 else files.pp - 1 if rule.layer == -2 else rule.layer // per_stage
     name = local_name(rule.megatron, p * per_stage)
     full = merge(rule, [states[(t, p)]["model"][name] for t in range(files.tp)])
-    if rule.split == VOCAB:
-        full = full[: arch.vocab]
-    tensors.update(zip(rule.hf, (t.contiguous() for t in rule.unfuse(full))))
-os.makedirs(out, exist_ok=True)
-save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd); os.close(fd)
-"""
+    add(rule, full)
+""" + WRITE_HF
 
 
 # torch_dist: torch's own tool flattens the DCP directory into one torch.save file; each layer is then cut from its
@@ -69,17 +79,12 @@ arch = MegatronArch.from_args(vars(args), d, grouped_gemm=True)
 with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp:  # on the same disk as the rest
     dcp_to_torch_save(d, os.path.join(tmp, "all.pt"))
     state = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
-tensors = {}
+""" + ADD_HF + r"""
 for rule in rules(arch):
     key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in state)
     full = state[key][stack_index(rule.megatron)]
-    if rule.split == VOCAB:
-        full = full[: arch.vocab]
-    tensors.update(zip(rule.hf, (t.contiguous() for t in rule.unfuse(full))))
-os.makedirs(out, exist_ok=True)
-save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-fd = os.open(os.path.join(out, "model.safetensors"), os.O_RDONLY); os.fsync(fd); os.close(fd)
-"""
+    add(rule, full)
+""" + WRITE_HF
 
 
 def train_and_save(out: str, hidden: int, layers: int) -> None:

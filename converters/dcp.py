@@ -355,14 +355,9 @@ class DCPReader:
 
     def _slot(self, key: str, chunk: _Chunk, lead: tuple[int, ...]) -> Any:
         """The part of ``chunk`` at leading index ``lead``: contiguous in it, so a stand-in of its bytes."""
-        data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
-        spec = self.spec(key)
-        if is_tensor(data) and not data.is_contiguous():
+        data = self._chunk(key, chunk)
+        if not data.is_contiguous():
             return data  # not a view of one run of bytes: the caller merges it with torch instead
-        if not is_tensor(data) or tuple(data.shape) != chunk.sizes or dtype_name_of(data) != spec.dtype_name:
-            got = f"{dtype_name_of(data)}{list(data.shape)}" if is_tensor(data) else type(data).__name__
-            raise CorruptCheckpointError(os.path.join(self.directory, chunk.file),
-                                         f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype_name}{list(chunk.sizes)}")
         tail = chunk.sizes[len(lead):]
         per, index = math.prod(tail), 0
         for i, o, k in zip(lead, chunk.offsets, chunk.sizes):
@@ -382,6 +377,18 @@ class DCPReader:
         return None
 
     # the bytes
+    def _chunk(self, key: str, chunk: _Chunk) -> Any:
+        """A chunk of ``key`` as read (a stand-in, or torch's), the tensor its metadata says it is."""
+        data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
+        spec = self.spec(key)
+        if not is_tensor(data) or tuple(data.shape) != chunk.sizes or dtype_name_of(data) != spec.dtype_name:
+            got = f"{dtype_name_of(data)}{list(data.shape)}" if is_tensor(data) else type(data).__name__
+            raise CorruptCheckpointError(
+                os.path.join(self.directory, chunk.file),
+                f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype_name}{list(chunk.sizes)}",
+            )
+        return data
+
     def _mapped(self, relative: str, offset: int, length: int, what: str) -> Any:
         """A stored tensor chunk, read without torch (a torch_zip.StoredTensor over the mapped file); torch's
         weights-only loader for anything the stand-ins do not express."""
@@ -431,13 +438,7 @@ class DCPReader:
             hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(h <= low for low, h in zip(lo, hi)) and len(sizes) > 0:
                 continue
-            data = self._mapped(chunk.file, chunk.offset, chunk.length, f"chunk {list(chunk.offsets)} of {key!r}")
-            if not is_tensor(data) or tuple(data.shape) != chunk.sizes or dtype_name_of(data) != spec.dtype_name:
-                got = f"{dtype_name_of(data)}{list(data.shape)}" if is_tensor(data) else type(data).__name__
-                raise CorruptCheckpointError(
-                    os.path.join(self.directory, chunk.file),
-                    f"chunk {list(chunk.offsets)} of {key!r} is {got}, metadata says {spec.dtype_name}{list(chunk.sizes)}",
-                )
+            data = self._chunk(key, chunk)
             src, dst = as_torch(data), out  # (a stored chunk is copied out of the mapping, its pages let go)
             for dim, (low, h) in enumerate(zip(lo, hi)):
                 src = src.narrow(dim, low - chunk.offsets[dim], h - low)

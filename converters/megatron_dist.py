@@ -223,13 +223,15 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         extra[SCHEDULER] = materialize(common[SCHEDULER])
     layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
                                                       ("ep", "expert_model_parallel_size"))}
+    rng_keys = _rng_keys(reader, layout["tp"], layout["pp"])
+
     def rng_states() -> list[dict[str, Any]]:
-        found = _rng_states(reader, layout["tp"], layout["pp"])
+        found = _rng_states(reader, rng_keys)
         if found is None:  # every rank's entry is there, in a shape not Megatron's: said, not carried as no state
             raise CorruptCheckpointError(directory, f"{RNG_STATE} entries are not megatron-core's per-rank RNG states")
         return found
 
-    rng = DeferredList(rng_states) if _has_rng(reader, layout["tp"], layout["pp"]) else None
+    rng = DeferredList(rng_states) if rng_keys is not None else None
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
@@ -242,25 +244,26 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     )
 
 
-def _has_rng(reader: DCPReader, tp: int, pp: int) -> bool:
-    objects = set(reader.object_keys())
-    return all(f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}" in objects for p in range(pp) for t in range(tp))
+def _rng_key(p: int, t: int, pp: int, tp: int) -> str:
+    """Megatron-LM's get_rng_state: ShardedObject('rng_state', [state], (PP, TP), (p, t))."""
+    return f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"
 
 
-def _rng_states(reader: DCPReader, tp: int, pp: int) -> list[dict[str, Any]] | None:
-    """Each TP x PP rank's generators (rank t + tp x p) in our RNG layout, when the checkpoint has them all."""
+def _rng_keys(reader: DCPReader, tp: int, pp: int) -> list[str] | None:
+    """Each TP x PP rank's RNG entry (rank t + tp x p), when the checkpoint has them all."""
+    keys = [_rng_key(p, t, pp, tp) for p in range(pp) for t in range(tp)]
+    return keys if set(keys) <= set(reader.object_keys()) else None
+
+
+def _rng_states(reader: DCPReader, keys: list[str]) -> list[dict[str, Any]] | None:
+    """The ranks' generators of ``keys`` in our RNG layout; None if one is not in Megatron's shape."""
     out = []
-    objects = set(reader.object_keys())
-    for p in range(pp):
-        for t in range(tp):
-            key = f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"
-            if key not in objects:
-                return None
-            saved = reader.read_object(key, numpy_allowlist())  # [the rank's rng_state list], the list holding one replica's state
-            entry = our_rng(saved[0][0]) if isinstance(saved, list) and saved and isinstance(saved[0], list) and len(saved[0]) == 1 else None
-            if entry is None:
-                return None
-            out.append(entry)
+    for key in keys:
+        saved = reader.read_object(key, numpy_allowlist())  # [the rank's rng_state list], the list holding one replica's state
+        entry = our_rng(saved[0][0]) if isinstance(saved, list) and saved and isinstance(saved[0], list) and len(saved[0]) == 1 else None
+        if entry is None:
+            return None
+        out.append(entry)
     return out
 
 
@@ -431,8 +434,8 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     ))
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
     ckpt.notes.extend(rng_notes)
-    for (t, p, _), entry in rng.items():  # Megatron-LM's get_rng_state: ShardedObject('rng_state', [state], (PP, TP), (p, t))
-        state[f"{RNG_STATE}/shard_{p}.{t}_{pp}.{tp}"] = buckets.sharded_object([entry])
+    for (t, p, _), entry in rng.items():
+        state[_rng_key(p, t, pp, tp)] = buckets.sharded_object([entry])
     common: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
     if opt is not None:
         steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
