@@ -99,7 +99,10 @@ def main() -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from trainers.deepspeed import unlink_cpu_shm_names
+
     deepspeed.init_distributed(dist_backend="gloo")
+    unlink_cpu_shm_names()
     engine, stage, pairs = sys.argv[1], sys.argv[2], [a.split("=", 1) for a in sys.argv[3:]]
     for hf_dir, dst in pairs:
         try:

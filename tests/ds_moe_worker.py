@@ -41,7 +41,10 @@ class Net(torch.nn.Module):
 
 
 def engine_for(stage: int, ep: int):
+    from trainers.deepspeed import unlink_cpu_shm_names
+
     deepspeed.init_distributed("gloo")
+    unlink_cpu_shm_names()
     torch.manual_seed(0)
     model = Net(ep)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from trainers.base import run, shutdown
-from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig, parse_config
+from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig, parse_config, unlink_cpu_shm_names
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from odd_model import odd_model  # noqa: E402
@@ -80,6 +80,7 @@ def user_load(src: str, out: str, config: str, grouping: str) -> None:
     import transformers
 
     deepspeed.init_distributed(dist_backend="gloo")
+    unlink_cpu_shm_names()
     torch.manual_seed(0)  # other weights than the checkpoint's: the load must replace them all
     model = odd_model()
     if grouping == "single":

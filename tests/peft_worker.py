@@ -26,7 +26,10 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     base, out, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    from trainers.deepspeed import unlink_cpu_shm_names
+
     deepspeed.init_distributed("gloo")
+    unlink_cpu_shm_names()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))

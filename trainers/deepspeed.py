@@ -55,6 +55,26 @@ def _prepare_cpu() -> None:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
 
 
+def unlink_cpu_shm_names() -> None:
+    """Unlink this rank's name of DeepSpeed's CPU shared-memory allreduce buffer once every rank has mapped it.
+
+    On the CPU accelerator, with all ranks on one machine, ``init_distributed`` makes one 66 MiB segment per rank
+    (``ops/csrc/cpu/comm/shm.cpp``: ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never
+    unlinks it, so each run would leave its ranks' buffers in RAM until reboot. The mappings stay valid after the
+    unlink; no rank opens a name again once the barrier shows every rank through its initialize."""
+    import torch.distributed as dist
+
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    if torch.cuda.is_available():  # the same answer on every rank: no rank waits in a barrier alone
+        return
+    dist.barrier()
+    try:
+        os.unlink(name)
+    except FileNotFoundError:  # its ranks are not all local (LOCAL_SIZE): no segment was made
+        pass
+
+
 def deepspeed_config(cfg: DeepSpeedTrainerConfig) -> dict[str, Any]:
     """The user's config, completed: batch size, ZeRO stage and precision from flags where it has none."""
     if cfg.deepspeed_config:
@@ -166,6 +186,7 @@ class DeepSpeedTrainer(BaseTrainer):
 
         with library_prints(self.cfg.verbose, __name__):  # its CPU communication op announces itself on stdout
             deepspeed.init_distributed(dist_backend=resolve_backend(self.cfg.backend))
+        unlink_cpu_shm_names()
         import torch.distributed as dist
 
         return dist.get_rank(), dist.get_world_size()
