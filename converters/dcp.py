@@ -537,9 +537,10 @@ def write_dcp(
     directory: str,
     progress: Callable[[Iterable], Iterator] | None = None,
 ) -> None:
-    """Save the nested ``state`` (LazyTensor leaves are loaded one at a time, as the writer reaches them) as a
-    DCP checkpoint in ``directory``, which must be empty. Readable by ``dcp.load`` on any number of ranks.
-    An ``io.BytesIO`` leaf is stored as its bytes; any other object as torch.save's."""
+    """Save the nested ``state`` as a DCP checkpoint in ``directory``, which must be empty. Readable by
+    ``dcp.load`` on any number of ranks. DCP's own planner makes the plan and ``.metadata``; the data file is
+    written here (:func:`_streaming_writer`): a LazyTensor leaf streams from its source, part by part, as the
+    writer reaches it. An ``io.BytesIO`` leaf is stored as its bytes; any other object as torch.save's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -557,7 +558,7 @@ def write_dcp(
         return node
 
     skeleton = meta(state)
-    count = [0]
+    written: list[LazyTensor] = []
 
     class _LazyPlanner(DefaultSavePlanner):
         def transform_object(self, write_item, object):
@@ -565,18 +566,171 @@ def write_dcp(
                 return object
             return super().transform_object(write_item, object)
 
-        def resolve_data(self, write_item):
-            obj = super().resolve_data(write_item)
-            if isinstance(obj, torch.Tensor) and obj.is_meta:
-                count[0] += 1
-                return lazies[id(obj)].load()
-            return obj
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with _single_process_quiet():
-        dcp.save(skeleton, storage_writer=dcp.FileSystemWriter(directory), planner=_LazyPlanner(), no_dist=True)
-    if count[0] != len(lazies):
-        raise RuntimeError(f"DCP save resolved {count[0]} of {len(lazies)} tensors")  # would be a torch behaviour change
+    from interop.errors import InteropError
+
+    try:
+        with _single_process_quiet():
+            dcp.save(skeleton, storage_writer=_streaming_writer(directory, lazies, written), planner=_LazyPlanner(), no_dist=True)
+    except CheckpointException as exc:  # DCP wraps what its writer raised: ours (a corrupt source, a full disk) is raised as it is
+        ours = [e for e, _ in exc.failures.values() if isinstance(e, InteropError)]
+        if ours:
+            raise ours[0] from None
+        raise
+    if len(written) != len(lazies):
+        raise RuntimeError(f"DCP save wrote {len(written)} of {len(lazies)} tensors")  # would be a torch behaviour change
     log.info("wrote DCP checkpoint %s (%d tensors)", directory, len(lazies))
+
+
+def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: list[LazyTensor]) -> Any:
+    """DCP's FileSystemWriter (one data file per rank, as with its one thread), writing each tensor item with
+    :func:`torch_save.write_tensor` from the LazyTensor the planner's meta tensor stands for: its parts (or its
+    mapped bytes, or the loaded tensor) one after another, never the whole stacked tensor. Beside the writes, one
+    thread hashes what was written (the data file's digest for the manifest, no reading it back) and checks each
+    mapped source's bytes against its digest. The WriteResults are DCP's, so its own ``finish`` writes ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from interop import digests, written_digests
+    from interop.errors import OutputWriteError
+
+    from . import torch_save
+
+    class _StreamingWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            path = os.path.join(str(self.path), name)
+            results = []
+            items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            file_digest = digests.BlockHasher()
+            try:
+                with _Beside() as beside, open(path, "wb") as raw:
+                    f = _HashedFile(raw, beside, file_digest)
+                    for item in items:
+                        offset = f.tell()
+                        if item.type == WriteItemType.BYTE_IO:
+                            length = f.write(planner.resolve_data(item).getbuffer())
+                        else:
+                            length = _write_tensor_item(f, item, planner, lazies, written, beside, torch_save)
+                        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                    raw.flush()
+                    os.fsync(raw.fileno())
+            except OSError as exc:
+                raise OutputWriteError.of(path, exc) from None
+            written_digests.record(path, file_digest.digest())
+            done = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+    return _StreamingWriter(directory)
+
+
+class _Beside:
+    """One thread that works through what the writer hands it, in order, beside the writes: hashing the bytes
+    just written (their buffers stay alive until hashed) and checking sources' digests. At most ``limit`` bytes
+    wait; an error there is raised in the writer at its next hand-over, or when the block ends."""
+
+    def __init__(self, limit: int = 256 << 20):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-hash")
+        self._pending: Any = deque()
+        self._bytes, self._limit = 0, limit
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> None:
+        self._pending.append((self._pool.submit(fn, *args), nbytes))
+        self._bytes += nbytes
+        while self._pending and (self._pending[0][0].done() or self._bytes > self._limit):
+            future, n = self._pending.popleft()
+            self._bytes -= n
+            future.result()
+
+    def __enter__(self) -> "_Beside":
+        return self
+
+    def __exit__(self, kind, *_: Any) -> None:
+        try:
+            if kind is None:
+                while self._pending:
+                    self._pending.popleft()[0].result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _HashedFile:
+    """A binary file whose written bytes are also fed, in order, to ``hasher`` on the :class:`_Beside` thread."""
+
+    def __init__(self, f: Any, beside: _Beside, hasher: Any):
+        self._f, self._beside, self._hasher = f, beside, hasher
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self._beside.submit(self._hasher.update, data, nbytes=n)
+        return n
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+def _write_tensor_item(f, item, planner, lazies: dict[int, LazyTensor], written: list[LazyTensor], beside: _Beside, torch_save) -> int:
+    """One tensor write item at ``f``'s position, in torch.save's format; its length."""
+    from interop.tensors import raw_bytes
+
+    obj = planner.lookup_object(item.index)
+    lazy = lazies.get(id(obj)) if isinstance(obj, torch.Tensor) and obj.is_meta else None
+    chunk = item.tensor_data.chunk
+    if lazy is None:  # a real tensor (or the planner's chunk of one)
+        tensor = planner.resolve_data(item).detach().cpu().contiguous()
+        return torch_save.write_tensor(f, tuple(tensor.shape), tensor.dtype, tensor.nbytes, [raw_bytes(tensor)])
+    if any(chunk.offsets) or tuple(chunk.sizes) != lazy.spec.shape:
+        raise RuntimeError(f"DCP planned {item.index.fqn} as a chunk of it")  # plain tensors are saved whole
+    written.append(lazy)
+    return torch_save.write_tensor(f, lazy.spec.shape, lazy.spec.dtype, lazy.spec.nbytes, _tensor_bytes(lazy, beside))
+
+
+def _tensor_bytes(lazy: LazyTensor, beside: _Beside) -> Iterator[memoryview]:
+    """A tensor's bytes in order: its parts' one after another where it has parts; each part's (or its own) as
+    views of a mapped source where it has them, their digest checked beside the writes (the mapped pages let go
+    once checked), else the loaded tensor's (``load`` checks the digest)."""
+    from interop import digests
+    from interop.tensors import raw_bytes
+
+    total = 0
+    for part in lazy.parts() if lazy.parts is not None else (lazy,):
+        total += part.spec.nbytes
+        pieces = part.mapped_pieces() if part.mapped_pieces is not None else None
+        if pieces is None or (part.digest is not None and digests.parse(part.digest, part.origin)[0] != digests.ALGO):
+            tensor = part.load()
+            if tuple(tensor.shape) != part.spec.shape or tensor.dtype != part.spec.dtype:
+                raise CorruptCheckpointError(part.origin, f"is {tensor.dtype}{list(tensor.shape)}, expected {part.spec.describe()}")
+            yield raw_bytes(tensor)
+            continue
+        if sum(p.data.nbytes for p in pieces) != part.spec.nbytes:
+            raise CorruptCheckpointError(part.origin, f"its mapped bytes do not make up {part.spec.describe()}")
+        h = digests.hasher() if part.digest is not None else None
+        for p in pieces:
+            if h is not None:
+                beside.submit(h.update, p.data, nbytes=p.data.nbytes)
+            yield p.data
+        beside.submit(_checked, part, h, pieces)
+    if total != lazy.spec.nbytes:
+        raise CorruptCheckpointError(lazy.origin, f"its parts hold {total} bytes; {lazy.spec.describe()} is {lazy.spec.nbytes}")
+
+
+def _checked(part: LazyTensor, h: Any, pieces: list) -> None:
+    """A mapped part's bytes, hashed as they were written, against the digest its manifest records; then its
+    mapped pages let go (out of this process's memory, still in the page cache)."""
+    from interop import digests
+
+    if h is not None:
+        part.check_digest(digests.label(digests.ALGO, h.hexdigest()))
+    for p in pieces:
+        if p.release is not None:
+            p.release()
 
 
 def load_dcp(state: dict[str, Any], directory: str, metadata=None) -> None:

@@ -48,8 +48,9 @@ from .megatron import (
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
+from .row_numbers import RowNumbers
 from .torch_zip import as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index, stored_as_is
 
 log = logging.getLogger(__name__)
 
@@ -336,16 +337,28 @@ def _full(rule: Rule, source: dict[str, LazyTensor], padded: int, fill_for, dtyp
     return megatron_pieces(rule, values, 1, padded, fill_for(rule))[0]
 
 
+def _layer(rule: Rule, source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None, spec: TensorSpec) -> LazyTensor:
+    """One rule's full Megatron tensor as a LazyTensor: the source's own where the rule takes one tensor as it is
+    (its mapped bytes can go straight to the output), else built when loaded."""
+    if stored_as_is(rule) and rule.hf[0] in source:
+        t = source[rule.hf[0]]
+        t = t.cast(dtype) if dtype is not None else t
+        if t.spec.shape == spec.shape and t.spec.dtype_name == spec.dtype_name:
+            return t
+    return LazyTensor(spec, lambda: _full(rule, source, padded, fill_for, dtype), origin=rule.megatron)
+
+
 def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None = None) -> LazyTensor | None:
     """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
     (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
-    from the specs; the tensors load when the writer reaches them."""
+    from the specs; the tensors load when the writer reaches them, layer by layer (``parts``) where it streams."""
     first = rules_[0]
     specs = hf_values(first, lambda n: source[n].spec if n in source else None)
     if specs is None:
         return None
-    meta = first.fuse([torch.empty(s.shape, dtype=dtype or s.dtype, device="meta") for s in specs])
-    full_shape = (padded, *meta.shape[1:]) if first.split == VOCAB else tuple(meta.shape)
+    fused = first.fuse([RowNumbers.shaped(s.shape) for s in specs]).shape  # (meta tensors would import torch's compiler)
+    full_shape = (padded, *fused[1:]) if first.split == VOCAB else tuple(fused)
+    out_dtype = dtype or specs[0].dtype
     index = stack_index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
     stacked: tuple[int, ...] = ()
     if len(index) == 1:
@@ -354,13 +367,18 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
         experts = len({stack_index(r.megatron)[1] for r in rules_})
         stacked = (len(rules_) // experts, experts)
 
-    def load() -> torch.Tensor:
-        if not stacked:
-            return _full(first, source, padded, fill_for, dtype)
-        return torch.stack([_full(r, source, padded, fill_for, dtype) for r in rules_]).reshape(*stacked, *full_shape)
+    def part(rule: Rule) -> LazyTensor:
+        return _layer(rule, source, padded, fill_for, dtype, TensorSpec(full_shape, out_dtype))
 
     shape = (*stacked, *full_shape)
-    return LazyTensor(TensorSpec(shape, meta.dtype), load, origin=stacked_name(first.megatron))
+    if not stacked:
+        whole = part(first)
+        return LazyTensor(TensorSpec(shape, out_dtype), whole.load, origin=stacked_name(first.megatron), parts=lambda: (whole,))
+
+    def load() -> torch.Tensor:
+        return torch.stack([part(r).load() for r in rules_]).reshape(shape)
+
+    return LazyTensor(TensorSpec(shape, out_dtype), load, origin=stacked_name(first.megatron), parts=lambda: (part(r) for r in rules_))
 
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,

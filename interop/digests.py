@@ -153,6 +153,34 @@ def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
     return {p: out[p] for p in paths}
 
 
+class BlockHasher:
+    """A file's digest as :func:`of_files` takes it (plain up to one block, else by blocks), from the file's bytes
+    fed in order as they are written: a writer that has the bytes in memory hashes them there, not by reading
+    the finished file back."""
+
+    def __init__(self, algo: str = ALGO, block_bytes: int = BLOCK_BYTES):
+        self.algo, self.block_bytes = algo, block_bytes
+        self.blocks: list[str] = []
+        self.total = self.filled = 0
+        self._h = hasher(algo)
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.block_bytes - self.filled)
+            self._h.update(view[:take])
+            view, self.filled, self.total = view[take:], self.filled + take, self.total + take
+            if self.filled == self.block_bytes:
+                self.blocks.append(self._h.hexdigest())
+                self._h, self.filled = hasher(self.algo), 0
+
+    def digest(self) -> FileDigest:
+        if self.total <= self.block_bytes:
+            return FileDigest(label(self.algo, self.blocks[0] if self.blocks else self._h.hexdigest()))
+        blocks = self.blocks + ([self._h.hexdigest()] if self.filled else [])
+        return FileDigest(of_blocks(blocks, self.algo), blocks, self.block_bytes)
+
+
 def of_bytes(data: bytes | memoryview, algo: str = ALGO) -> str:
     h = hasher(algo)
     h.update(data)

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Iterable
 
 from . import digests
 from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize, unpack_scalar
@@ -93,6 +93,10 @@ class LazyTensor:
     # Optional: the bytes as views of memory-mapped files, in order, without a copy (None when they cannot be had
     # after all). A writer that only streams bytes out (safetensors) copies and hashes these, needing no torch.
     mapped_pieces: Callable[[], list[Piece] | None] | None = field(default=None, repr=False)
+    # Optional: the tensor as consecutive parts of its first dimension (a stack of layers), each loaded in turn. A
+    # writer that streams bytes (torch.save's format, :mod:`converters.torch_save`) writes these one at a time
+    # instead of building the whole tensor to write it.
+    parts: Callable[[], Iterable["LazyTensor"]] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, origin: str = "memory") -> "LazyTensor":

@@ -51,6 +51,14 @@ class WrittenDigests:
         with self._lock:
             self._taken[key] = future
 
+    def record(self, path: str, found: digests.FileDigest) -> None:
+        """``path`` is written, closed and will not change, and its writer hashed its bytes as it wrote them."""
+        key = os.path.realpath(path)
+        taken: Future = Future()
+        taken.set_result((digests._identity(key), found))
+        with self._lock:
+            self._taken[key] = taken
+
     def digest(self, path: str) -> digests.FileDigest | None:
         """The digest taken of ``path`` as it is now, or None (never reported, changed since, or its hashing failed:
         the caller hashes it)."""
@@ -95,3 +103,11 @@ def finished(path: str) -> None:
     current = _CURRENT
     if current is not None:
         current.finished(path)
+
+
+def record(path: str, found: digests.FileDigest) -> None:
+    """A writer's finished file and the digest it took of the bytes as it wrote them (:class:`digests.BlockHasher`):
+    used for the manifest when a :func:`digesting_as_written` block is open, else the file is hashed at commit."""
+    current = _CURRENT
+    if current is not None:
+        current.record(path, found)

@@ -1,0 +1,186 @@
+"""torch.save's file format, written here a record at a time, so a tensor's bytes can stream into place.
+
+torch.save needs the whole tensor in memory, and its zip writer computes each record's CRC-32 at about 1.3 GB/s
+on one core: for a stored tensor that is a stack of layers, the stack is built only to be saved, and the CRC
+costs as much CPU as the write. Here a tensor's bytes come as consecutive pieces (one layer after another, or
+views of a source's mapped file), each written and CRC'd (ISA-L's CRC-32, several times zlib's speed) as it
+comes, then dropped.
+
+The layout is what torch 2.x writes (``caffe2/serialize/inline_container.cc`` on miniz; the tests compare the
+bytes with torch.save's): records ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, the
+storages ``data/<key>``, ``version`` and ``.data/serialization_id``, each under the archive's folder; every
+record's data at a multiple of 64 bytes (an ``FB`` extra field of padding); local headers with the sizes and CRC
+in a data descriptor (flags 0x0808); ZIP64 fields where a size or offset reaches 4 GiB; and a ZIP64 end record
+always. ``torch.load`` reads it, and so does any zip reader (the CRCs are real).
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Iterable
+
+try:  # ISA-L: the same CRC-32 as zlib's, at several times its speed
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without its wheel: zlib's, slower
+    from zlib import crc32
+
+ALIGNMENT = 64  # torch's kFieldAlignment: a record's data starts at a multiple of this
+FORMAT_VERSION = b"1"  # torch.serialization._save's .format_version
+VERSION = b"3\n"  # the archive version torch writes (kProducedFileFormatVersion)
+_U32 = 0xFFFFFFFF
+_UTF8, _DESCRIBED = 0x0800, 0x0008  # flags: names are UTF-8; a data descriptor follows the data (miniz: not after none)
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    offset: int  # of its local header, from the archive's start
+    size: int
+    crc: int
+
+    @property
+    def flags(self) -> int:
+        return _UTF8 | (_DESCRIBED if self.size else 0)
+
+
+class ArchiveWriter:
+    """The records of one torch.save archive, written at ``f``'s position (offsets count from there, as in a
+    DCP data file whose items are archives one after another)."""
+
+    def __init__(self, f: BinaryIO, folder: str = "archive"):
+        self.f = f
+        self.folder = folder.encode() + b"/"
+        self.pos = 0
+        self.entries: list[_Entry] = []
+
+    def _write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if n:
+            self.f.write(data)
+        self.pos += n
+        return n
+
+    def _zip64(self, size: int, offset: int) -> list[int]:
+        """miniz's ZIP64 local fields: the size (and a compressed size of 0) from 4 GiB, the header's offset from 4 GiB."""
+        return ([size, 0] if size >= _U32 else []) + ([offset] if offset >= _U32 else [])
+
+    def begin(self, name: str, size: int) -> None:
+        """The local header of a record of ``size`` bytes; its data follows (:meth:`data`, then :meth:`end`)."""
+        full = self.folder + name.encode()
+        wide = self._zip64(size, self.pos)
+        extra = struct.pack(f"<HH{len(wide)}Q", 1, 8 * len(wide), *wide) if wide else b""
+        start = self.pos + 30 + len(full) + len(extra) + 4
+        pad = -start % ALIGNMENT
+        extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        self.entries.append(_Entry(full, self.pos, size, 0))
+        self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, self.entries[-1].flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
+        self._start = self.pos
+
+    def data(self, chunk: Any) -> None:
+        entry = self.entries[-1]
+        entry.crc = crc32(chunk, entry.crc)
+        self._write(chunk)
+
+    def end(self) -> None:
+        entry = self.entries[-1]
+        if self.pos - self._start != entry.size:
+            raise ValueError(f"record {entry.name.decode()}: {self.pos - self._start} bytes written, {entry.size} declared")
+        if not entry.size:
+            return
+        wide = bool(self._zip64(entry.size, entry.offset))
+        self._write(struct.pack("<IIQQ" if wide else "<IIII", 0x08074B50, entry.crc, entry.size, entry.size))
+
+    def record(self, name: str, data: bytes) -> None:
+        self.begin(name, len(data))
+        self.data(data)
+        self.end()
+
+    def finish(self) -> int:
+        """The version and id records, the central directory and the end records; the archive's length."""
+        self.record("version", VERSION)
+        names = crc32(b"".join(e.name for e in self.entries))
+        combined = 0
+        for e in self.entries:
+            combined = crc32(struct.pack("<I", e.crc), combined)
+        self.record(".data/serialization_id", b"%020d%020d" % (names, combined))  # an opaque id to torch
+        start = self.pos
+        for e in self.entries:
+            wide = ([e.size, e.size] if e.size >= _U32 else []) + ([e.offset] if e.offset >= _U32 else [])
+            extra = struct.pack(f"<HH{len(wide)}Q", 1, 8 * len(wide), *wide) if wide else b""
+            size = _U32 if e.size >= _U32 else e.size
+            self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, e.flags, 0, 0, 0, e.crc, size, size, len(e.name),
+                                    len(extra), 0, 0, 0, 0, min(e.offset, _U32)) + e.name + extra)
+        size, count, end = self.pos - start, len(self.entries), self.pos
+        self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, count, count, size, start))
+        self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF), min(size, _U32),
+                                min(start, _U32), 0))
+        return self.pos
+
+
+# --- a tensor's pickle -----------------------------------------------------------------------------------------
+class _Storage:
+    """Stands for a tensor's storage in its pickle: torch.save's persistent id for it."""
+
+    def __init__(self, dtype: Any, numel: int, key: str = "0"):
+        self.dtype, self.numel, self.key = dtype, numel, key
+
+
+class _Tensor:
+    """Pickles as torch pickles a contiguous CPU tensor whose storage starts at its first element."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, tuple(shape)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        import torch
+
+        stride, step = [], 1
+        for n in reversed(self.shape):
+            stride.insert(0, step)
+            step *= max(n, 1)
+        return (torch._utils._rebuild_tensor_v2, (self.storage, 0, self.shape, tuple(stride), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+
+def storage_type(dtype: Any) -> Any:
+    """The storage class torch.save names for ``dtype`` (``torch.BFloat16Storage`` ...)."""
+    import torch
+
+    return getattr(torch, torch.empty(0, dtype=dtype)._typed_storage()._pickle_storage_type())
+
+
+def tensor_pickle(shape: tuple[int, ...], dtype: Any) -> bytes:
+    """``data.pkl`` of torch.save of one contiguous tensor (its storage is record ``data/0``)."""
+    import io
+    import math
+
+    out = io.BytesIO()
+    _Pickler(out, protocol=2).dump(_Tensor(_Storage(dtype, math.prod(shape)), shape))
+    return out.getvalue()
+
+
+def write_tensor(f: BinaryIO, shape: tuple[int, ...], dtype: Any, nbytes: int, chunks: Iterable[Any]) -> int:
+    """torch.save of one contiguous tensor (as DCP stores each of its tensors) at ``f``'s position, its ``nbytes``
+    bytes taken from ``chunks`` in order; the archive's length."""
+    import sys
+
+    archive = ArchiveWriter(f)
+    archive.record("data.pkl", tensor_pickle(shape, dtype))
+    archive.record(".format_version", FORMAT_VERSION)
+    archive.record(".storage_alignment", str(ALIGNMENT).encode())
+    archive.record("byteorder", sys.byteorder.encode())
+    archive.begin("data/0", nbytes)
+    for chunk in chunks:
+        archive.data(chunk)
+    archive.end()
+    return archive.finish()

@@ -1,0 +1,157 @@
+"""torch.save's format written here (converters.torch_save) and DCP data files streamed with it (converters.dcp):
+the same bytes torch.save writes, ZIP64 included; real CRCs; a stacked tensor written part by part, never built;
+every mapped source byte checked against its digest; the data file's digest taken as it is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from converters import torch_save
+from converters.dcp import load_dcp, write_dcp
+from interop import digests, written_digests
+from interop.errors import CorruptCheckpointError
+from interop.safetensors_io import SafetensorsFile
+from interop.tensors import LazyTensor, TensorSpec, raw_bytes
+
+ID = "archive/.data/serialization_id"  # an opaque id: torch's own mixes in a hash of its record names
+
+
+def ours(t: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    n = torch_save.write_tensor(out, tuple(t.shape), t.dtype, t.nbytes, [raw_bytes(t)])
+    assert n == len(out.getvalue())
+    return out.getvalue()
+
+
+def id_spans(data: bytes) -> list[tuple[int, int]]:
+    """Where the id record's bytes and its two CRC copies lie (its data descriptor's, its central entry's), found
+    by the record's name (the tail of a file works as well as the whole)."""
+    name = ID.encode()
+    local = data.rfind(b"PK\x03\x04", 0, data.find(name))
+    start = local + 30 + int.from_bytes(data[local + 26 : local + 28], "little") + int.from_bytes(data[local + 28 : local + 30], "little")
+    central = data.rfind(b"PK\x01\x02", 0, data.rfind(name))
+    return [(start, start + 40), (start + 44, start + 48), (central + 16, central + 20)]
+
+
+def masked(data: bytes) -> bytes:
+    out = bytearray(data)
+    for lo, hi in id_spans(data):
+        out[lo:hi] = bytes(hi - lo)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("t", [torch.arange(10, dtype=torch.bfloat16).reshape(2, 5), torch.randn(3, 4, 5), torch.tensor(3.5),
+                               torch.empty(0, 4), torch.arange(7), torch.ones(3, dtype=torch.bool), torch.randn(2, 2).half()],
+                         ids=["bf16", "fp32-3d", "scalar", "empty", "int64", "bool", "fp16"])
+def test_a_tensor_is_written_as_torch_save_writes_it(t):
+    reference = io.BytesIO()
+    torch.save(t, reference)
+    written = ours(t)
+    assert masked(written) == masked(reference.getvalue())  # every byte but the opaque id
+    assert zipfile.ZipFile(io.BytesIO(written)).testzip() is None  # real CRCs: any zip reader takes it
+    back = torch.load(io.BytesIO(written), weights_only=True)
+    assert back.dtype == t.dtype and back.shape == t.shape and back.stride() == t.stride() and torch.equal(back, t)
+
+
+def test_zip64_records_are_laid_out_as_torch_lays_them_out(tmp_path):
+    """A record of 4 GiB and more, and records past 4 GiB: torch.save's ZIP64 fields, byte for byte. Both files are
+    sparse (torch's skip_data leaves its data unwritten, ours seeks over zeros), so nothing 4 GiB is written."""
+    n = (1 << 32) + 64
+    theirs, mine = tmp_path / "theirs.pt", tmp_path / "ours.pt"
+    with torch.serialization.skip_data(), open(theirs, "wb") as f:
+        torch.save(torch.empty(n, dtype=torch.uint8), f)
+    zeros = memoryview(bytes(64 << 20))
+
+    class Sparse(io.FileIO):
+        def write(self, b):
+            if isinstance(b, memoryview) and b.obj is zeros.obj:
+                self.seek(len(b), os.SEEK_CUR)
+                return len(b)
+            return super().write(b)
+
+    crc = torch_save.crc32  # skip_data leaves the data's CRC at 0: so do we, for the skipped bytes
+    with Sparse(mine, "w") as f, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_save, "crc32", lambda chunk, value=0: value if getattr(chunk, "obj", None) is zeros.obj else crc(chunk, value))
+        torch_save.write_tensor(f, (n,), torch.uint8, n, [zeros] * (n // len(zeros)) + [zeros[: n % len(zeros)]])
+    assert os.path.getsize(mine) == os.path.getsize(theirs)
+    with open(theirs, "rb") as a, open(mine, "rb") as b:
+        assert a.read(4096) == b.read(4096)  # the headers before the data
+        a.seek(n)
+        b.seek(n)
+        assert masked(b.read()) == masked(a.read())  # from the end of the data: descriptors, later records, directory
+    info = zipfile.ZipFile(mine).getinfo("archive/data/0")
+    assert info.file_size == n
+
+
+class Parts:
+    """A stacked tensor offered layer by layer; building it whole is an error (the writer must stream it)."""
+
+    def __init__(self, layers: list[torch.Tensor]):
+        self.layers = layers
+        self.loaded = 0
+
+    def lazy(self) -> LazyTensor:
+        def whole():
+            raise AssertionError("the stacked tensor was built")
+
+        def part(t):
+            def load():
+                self.loaded += 1
+                return t
+            return LazyTensor(TensorSpec(tuple(t.shape), t.dtype), load, "layer")
+
+        shape = (len(self.layers), *self.layers[0].shape)
+        return LazyTensor(TensorSpec(shape, self.layers[0].dtype), whole, "stacked", parts=lambda: (part(t) for t in self.layers))
+
+
+def mapped_source(tmp_path, tensors: dict[str, torch.Tensor]) -> dict[str, LazyTensor]:
+    """A safetensors file's tensors as mapped LazyTensors with their digests recorded, as a universal source's are."""
+    path = tmp_path / "source.safetensors"
+    save_file(tensors, str(path))
+    st = SafetensorsFile(str(path))
+    return {k: dataclasses.replace(st.lazy(k), digest=digests.of_bytes(raw_bytes(t))) for k, t in tensors.items()}
+
+
+def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written(tmp_path):
+    layers = [torch.randn(5, 3) for _ in range(4)]
+    parts = Parts(layers)
+    source = mapped_source(tmp_path, {"w": torch.randn(64, 32), "b": torch.arange(6.0)})
+    state = {"stack": parts.lazy(), "w": source["w"], "nested": {"b": source["b"], "real": torch.ones(2)}, "obj": {"step": 3}}
+    out = tmp_path / "dcp"
+    with written_digests.digesting_as_written() as taken:
+        write_dcp(state, str(out))
+        data_file = out / "__0_0.distcp"
+        assert taken.digest(str(data_file)) == digests.of_files([str(data_file)])[str(data_file)]
+    assert parts.loaded == len(layers)
+    back = {"stack": torch.zeros(4, 5, 3), "w": torch.zeros(64, 32), "nested": {"b": torch.zeros(6), "real": torch.zeros(2)}, "obj": {"step": 0}}
+    load_dcp(back, str(out))
+    assert torch.equal(back["stack"], torch.stack(layers))
+    assert torch.equal(back["w"], source["w"].load()) and torch.equal(back["nested"]["b"], torch.arange(6.0))
+    assert torch.equal(back["nested"]["real"], torch.ones(2)) and back["obj"]["step"] == 3
+
+
+def test_dcp_stream_checks_mapped_bytes_against_their_digest(tmp_path):
+    source = mapped_source(tmp_path, {"w": torch.randn(64, 32)})
+    path = source["w"].origin.rsplit(":", 1)[0]
+    with open(path, "r+b") as f:  # one byte of the tensor changed after its digest was recorded
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
+        write_dcp({"w": source["w"]}, str(tmp_path / "dcp"))
+
+
+def test_a_part_of_the_wrong_size_is_an_error_not_a_short_record(tmp_path):
+    parts = Parts([torch.randn(5, 3), torch.randn(4, 3)])  # the second layer is short of the declared stack
+    lazy = parts.lazy()
+    lazy = dataclasses.replace(lazy, spec=TensorSpec((2, 5, 3), torch.float32))
+    with pytest.raises(CorruptCheckpointError, match=r"stacked: its parts hold 108 bytes; float32\[2, 5, 3\] is 120"):
+        write_dcp({"stack": lazy}, str(tmp_path / "dcp"))
