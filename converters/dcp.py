@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 from interop.lazy_import import torch
 
 from interop import ranged
+from interop.hashed_writes import Beside
 from interop.dtypes import is_dtype_name
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
 from interop.logical import LogicalCheckpoint, OptimizerState
@@ -596,8 +597,7 @@ def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: li
 
     from interop import digests, written_digests
     from interop.errors import OutputWriteError
-
-    from . import torch_save
+    from interop.hashed_writes import HashedFile
 
     class _StreamingWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
@@ -607,19 +607,19 @@ def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: li
             items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
             file_digest = digests.BlockHasher()
             try:
-                with _Beside() as beside, open(path, "wb") as raw:
-                    f = _HashedFile(raw, beside, file_digest)
-                    for item in items:
-                        offset = f.tell()
-                        if item.type == WriteItemType.BYTE_IO:
-                            length = f.write(planner.resolve_data(item).getbuffer())
-                        else:
-                            length = _write_tensor_item(f, item, planner, lazies, written, beside, torch_save)
-                        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
-                    raw.flush()
-                    os.fsync(raw.fileno())
+                raw = open(path, "wb")
             except OSError as exc:
                 raise OutputWriteError.of(path, exc) from None
+            with Beside() as beside, raw:
+                f = HashedFile(raw, beside, file_digest, path)
+                for item in items:
+                    offset = f.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        length = f.write(planner.resolve_data(item).getbuffer())
+                    else:
+                        length = _write_tensor_item(f, item, planner, lazies, written, beside)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                f.sync()
             written_digests.record(path, file_digest.digest())
             done = torch.futures.Future()
             done.set_result(results)
@@ -628,57 +628,11 @@ def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: li
     return _StreamingWriter(directory)
 
 
-class _Beside:
-    """One thread that works through what the writer hands it, in order, beside the writes: hashing the bytes
-    just written (their buffers stay alive until hashed) and checking sources' digests. At most ``limit`` bytes
-    wait; an error there is raised in the writer at its next hand-over, or when the block ends."""
-
-    def __init__(self, limit: int = 256 << 20):
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-hash")
-        self._pending: Any = deque()
-        self._bytes, self._limit = 0, limit
-
-    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> None:
-        self._pending.append((self._pool.submit(fn, *args), nbytes))
-        self._bytes += nbytes
-        while self._pending and (self._pending[0][0].done() or self._bytes > self._limit):
-            future, n = self._pending.popleft()
-            self._bytes -= n
-            future.result()
-
-    def __enter__(self) -> "_Beside":
-        return self
-
-    def __exit__(self, kind, *_: Any) -> None:
-        try:
-            if kind is None:
-                while self._pending:
-                    self._pending.popleft()[0].result()
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _HashedFile:
-    """A binary file whose written bytes are also fed, in order, to ``hasher`` on the :class:`_Beside` thread."""
-
-    def __init__(self, f: Any, beside: _Beside, hasher: Any):
-        self._f, self._beside, self._hasher = f, beside, hasher
-
-    def write(self, data: Any) -> int:
-        n = self._f.write(data)
-        self._beside.submit(self._hasher.update, data, nbytes=n)
-        return n
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-
-def _write_tensor_item(f, item, planner, lazies: dict[int, LazyTensor], written: list[LazyTensor], beside: _Beside, torch_save) -> int:
+def _write_tensor_item(f, item, planner, lazies: dict[int, LazyTensor], written: list[LazyTensor], beside: Beside) -> int:
     """One tensor write item at ``f``'s position, in torch.save's format; its length."""
     from interop.tensors import raw_bytes
+
+    from . import torch_save
 
     obj = planner.lookup_object(item.index)
     lazy = lazies.get(id(obj)) if isinstance(obj, torch.Tensor) and obj.is_meta else None
@@ -692,7 +646,7 @@ def _write_tensor_item(f, item, planner, lazies: dict[int, LazyTensor], written:
     return torch_save.write_tensor(f, lazy.spec.shape, lazy.spec.dtype, lazy.spec.nbytes, _tensor_bytes(lazy, beside))
 
 
-def _tensor_bytes(lazy: LazyTensor, beside: _Beside) -> Iterator[memoryview]:
+def _tensor_bytes(lazy: LazyTensor, beside: Beside) -> Iterator[memoryview]:
     """A tensor's bytes in order: its parts' one after another where it has parts; each part's (or its own) as
     views of a mapped source where it has them, their digest checked beside the writes (the mapped pages let go
     once checked), else the loaded tensor's (``load`` checks the digest)."""
@@ -702,6 +656,9 @@ def _tensor_bytes(lazy: LazyTensor, beside: _Beside) -> Iterator[memoryview]:
     total = 0
     for part in lazy.parts() if lazy.parts is not None else (lazy,):
         total += part.spec.nbytes
+        rank = len(part.spec.shape)
+        if part.spec.dtype_name != lazy.spec.dtype_name or (rank and lazy.spec.shape[len(lazy.spec.shape) - rank:] != part.spec.shape):
+            raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
         pieces = part.mapped_pieces() if part.mapped_pieces is not None else None
         if pieces is None or (part.digest is not None and digests.parse(part.digest, part.origin)[0] != digests.ALGO):
             tensor = part.load()

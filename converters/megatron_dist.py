@@ -21,6 +21,7 @@ torch's own ``dcp.save`` with whole tensors, which megatron-core loads onto any 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import logging
@@ -358,7 +359,7 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
         return None
     fused = first.fuse([RowNumbers.shaped(s.shape) for s in specs]).shape  # (meta tensors would import torch's compiler)
     full_shape = (padded, *fused[1:]) if first.split == VOCAB else tuple(fused)
-    out_dtype = dtype or specs[0].dtype
+    out_dtype = dtype or functools.reduce(torch.promote_types, [s.dtype for s in specs])  # as the fuse's torch.cat gives
     index = stack_index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
     stacked: tuple[int, ...] = ()
     if len(index) == 1:

@@ -134,27 +134,24 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
 
 
 def save_torch(obj: Any, path: str) -> None:
-    """``torch.save`` whose write failures (a full disk makes torch's zip writer raise RuntimeError) are
-    one error naming the file; the finished file is hashed for the manifest from now on (:mod:`interop.written_digests`)."""
+    """``torch.save(obj, path)``: the same file (:func:`torch_save.save`, torch's pickling with our records), its
+    digest for the manifest taken from the bytes as they are written (:mod:`interop.written_digests`). A write
+    failure is one error naming the file."""
+    from interop import digests, written_digests
     from interop.errors import OutputWriteError
+    from interop.hashed_writes import Beside, HashedFile
 
-    from interop import written_digests
+    from . import torch_save
 
+    hasher = digests.BlockHasher()
     try:
-        torch.save(obj, path)
+        raw = open(path, "wb")
     except OSError as exc:
         raise OutputWriteError.of(path, exc) from None
-    except RuntimeError as exc:  # torch's zip writer: "unexpected pos ..." when the disk fills
-        free = _free_bytes(os.path.dirname(os.path.abspath(path)))
-        why = "no space left on the device" if free is not None and free < (1 << 20) else str(exc).splitlines()[0]
-        raise OutputWriteError(path, f"could not be written: {why}") from None
-    written_digests.finished(path)
+    with Beside() as beside, raw:
+        f = HashedFile(raw, beside, hasher, path)
+        torch_save.save(obj, f, torch_save.archive_folder(path))
+        f.flush()  # (as torch.save: no fsync here; the commit syncs the whole output once)
+    written_digests.record(path, hasher.digest())
 
 
-def _free_bytes(directory: str) -> int | None:
-    import shutil
-
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return None

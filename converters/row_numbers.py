@@ -28,7 +28,12 @@ class RowNumbers(np.ndarray):
 
     @classmethod
     def cat(cls, parts: list["RowNumbers"], dim: int = 0) -> "RowNumbers":
-        return np.concatenate([np.asarray(p) for p in parts], axis=dim).view(cls)
+        arrays = [np.asarray(p) for p in parts]
+        if all(not any(a.strides) for a in arrays):  # shape-only stand-ins: a shape-only result (no array of the whole)
+            shape = list(arrays[0].shape)
+            shape[dim] = sum(a.shape[dim] for a in arrays)
+            return cls.shaped(tuple(shape))
+        return np.concatenate(arrays, axis=dim).view(cls)
 
     def t(self) -> "RowNumbers":
         if self.ndim > 2:

@@ -17,6 +17,7 @@ always. ``torch.load`` reads it, and so does any zip reader (the CRCs are real).
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import struct
 from dataclasses import dataclass
@@ -50,9 +51,10 @@ class ArchiveWriter:
     """The records of one torch.save archive, written at ``f``'s position (offsets count from there, as in a
     DCP data file whose items are archives one after another)."""
 
-    def __init__(self, f: BinaryIO, folder: str = "archive"):
+    def __init__(self, f: BinaryIO, folder: str = "archive", alignment: int = ALIGNMENT):
         self.f = f
         self.folder = folder.encode() + b"/"
+        self.alignment = alignment
         self.pos = 0
         self.entries: list[_Entry] = []
 
@@ -73,18 +75,20 @@ class ArchiveWriter:
         wide = self._zip64(size, self.pos)
         extra = struct.pack(f"<HH{len(wide)}Q", 1, 8 * len(wide), *wide) if wide else b""
         start = self.pos + 30 + len(full) + len(extra) + 4
-        pad = -start % ALIGNMENT
+        pad = -start % self.alignment
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
         self.entries.append(_Entry(full, self.pos, size, 0))
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, self.entries[-1].flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
         self._start = self.pos
 
     def data(self, chunk: Any) -> None:
+        """More of the current record's bytes."""
         entry = self.entries[-1]
         entry.crc = crc32(chunk, entry.crc)
         self._write(chunk)
 
     def end(self) -> None:
+        """The current record is complete: its data descriptor (CRC and sizes)."""
         entry = self.entries[-1]
         if self.pos - self._start != entry.size:
             raise ValueError(f"record {entry.name.decode()}: {self.pos - self._start} bytes written, {entry.size} declared")
@@ -94,6 +98,7 @@ class ArchiveWriter:
         self._write(struct.pack("<IIQQ" if wide else "<IIII", 0x08074B50, entry.crc, entry.size, entry.size))
 
     def record(self, name: str, data: bytes) -> None:
+        """A whole record of bytes in memory."""
         self.begin(name, len(data))
         self.data(data)
         self.end()
@@ -123,26 +128,35 @@ class ArchiveWriter:
 
 # --- a tensor's pickle -----------------------------------------------------------------------------------------
 class _Storage:
-    """Stands for a tensor's storage in its pickle: torch.save's persistent id for it."""
+    """Stands for a tensor's storage in its pickle: torch.save's persistent id for it (a typed storage of ``numel``
+    elements, or for the dtypes torch pickles on untyped storages, ``numel`` bytes)."""
 
     def __init__(self, dtype: Any, numel: int, key: str = "0"):
         self.dtype, self.numel, self.key = dtype, numel, key
 
 
 class _Tensor:
-    """Pickles as torch pickles a contiguous CPU tensor whose storage starts at its first element."""
+    """Pickles as torch pickles a contiguous CPU tensor whose storage starts at its first element
+    (``Tensor._reduce_ex_internal``: ``_rebuild_tensor_v2`` on a typed storage, or for the dtypes newer than typed
+    storages (float8, uint16 ...) ``_rebuild_tensor_v3`` on an untyped one, the dtype after the hooks)."""
 
-    def __init__(self, storage: _Storage, shape: tuple[int, ...]):
-        self.storage, self.shape = storage, tuple(shape)
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape, self.dtype = tuple(shape), dtype
 
     def __reduce_ex__(self, protocol: int) -> tuple:
+        import math
+
         import torch
 
         stride, step = [], 1
         for n in reversed(self.shape):
             stride.insert(0, step)
             step *= max(n, 1)
-        return (torch._utils._rebuild_tensor_v2, (self.storage, 0, self.shape, tuple(stride), False, collections.OrderedDict()))
+        numel = math.prod(self.shape)
+        if self.dtype in torch.storage._new_dtypes():
+            storage = _Storage(None, numel * self.dtype.itemsize)
+            return (torch._utils._rebuild_tensor_v3, (storage, 0, self.shape, tuple(stride), False, collections.OrderedDict(), self.dtype))
+        return (torch._utils._rebuild_tensor_v2, (_Storage(self.dtype, numel), 0, self.shape, tuple(stride), False, collections.OrderedDict()))
 
 
 class _Pickler(pickle.Pickler):
@@ -153,19 +167,20 @@ class _Pickler(pickle.Pickler):
 
 
 def storage_type(dtype: Any) -> Any:
-    """The storage class torch.save names for ``dtype`` (``torch.BFloat16Storage`` ...)."""
+    """The storage class torch.save names for ``dtype`` (``torch.BFloat16Storage`` ...; ``UntypedStorage`` for None)."""
     import torch
 
+    if dtype is None:
+        return torch.UntypedStorage
     return getattr(torch, torch.empty(0, dtype=dtype)._typed_storage()._pickle_storage_type())
 
 
 def tensor_pickle(shape: tuple[int, ...], dtype: Any) -> bytes:
     """``data.pkl`` of torch.save of one contiguous tensor (its storage is record ``data/0``)."""
     import io
-    import math
 
     out = io.BytesIO()
-    _Pickler(out, protocol=2).dump(_Tensor(_Storage(dtype, math.prod(shape)), shape))
+    _Pickler(out, protocol=2).dump(_Tensor(shape, dtype))
     return out.getvalue()
 
 
@@ -184,3 +199,51 @@ def write_tensor(f: BinaryIO, shape: tuple[int, ...], dtype: Any, nbytes: int, c
         archive.data(chunk)
     archive.end()
     return archive.finish()
+
+
+# --- any object, as torch.save pickles it ----------------------------------------------------------------------
+class _Records:
+    """What torch.serialization._save writes its records to (its zip writer's ``write_record``): here, an
+    :class:`ArchiveWriter`. Storages are written from their memory, no copy."""
+
+    def __init__(self, archive: ArchiveWriter):
+        self.archive = archive
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        self.archive.begin(name, nbytes)
+        if nbytes:
+            self.archive.data(data.encode() if isinstance(data, str) else data if isinstance(data, bytes) else _storage_bytes(data))
+        self.archive.end()
+
+
+def _storage_bytes(storage: Any) -> memoryview:
+    import torch
+
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+
+def archive_folder(path: str) -> str:
+    """The folder torch.save names inside the file: the file's name without its extension (``archive`` where
+    the name is not ASCII: torch then writes through a Python stream)."""
+    name = os.path.basename(path)
+    if not name.isascii():
+        return "archive"
+    stem = name[: name.rfind(".")] if "." in name else name
+    if not stem:
+        raise ValueError(f"{path}: torch.save cannot name an archive after this file name")
+    return stem
+
+
+def save(obj: Any, f: BinaryIO, folder: str) -> None:
+    """``torch.save(obj, ...)`` into the open binary file ``f``, as torch.save would write it under ``folder`` (see
+    :func:`archive_folder`): torch's own pickling (its ``_save``, the one torch.save calls) with this module's records.
+    Why: torch's zip writer spends as much CPU on its CRC-32 as on the write, and a writer that hashes its files
+    for a manifest can take their digests from these bytes as they go by (``f`` a :class:`HashedFile`)."""
+    import pickle
+
+    import torch.serialization as serialization
+
+    alignment = serialization._get_storage_alignment() if hasattr(serialization, "_get_storage_alignment") else ALIGNMENT
+    archive = ArchiveWriter(f, folder, alignment)
+    serialization._save(obj, _Records(archive), pickle, serialization.DEFAULT_PROTOCOL, False)
+    archive.finish()

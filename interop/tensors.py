@@ -166,8 +166,9 @@ _file_maps: list[tuple[int, int, int, str, int]] = []
 def _remembered(lo: int, hi: int) -> tuple[int, int, int, str, int] | None:
     import bisect
 
-    i = bisect.bisect_right(_file_maps, (lo, float("inf"))) - 1
-    return _file_maps[i] if i >= 0 and _file_maps[i][0] <= lo and hi <= _file_maps[i][1] else None
+    maps = _file_maps  # one snapshot: another thread may rebind the list meanwhile (never changes it in place)
+    i = bisect.bisect_right(maps, (lo, float("inf"))) - 1
+    return maps[i] if i >= 0 and maps[i][0] <= lo and hi <= maps[i][1] else None
 
 
 def _mapping(lo: int, hi: int) -> tuple[int, int, int, str, int] | None:
@@ -188,7 +189,8 @@ def _mapping(lo: int, hi: int) -> tuple[int, int, int, str, int] | None:
             if len(fields) == 6 and fields[5].startswith("/"):  # a path: file-backed
                 a, b = fields[0].split("-")
                 maps.append((int(a, 16), int(b, 16), int(fields[2], 16), fields[5], int(fields[4])))
-    _file_maps[:] = sorted(maps)
+    global _file_maps
+    _file_maps = sorted(maps)  # rebound, not changed in place: readers on other threads keep a whole list
     return _remembered(lo, hi)
 
 

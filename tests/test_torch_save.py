@@ -48,8 +48,9 @@ def masked(data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("t", [torch.arange(10, dtype=torch.bfloat16).reshape(2, 5), torch.randn(3, 4, 5), torch.tensor(3.5),
-                               torch.empty(0, 4), torch.arange(7), torch.ones(3, dtype=torch.bool), torch.randn(2, 2).half()],
-                         ids=["bf16", "fp32-3d", "scalar", "empty", "int64", "bool", "fp16"])
+                               torch.empty(0, 4), torch.arange(7), torch.ones(3, dtype=torch.bool), torch.randn(2, 2).half(),
+                               torch.randn(2, 3).to(torch.float8_e4m3fn), torch.tensor([[1, 2], [3, 4]], dtype=torch.uint16)],
+                         ids=["bf16", "fp32-3d", "scalar", "empty", "int64", "bool", "fp16", "float8", "uint16"])  # the last two: untyped storages
 def test_a_tensor_is_written_as_torch_save_writes_it(t):
     reference = io.BytesIO()
     torch.save(t, reference)
@@ -149,9 +150,38 @@ def test_dcp_stream_checks_mapped_bytes_against_their_digest(tmp_path):
         write_dcp({"w": source["w"]}, str(tmp_path / "dcp"))
 
 
-def test_a_part_of_the_wrong_size_is_an_error_not_a_short_record(tmp_path):
-    parts = Parts([torch.randn(5, 3), torch.randn(4, 3)])  # the second layer is short of the declared stack
-    lazy = parts.lazy()
-    lazy = dataclasses.replace(lazy, spec=TensorSpec((2, 5, 3), torch.float32))
-    with pytest.raises(CorruptCheckpointError, match=r"stacked: its parts hold 108 bytes; float32\[2, 5, 3\] is 120"):
+@pytest.mark.parametrize("layers, error", [
+    ([torch.randn(5, 3), torch.randn(4, 3)], r"layer: is float32\[4, 3\], not a part of stacked \(float32\[2, 5, 3\]\)"),
+    ([torch.randn(5, 3)], r"stacked: its parts hold 60 bytes; float32\[2, 5, 3\] is 120"),
+    ([torch.randn(5, 3), torch.randn(5, 3).double()], r"layer: is float64\[5, 3\], not a part of stacked"),
+], ids=["short-layer", "missing-layer", "other-dtype"])
+def test_parts_that_do_not_make_up_the_tensor_are_an_error_not_a_wrong_record(tmp_path, layers, error):
+    lazy = dataclasses.replace(Parts(layers).lazy(), spec=TensorSpec((2, 5, 3), torch.float32))
+    with pytest.raises(CorruptCheckpointError, match=error):
         write_dcp({"stack": lazy}, str(tmp_path / "dcp"))
+
+
+def test_any_object_is_saved_as_torch_save_saves_it_and_its_digest_is_taken_as_written(tmp_path):
+    """save_torch (every pickled engine file we write): torch's own pickling, our records. Views sharing a storage,
+    a non-contiguous view, a Parameter, numpy, a Namespace: the same file as torch.save's, but the id."""
+    import argparse
+    import collections
+
+    import numpy as np
+
+    from converters.pickle_safety import save_torch
+
+    base = torch.randn(10, 8)
+    obj = {"model": collections.OrderedDict(a=torch.randn(3, 4).bfloat16(), b=base[2:5], c=base[:, 1], d=torch.arange(5)),
+           "args": argparse.Namespace(x=1, y="s"), "np": np.arange(3.0), "rng": torch.get_rng_state(),
+           "list": [1, 2.5, None, (3, "x")], "empty": torch.empty(0), "p": torch.nn.Parameter(torch.ones(2))}
+    theirs, mine = tmp_path / "theirs" / "model_optim_rng.pt", tmp_path / "model_optim_rng.pt"
+    theirs.parent.mkdir()
+    torch.save(obj, theirs)
+    with written_digests.digesting_as_written() as taken:
+        save_torch(obj, str(mine))
+        assert taken.digest(str(mine)) == digests.of_files([str(mine)])[str(mine)]
+    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    assert zipfile.ZipFile(mine).testzip() is None
+    back = torch.load(mine, weights_only=False)
+    assert torch.equal(back["model"]["b"], base[2:5]) and back["model"]["c"].stride() == (8,) and back["args"].y == "s"
