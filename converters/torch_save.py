@@ -23,6 +23,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable
 
+from interop.tensors import Piece
+
 try:  # ISA-L: the same CRC-32 as zlib's, at several times its speed
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - a platform without its wheel: zlib's, slower
@@ -59,9 +61,16 @@ class ArchiveWriter:
         self.entries: list[_Entry] = []
 
     def _write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        if n:
-            self.f.write(data)
+        """``data``'s bytes at the end: bytes-like, or a :class:`Piece` (a file with ``write_piece`` copies a mapped
+        one file to file)."""
+        if isinstance(data, Piece):
+            n = data.data.nbytes
+            if n:
+                self.f.write_piece(data) if hasattr(self.f, "write_piece") else self.f.write(data.data)
+        else:
+            n = memoryview(data).nbytes
+            if n:
+                self.f.write(data)
         self.pos += n
         return n
 
@@ -82,9 +91,9 @@ class ArchiveWriter:
         self._start = self.pos
 
     def data(self, chunk: Any) -> None:
-        """More of the current record's bytes."""
+        """More of the current record's bytes (bytes-like, or a :class:`Piece`)."""
         entry = self.entries[-1]
-        entry.crc = crc32(chunk, entry.crc)
+        entry.crc = crc32(chunk.data if isinstance(chunk, Piece) else chunk, entry.crc)
         self._write(chunk)
 
     def end(self) -> None:

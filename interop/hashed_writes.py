@@ -6,11 +6,13 @@ so on two cores the digest costs the writer no time."""
 from __future__ import annotations
 
 import os
+import contextlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable
 
 from .errors import OutputWriteError
+from .tensors import Piece
 
 
 class Beside:
@@ -45,19 +47,43 @@ class Beside:
 
 class HashedFile:
     """The output file ``path``, open for writing as ``f``, whose written bytes are also fed, in order, to ``hasher``
-    (a :class:`digests.BlockHasher`) on the :class:`Beside` thread. The caller must not change a buffer after
-    writing it. A failed write or sync is an :class:`OutputWriteError` naming the file (and only these: a source's
-    read failing meanwhile is not reported as the output's)."""
+    (a :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`)
+    are copied file to file in the kernel. The caller must not change a buffer after writing it. Writeback starts
+    every ``writeback`` bytes, so the final fsync waits for little. A failed write or sync is an
+    :class:`OutputWriteError` naming the file (and only these: a source's read failing is not the output's)."""
 
-    def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str):
+    def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str, writeback: int = 64 << 20):
         self._f, self._beside, self._hasher, self.path = f, beside, hasher, path
+        self._sources: dict[str, int] = {}  # mapped source files copied from, open
+        self._writeback, self._dirty_from = writeback, 0
 
     def write(self, data: Any) -> int:
         try:
             n = self._f.write(data)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
+        return self._written(data, n)
+
+    def write_piece(self, piece: Piece) -> int:
+        """``piece``'s bytes: copied from its file in the kernel where it is a view of a mapped file (no copy
+        through this process), else written from memory."""
+        try:
+            n = copy_range(self._f, piece, self._sources)
+            if n is None:
+                n = self._f.write(piece.data)
+        except OSError as exc:
+            raise OutputWriteError.of(self.path, exc) from None
+        return self._written(piece.data, n)
+
+    def _written(self, data: Any, n: int) -> int:
         self._beside.submit(self._hasher.update, data, nbytes=n)
+        end = self._f.tell()
+        if end - self._dirty_from >= self._writeback:
+            try:
+                start_writeback(self._f, self._dirty_from, end - self._dirty_from)
+            except OSError as exc:
+                raise OutputWriteError.of(self.path, exc) from None
+            self._dirty_from = end
         return n
 
     def tell(self) -> int:
@@ -76,3 +102,54 @@ class HashedFile:
             os.fsync(self._f.fileno())
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
+
+    def close_sources(self) -> None:
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+
+# --- writing helpers shared with the safetensors writer ----------------------------------------------------------
+def start_writeback(f, offset: int, length: int) -> None:
+    """Start writing this range to disk now (Linux: DONTNEED on dirty pages initiates writeback), so the
+    final fsync waits for little and a large save does not pile up dirty pages until the kernel throttles."""
+    if hasattr(os, "posix_fadvise") and length:
+        f.flush()
+        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
+
+
+@contextlib.contextmanager
+def closing_fds(fds: dict[str, int]):
+    try:
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
+    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no copy
+    through this process); the bytes written, or None when the kernel refuses (another filesystem, an old kernel)."""
+    if piece.source is None or not hasattr(os, "copy_file_range"):
+        return None
+    path, offset, inode = piece.source
+    if path not in sources:
+        sources[path] = os.open(path, os.O_RDONLY)
+    if os.fstat(sources[path]).st_ino != inode:  # replaced since it was mapped: the mapping's bytes are the ones hashed
+        return None
+    f.flush()
+    start = position = f.tell()
+    remaining = piece.data.nbytes
+    try:
+        while remaining:
+            n = os.copy_file_range(sources[path], f.fileno(), remaining, offset + position - start, position)
+            if n == 0:
+                raise OSError(f"{path}: ended {remaining} bytes early")
+            position += n
+            remaining -= n
+    except OSError:
+        if position != start:
+            raise
+        return None  # nothing copied: written the ordinary way
+    f.seek(position)
+    return position - start

@@ -8,7 +8,6 @@ standard one, so transformers and safetensors read what we write.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
@@ -24,6 +23,7 @@ from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
 from .digests import read_exactly
+from .hashed_writes import closing_fds, copy_range, start_writeback
 from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -65,51 +65,6 @@ def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) ->
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the reference implementation aligns the data section to 8 bytes
     return struct.pack("<Q", len(raw)) + raw
-
-
-def _start_writeback(f, offset: int, length: int) -> None:
-    """Start writing this range to disk now (Linux: DONTNEED on dirty pages initiates writeback), so the
-    final fsync waits for little and a large save does not pile up dirty pages until the kernel throttles."""
-    if hasattr(os, "posix_fadvise") and length:
-        f.flush()
-        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
-
-
-@contextlib.contextmanager
-def _closing(fds: dict[str, int]):
-    try:
-        yield fds
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
-    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no copy
-    through this process); the bytes written, or None when the kernel refuses (another filesystem, an old kernel)."""
-    if piece.source is None or not hasattr(os, "copy_file_range"):
-        return None
-    path, offset, inode = piece.source
-    if path not in sources:
-        sources[path] = os.open(path, os.O_RDONLY)
-    if os.fstat(sources[path]).st_ino != inode:  # replaced since it was mapped: the mapping's bytes are the ones hashed
-        return None
-    f.flush()
-    start = position = f.tell()
-    remaining = piece.data.nbytes
-    try:
-        while remaining:
-            n = os.copy_file_range(sources[path], f.fileno(), remaining, offset + position - start, position)
-            if n == 0:
-                raise OSError(f"{path}: ended {remaining} bytes early")
-            position += n
-            remaining -= n
-    except OSError:
-        if position != start:
-            raise
-        return None  # nothing copied: written the ordinary way
-    f.seek(position)
-    return position - start
 
 
 def hash_pieces(data: list[memoryview]) -> bytes:
@@ -203,7 +158,7 @@ def _write_safetensors(
     tensor_digests: dict[str, str] = {}
     total = 0
     sources: dict[str, int] = {}  # mapped source files copied from, open
-    with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool, _closing(sources):
+    with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool, closing_fds(sources):
         head = header_bytes(entries, metadata)
         f.write(head)
         file_hash.update(head)
@@ -216,9 +171,9 @@ def _write_safetensors(
             pending = pool.submit(hash_pieces, data) if hashed else None
             nbytes = 0
             for piece in pieces:  # a mapped piece goes file to file; hashing reads it meanwhile
-                copied = _copy_range(f, piece, sources)
+                copied = copy_range(f, piece, sources)
                 nbytes += f.write(piece.data) if copied is None else copied
-            _start_writeback(f, total, nbytes)
+            start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()
                 file_hash.update(raw)
