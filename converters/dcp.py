@@ -7,8 +7,10 @@ DCP's metadata types, and every stored object (tensor chunk or value) through ``
 Tensors are read one region at a time: only the chunks that overlap the region are read, each copied into
 place, so a reader holds one tensor (or one slice of it), never the checkpoint.
 
-Writing goes through torch's own ``dcp.save`` (so any torch that reads DCP reads ours), with meta tensors in
-the state dict and a planner that loads each tensor only when the writer reaches it.
+Writing goes through torch's own ``dcp.save`` (its planner makes the plan and its ``finish`` writes ``.metadata``,
+so any torch that reads DCP reads ours) with meta tensors in the state dict, and a storage writer of ours that
+writes each tensor's record in torch.save's format (:mod:`converters.torch_save`) from its source as it reaches
+it: a stacked tensor layer by layer, a source's mapped bytes copied file to file, never the whole tensor in memory.
 """
 
 from __future__ import annotations

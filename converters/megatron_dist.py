@@ -49,7 +49,6 @@ from .megatron import (
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
-from .row_numbers import RowNumbers
 from .torch_zip import as_torch, is_tensor, materialize
 from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index, stored_as_is
 
@@ -353,6 +352,8 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
     (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
     from the specs; the tensors load when the writer reaches them, layer by layer (``parts``) where it streams."""
+    from .row_numbers import RowNumbers  # (numpy: imported only by a writer that plans, not by every conversion)
+
     first = rules_[0]
     specs = hf_values(first, lambda n: source[n].spec if n in source else None)
     if specs is None:
