@@ -126,11 +126,21 @@ def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written
     source = mapped_source(tmp_path, {"w": torch.randn(64, 32), "b": torch.arange(6.0)})
     state = {"stack": parts.lazy(), "w": source["w"], "nested": {"b": source["b"], "real": torch.ones(2)}, "obj": {"step": 3}}
     out = tmp_path / "dcp"
-    with written_digests.digesting_as_written() as taken:
+    copied = []
+    copy = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = copy(src, dst, count, *args)
+        copied.append(n)
+        return n
+
+    with written_digests.digesting_as_written() as taken, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "copy_file_range", counting)
         write_dcp(state, str(out))
         data_file = out / "__0_0.distcp"
         assert taken.digest(str(data_file)) == digests.of_files([str(data_file)])[str(data_file)]
     assert parts.loaded == len(layers)
+    assert sum(copied) == 64 * 32 * 4 + 6 * 4  # the mapped tensors' bytes went file to file, in the kernel
     back = {"stack": torch.zeros(4, 5, 3), "w": torch.zeros(64, 32), "nested": {"b": torch.zeros(6), "real": torch.zeros(2)}, "obj": {"step": 0}}
     load_dcp(back, str(out))
     assert torch.equal(back["stack"], torch.stack(layers))
