@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from . import digests
 from .errors import DestinationExistsError, MissingFileError, OutputWriteError
@@ -36,6 +36,21 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def fsync_paths(paths: Iterable[str], threads: int = 16) -> None:
+    """fsync many files or directories at once. Why threads: each fsync waits for a journal commit, and the
+    filesystem (ext4, xfs) joins the fsyncs that wait together into one, so hundreds of small files (a
+    ds-universal tree) become durable in a few commits instead of one each."""
+    paths = list(paths)
+    if len(paths) <= 2:
+        for p in paths:
+            fsync_path(p)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="fsync") as pool:
+        list(pool.map(fsync_path, paths))
+
+
 def durable_write(path: str, data: bytes) -> FileRecord:
     """Write a new file and fsync it; returns its size and digest for the manifest."""
     try:
@@ -50,8 +65,7 @@ def durable_write(path: str, data: bytes) -> FileRecord:
 
 def fsync_tree(top: str) -> None:
     """fsync every directory under ``top`` (and ``top``): the entries of new files are durable too."""
-    for dirpath, _, _ in os.walk(top):
-        fsync_path(dirpath)
+    fsync_paths(dirpath for dirpath, _, _ in os.walk(top))
 
 
 _TMP = re.compile(r"\.tmp(\d+)$")

@@ -48,7 +48,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead:
     durable. ``share=(rank, world)`` takes this rank's share of the bytes, so ranks digest a tree between them.
     ``subdir`` ``NATIVE_TOP`` is an engine's files at the top level: everything outside our own folders.
     ``ahead``: digests taken as the files were finished (:mod:`interop.written_digests`), used where still current."""
-    from .commit import fsync_path
+    from .commit import fsync_paths
 
     top = os.path.join(root, subdir)
     rels = sorted(os.path.relpath(os.path.join(dirpath, n), root) for dirpath, _, names in os.walk(top) for n in names)
@@ -56,8 +56,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead:
         rels = [r for r in rels if is_native_top_file(r) and r != MANIFEST]
     rank, world = share
     mine = balanced_share(rels, [os.path.getsize(os.path.join(root, r)) for r in rels], world)[rank]
-    for rel in mine:
-        fsync_path(os.path.join(root, rel))
+    fsync_paths(os.path.join(root, rel) for rel in mine)
     taken = {rel: ahead.digest(os.path.join(root, rel)) for rel in mine} if ahead is not None else {}
     hashed = digests.of_files([os.path.join(root, rel) for rel in mine if taken.get(rel) is None])
     hashed.update({os.path.join(root, rel): d for rel, d in taken.items() if d is not None})
@@ -66,8 +65,7 @@ def tree_records(root: str, subdir: str, share: tuple[int, int] = (0, 1), ahead:
         found = hashed[os.path.join(root, rel)]
         records[rel] = FileRecord(os.path.getsize(os.path.join(root, rel)), found.digest, blocks=found.blocks,
                                   block_bytes=found.block_bytes)
-    for d in {os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top}:
-        fsync_path(d)
+    fsync_paths({os.path.dirname(os.path.join(root, rel)) for rel in rels} | {top})
     return records
 
 
