@@ -597,11 +597,9 @@ def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: li
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from interop import written_digests
-    from interop.errors import OutputWriteError
     from concurrent.futures import ThreadPoolExecutor
 
-    from interop.hashed_writes import HashedFile
+    from interop.hashed_writes import hashed_output
 
     class _StreamingWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
@@ -609,25 +607,15 @@ def _streaming_writer(directory: str, lazies: dict[int, LazyTensor], written: li
             path = os.path.join(str(self.path), name)
             results = []
             items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            file_digest = digests.BlockHasher()
-            try:
-                raw = open(path, "wb")
-            except OSError as exc:
-                raise OutputWriteError.of(path, exc) from None
-            with Beside() as beside, ThreadPoolExecutor(1, thread_name_prefix="dcp-fetch") as ahead, raw:
-                f = HashedFile(raw, beside, file_digest, path)
-                try:
-                    for item in items:
-                        offset = f.tell()
-                        if item.type == WriteItemType.BYTE_IO:
-                            length = f.write(planner.resolve_data(item).getbuffer())
-                        else:
-                            length = _write_tensor_item(f, item, planner, lazies, written, beside, ahead)
-                        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
-                    f.sync()
-                finally:
-                    f.close_sources()
-            written_digests.record(path, file_digest.digest())
+            with hashed_output(path) as f, ThreadPoolExecutor(1, thread_name_prefix="dcp-fetch") as ahead:
+                for item in items:
+                    offset = f.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        length = f.write(planner.resolve_data(item).getbuffer())
+                    else:
+                        length = _write_tensor_item(f, item, planner, lazies, written, f.beside, ahead)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                f.sync()
             done = torch.futures.Future()
             done.set_result(results)
             return done

@@ -135,23 +135,14 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
 
 def save_torch(obj: Any, path: str) -> None:
     """``torch.save(obj, path)``: the same file (:func:`torch_save.save`, torch's pickling with our records), its
-    digest for the manifest taken from the bytes as they are written (:mod:`interop.written_digests`). A write
+    digest for the manifest taken from the bytes as they are written (:func:`hashed_writes.hashed_output`). A write
     failure is one error naming the file."""
-    from interop import digests, written_digests
-    from interop.errors import OutputWriteError
-    from interop.hashed_writes import Beside, HashedFile
+    from interop.hashed_writes import hashed_output
 
     from . import torch_save
 
-    hasher = digests.BlockHasher()
-    try:
-        raw = open(path, "wb")
-    except OSError as exc:
-        raise OutputWriteError.of(path, exc) from None
-    with Beside() as beside, raw:
-        f = HashedFile(raw, beside, hasher, path)
+    with hashed_output(path) as f:
         torch_save.save(obj, f, torch_save.archive_folder(path))
         f.flush()  # (as torch.save: no fsync here; the commit syncs the whole output once)
-    written_digests.record(path, hasher.digest())
 
 

@@ -5,12 +5,13 @@ so on two cores the digest costs the writer no time."""
 
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
+from . import digests, written_digests
 from .errors import OutputWriteError
 from .tensors import Piece
 
@@ -53,7 +54,7 @@ class HashedFile:
     :class:`OutputWriteError` naming the file (and only these: a source's read failing is not the output's)."""
 
     def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str, writeback: int = 64 << 20):
-        self._f, self._beside, self._hasher, self.path = f, beside, hasher, path
+        self._f, self.beside, self._hasher, self.path = f, beside, hasher, path
         self._sources: dict[str, int] = {}  # mapped source files copied from, open
         self._writeback, self._dirty_from = writeback, 0
 
@@ -68,15 +69,13 @@ class HashedFile:
         """``piece``'s bytes: copied from its file in the kernel where it is a view of a mapped file (no copy
         through this process), else written from memory."""
         try:
-            n = copy_range(self._f, piece, self._sources)
-            if n is None:
-                n = self._f.write(piece.data)
+            n = write_piece(self._f, piece, self._sources)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(piece.data, n)
 
     def _written(self, data: Any, n: int) -> int:
-        self._beside.submit(self._hasher.update, data, nbytes=n)
+        self.beside.submit(self._hasher.update, data, nbytes=n)
         end = self._f.tell()
         if end - self._dirty_from >= self._writeback:
             try:
@@ -109,7 +108,33 @@ class HashedFile:
         self._sources.clear()
 
 
+@contextlib.contextmanager
+def hashed_output(path: str) -> Iterator[HashedFile]:
+    """``path`` opened for writing as a :class:`HashedFile` with its own :class:`Beside` thread (``.beside``, for
+    the writer's own work on its bytes); once the block ends without error, its digest is recorded for the manifest
+    (:func:`written_digests.record`). The caller flushes (or syncs) before the block ends."""
+    hasher = digests.BlockHasher()
+    try:
+        raw = open(path, "wb")
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
+    with Beside() as beside, raw:
+        f = HashedFile(raw, beside, hasher, path)
+        try:
+            yield f
+        finally:
+            f.close_sources()
+    written_digests.record(path, hasher.digest())
+
+
 # --- writing helpers shared with the safetensors writer ----------------------------------------------------------
+def write_piece(f, piece: Piece, sources: dict[str, int]) -> int:
+    """``piece``'s bytes at ``f``'s position: copied from its file in the kernel where it is a view of a mapped file
+    (:func:`copy_range`), else written from memory; the bytes written."""
+    copied = copy_range(f, piece, sources)
+    return f.write(piece.data) if copied is None else copied
+
+
 def start_writeback(f, offset: int, length: int) -> None:
     """Start writing this range to disk now (Linux: DONTNEED on dirty pages initiates writeback), so the
     final fsync waits for little and a large save does not pile up dirty pages until the kernel throttles."""

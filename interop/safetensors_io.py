@@ -23,7 +23,7 @@ from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
 from .digests import read_exactly
-from .hashed_writes import closing_fds, copy_range, start_writeback
+from .hashed_writes import closing_fds, start_writeback, write_piece
 from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -171,8 +171,7 @@ def _write_safetensors(
             pending = pool.submit(hash_pieces, data) if hashed else None
             nbytes = 0
             for piece in pieces:  # a mapped piece goes file to file; hashing reads it meanwhile
-                copied = copy_range(f, piece, sources)
-                nbytes += f.write(piece.data) if copied is None else copied
+                nbytes += write_piece(f, piece, sources)
             start_writeback(f, total, nbytes)
             if pending is not None:
                 raw = pending.result()

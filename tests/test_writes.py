@@ -32,9 +32,9 @@ def test_a_row_slice_is_saved_as_its_own_bytes_without_a_copy(tmp_path):
 
 
 def test_files_are_hashed_as_they_are_finished_and_again_if_changed(tmp_path, monkeypatch):
-    """Inside digesting_as_written, a file save_torch finishes is hashed then, and tree_records takes that digest instead
-    of reading the file again; a file changed after it was hashed is hashed again, so the manifest's digest is always
-    of the bytes on disk."""
+    """Inside digesting_as_written, a file save_torch writes is hashed as it is written, and tree_records takes that
+    digest instead of reading the file again; a file changed after it was hashed is hashed again, so the manifest's
+    digest is always of the bytes on disk."""
     root = tmp_path / "out"
     root.mkdir()
     with written_digests.digesting_as_written() as ahead:

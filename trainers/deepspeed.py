@@ -64,10 +64,10 @@ def unlink_cpu_shm_names() -> None:
     unlink; no rank opens a name again once the barrier shows every rank through its initialize."""
     import torch.distributed as dist
 
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
-           f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
     if torch.cuda.is_available():  # the same answer on every rank: no rank waits in a barrier alone
         return
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
     dist.barrier()
     try:
         os.unlink(name)
