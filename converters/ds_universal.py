@@ -260,7 +260,7 @@ def write_ds_universal(
 
         def write_parameter(name: str, group_step: torch.Tensor) -> tuple[list[LazyTensor], int]:
             """One parameter's folder (DeepSpeed's layout): its fp32 weight, Adam's moments and its group's step,
-            one tensor in memory at a time."""
+            each streamed from the source into its file (a mapped source's bytes copied file to file)."""
             folder = os.path.join(zero, plain_name(name, "parameter"))
             t = ckpt.model[name]
             done, zeros = [], 0
@@ -268,9 +268,8 @@ def write_ds_universal(
                 if lazy is None:
                     value = torch.zeros(t.spec.shape, dtype=torch.float32)
                     zeros += 1
-                else:
-                    with reading:  # one tensor read at a time: a reader's caches (a TP merge's) are not shared across threads
-                        value = lazy.load().to(torch.float32)
+                else:  # read one at a time: a reader's caches (a TP merge's) are not shared across threads
+                    value = lazy.cast(torch.float32).guarded(reading)
                     done.append(lazy)
                 _save({PARAM: value, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
                 del value

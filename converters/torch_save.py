@@ -17,11 +17,12 @@ always. ``torch.load`` reads it, and so does any zip reader (the CRCs are real).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from interop.tensors import Piece
 
@@ -213,16 +214,82 @@ def write_tensor(f: BinaryIO, shape: tuple[int, ...], dtype: Any, nbytes: int, c
 # --- any object, as torch.save pickles it ----------------------------------------------------------------------
 class _Records:
     """What torch.serialization._save writes its records to (its zip writer's ``write_record``): here, an
-    :class:`ArchiveWriter`. Storages are written from their memory, no copy."""
+    :class:`ArchiveWriter`. Storages are written from their memory, no copy; a stand-in's storage (see
+    :class:`_Pickler`) from its LazyTensor's bytes as they stream."""
 
-    def __init__(self, archive: ArchiveWriter):
-        self.archive = archive
+    def __init__(self, archive: ArchiveWriter, standins: "_Standins"):
+        self.archive, self.standins = archive, standins
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         self.archive.begin(name, nbytes)
-        if nbytes:
+        lazy = self.standins.lazy_for(data) if nbytes and not isinstance(data, (str, bytes)) else None
+        if lazy is not None:
+            for chunk in self.standins.stream(lazy):
+                self.archive.data(chunk)
+        elif nbytes:
             self.archive.data(data.encode() if isinstance(data, str) else data if isinstance(data, bytes) else _storage_bytes(data))
         self.archive.end()
+
+
+class _Standins:
+    """The LazyTensor leaves of an object being saved, each pickled as a stand-in tensor of its shape and dtype, so
+    torch's own pickling names its storage and places its record exactly as for the real tensor (the file is
+    torch.save's of the loaded object); the record's bytes are then the LazyTensor's, streamed
+    (:func:`hashed_writes.tensor_bytes`: mapped source bytes copied file to file, their digests checked beside).
+
+    Why a stand-in tensor: torch's pickling reduces a tensor to a storage it keys by identity, and only a real
+    storage passes its checks. ``torch.empty`` reserves the address space and never touches it, so a stand-in of
+    any size costs no memory (fresh anonymous pages, untouched), and its storage's address names the LazyTensor
+    when its record comes to be written."""
+
+    def __init__(self, f: Any, resources: "contextlib.ExitStack"):
+        self.f, self._resources = f, resources
+        self._by_address: dict[int, tuple[Any, Any]] = {}  # storage address -> (stand-in tensor, LazyTensor)
+        self._beside = self._ahead = None
+
+    def standin(self, lazy: Any) -> Any:
+        import torch
+
+        tensor = torch.empty(lazy.spec.shape, dtype=lazy.spec.dtype)
+        if tensor.numel():
+            self._by_address[tensor.untyped_storage().data_ptr()] = (tensor, lazy)
+        else:  # nothing to stream: an empty tensor's record is empty
+            lazy.load()  # still read: a missing or mismatched source is an error, as with the loaded object
+        return tensor
+
+    def lazy_for(self, storage: Any) -> Any:
+        found = self._by_address.get(storage.data_ptr()) if hasattr(storage, "data_ptr") else None
+        return None if found is None else found[1]
+
+    def stream(self, lazy: Any) -> Iterator[Any]:
+        """The LazyTensor's bytes, its next part fetched on a thread while this one is written; checked beside the
+        writes on ``f``'s own :class:`Beside` thread where it is a :class:`HashedFile`."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from interop.hashed_writes import Beside, tensor_bytes
+
+        if self._ahead is None:
+            self._ahead = self._resources.enter_context(ThreadPoolExecutor(1, thread_name_prefix="torch-save-fetch"))
+            self._beside = getattr(self.f, "beside", None) or self._resources.enter_context(Beside())
+        yield from tensor_bytes(lazy, self._beside, self._ahead)
+
+
+def _pickle_module(standins: _Standins) -> Any:
+    """The ``pickle`` module torch.serialization._save is given: its Pickler turns a LazyTensor into its stand-in
+    tensor (``reducer_override`` comes after torch's persistent ids and before the usual reduction; the pickler's
+    memo makes a LazyTensor met twice one tensor, as the same tensor twice is one storage)."""
+    import pickle
+    import types
+
+    from interop.tensors import LazyTensor
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, LazyTensor):
+                return standins.standin(obj).__reduce_ex__(2)  # torch pickles at protocol 2
+            return NotImplemented
+
+    return types.SimpleNamespace(Pickler=Pickler)
 
 
 def _storage_bytes(storage: Any) -> memoryview:
@@ -246,13 +313,15 @@ def archive_folder(path: str) -> str:
 def save(obj: Any, f: BinaryIO, folder: str) -> None:
     """``torch.save(obj, ...)`` into the open binary file ``f``, as torch.save would write it under ``folder`` (see
     :func:`archive_folder`): torch's own pickling (its ``_save``, the one torch.save calls) with this module's records.
-    Why: torch's zip writer spends as much CPU on its CRC-32 as on the write, and a writer that hashes its files
-    for a manifest can take their digests from these bytes as they go by (``f`` a :class:`HashedFile`)."""
-    import pickle
-
+    A :class:`~interop.tensors.LazyTensor` anywhere in ``obj`` is saved as the tensor it loads to, its bytes
+    streamed into place from its source, never whole in memory. Why: torch's zip writer spends as much CPU on its
+    CRC-32 as on the write, and a writer that hashes its files for a manifest can take their digests from these
+    bytes as they go by (``f`` a :class:`HashedFile`)."""
     import torch.serialization as serialization
 
     alignment = serialization._get_storage_alignment() if hasattr(serialization, "_get_storage_alignment") else ALIGNMENT
     archive = ArchiveWriter(f, folder, alignment)
-    serialization._save(obj, _Records(archive), pickle, serialization.DEFAULT_PROTOCOL, False)
-    archive.finish()
+    with contextlib.ExitStack() as resources:
+        standins = _Standins(f, resources)
+        serialization._save(obj, _Records(archive, standins), _pickle_module(standins), serialization.DEFAULT_PROTOCOL, False)
+        archive.finish()

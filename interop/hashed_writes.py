@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Iterator
 
 from . import digests, written_digests
-from .errors import OutputWriteError
-from .tensors import Piece
+from .errors import CorruptCheckpointError, OutputWriteError
+from .tensors import LazyTensor, Piece, raw_bytes
 
 
 class Beside:
@@ -125,6 +125,59 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
         finally:
             f.close_sources()
     written_digests.record(path, hasher.digest())
+
+
+# --- a LazyTensor's bytes, streamed ---------------------------------------------------------------------------
+def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
+    """A tensor's bytes in order: its parts' one after another where it has parts; each part's (or its own) as
+    views of a mapped source where it has them, their digest checked beside the writes (the mapped pages let go
+    once checked), else the loaded tensor's (``load`` checks the digest). The next part is fetched on ``ahead``
+    (one thread) while this one is written: reading, hashing and fusing overlap the writes."""
+    parts = list(lazy.parts()) if lazy.parts is not None else [lazy]
+    for part in parts:
+        rank = len(part.spec.shape)
+        if part.spec.dtype_name != lazy.spec.dtype_name or (rank and lazy.spec.shape[len(lazy.spec.shape) - rank:] != part.spec.shape):
+            raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
+    total = sum(p.spec.nbytes for p in parts)
+    if total != lazy.spec.nbytes:
+        raise CorruptCheckpointError(lazy.origin, f"its parts hold {total} bytes; {lazy.spec.describe()} is {lazy.spec.nbytes}")
+    pending = ahead.submit(_fetch, parts[0]) if parts else None
+    for i, part in enumerate(parts):
+        fetched = pending.result()
+        pending = ahead.submit(_fetch, parts[i + 1]) if i + 1 < len(parts) else None
+        if not isinstance(fetched, list):  # a loaded tensor
+            yield raw_bytes(fetched)
+            continue
+        h = digests.hasher() if part.digest is not None else None
+        for p in fetched:
+            if h is not None:
+                beside.submit(h.update, p.data, nbytes=p.data.nbytes)
+            yield p  # a view of a mapped file: copied file to file
+        beside.submit(_checked, part, h, fetched)
+
+
+def _fetch(part: LazyTensor) -> Any:
+    """A part's mapped pieces (their digest is checked as they are written), or where it has none (or a digest
+    of another algorithm than the one hashed beside the writes) the part loaded and checked."""
+    pieces = part.mapped_pieces() if part.mapped_pieces is not None else None
+    if pieces is not None and (part.digest is None or digests.parse(part.digest, part.origin)[0] == digests.ALGO):
+        if sum(p.data.nbytes for p in pieces) != part.spec.nbytes:
+            raise CorruptCheckpointError(part.origin, f"its mapped bytes do not make up {part.spec.describe()}")
+        return pieces
+    tensor = part.load()
+    if tuple(tensor.shape) != part.spec.shape or tensor.dtype != part.spec.dtype:
+        raise CorruptCheckpointError(part.origin, f"is {tensor.dtype}{list(tensor.shape)}, expected {part.spec.describe()}")
+    return tensor
+
+
+def _checked(part: LazyTensor, h: Any, pieces: list) -> None:
+    """A mapped part's bytes, hashed as they were written, against the digest its manifest records; then its
+    mapped pages let go (out of this process's memory, still in the page cache)."""
+    if h is not None:
+        part.check_digest(digests.label(digests.ALGO, h.hexdigest()))
+    for p in pieces:
+        if p.release is not None:
+            p.release()
 
 
 # --- writing helpers shared with the safetensors writer ----------------------------------------------------------

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from . import digests
 from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize, unpack_scalar
 from .lazy_import import torch
+
+if TYPE_CHECKING:
+    import threading
 
 _dtype_name = dtype_name  # TensorSpec's field of that name hides it in __init__
 
@@ -109,6 +112,21 @@ class LazyTensor:
         if self.spec.dtype_name == dtype_name(dtype) or not self.spec.is_floating_point:
             return self
         return LazyTensor(TensorSpec(self.spec.shape, dtype), lambda: self.load().to(dtype), f"{self.origin} as {dtype_name(dtype)}")
+
+    def guarded(self, lock: "threading.Lock") -> "LazyTensor":
+        """This tensor read under ``lock`` (its loader, its mapped pieces, its parts' listing and theirs), for a
+        source whose reads share caches that are not safe across threads (a TP merge's), read by writers on several."""
+        def under(fn: Callable) -> Callable:
+            def run():
+                with lock:
+                    return fn()
+            return run
+
+        parts = None
+        if self.parts is not None:
+            listed = under(lambda: list(self.parts()))
+            parts = lambda: [p.guarded(lock) for p in listed()]  # noqa: E731
+        return replace(self, loader=under(self.loader), mapped_pieces=under(self.mapped_pieces) if self.mapped_pieces else None, parts=parts)
 
     def load(self, verify: bool = True) -> torch.Tensor:
         """The tensor, checked against its spec and (unless the caller hashes the bytes itself, ``verify=False``)

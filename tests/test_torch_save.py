@@ -195,3 +195,56 @@ def test_any_object_is_saved_as_torch_save_saves_it_and_its_digest_is_taken_as_w
     assert zipfile.ZipFile(mine).testzip() is None
     back = torch.load(mine, weights_only=False)
     assert torch.equal(back["model"]["b"], base[2:5]) and back["model"]["c"].stride() == (8,) and back["args"].y == "s"
+
+
+def test_lazy_leaves_stream_into_the_file_torch_save_writes_for_the_loaded_object(tmp_path):
+    """A LazyTensor anywhere in the object is saved as the tensor it loads to (the same file as torch.save of the
+    loaded object, storages numbered as torch numbers them): a mapped one copied file to file and its digest checked,
+    a stack written layer by layer and never built; the same LazyTensor twice is one storage, as a tensor twice is."""
+    from converters.pickle_safety import save_torch
+
+    layers = [torch.randn(5, 3) for _ in range(3)]
+    parts = Parts(layers)
+    source = mapped_source(tmp_path, {"w": torch.randn(64, 32), "b": torch.arange(6.0)})
+    real = torch.randn(4)
+    lazy_obj = {"a": real, "w": source["w"], "again": source["w"], "nested": [{"stack": parts.lazy()}, source["b"]], "step": 7,
+                "none": LazyTensor.of(torch.empty(0, 3))}
+    loaded = {"a": real, "w": source["w"].load(), "nested": [{"stack": torch.stack(layers)}, source["b"].load()], "step": 7,
+              "none": torch.empty(0, 3)}
+    loaded["again"] = loaded["w"]
+    loaded = {k: loaded[k] for k in lazy_obj}  # the same key order
+    theirs, mine = tmp_path / "theirs" / "optim.pt", tmp_path / "optim.pt"
+    theirs.parent.mkdir()
+    torch.save(loaded, theirs)
+    copied = []
+    copy = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = copy(src, dst, count, *args)
+        copied.append(n)
+        return n
+
+    with written_digests.digesting_as_written() as taken, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "copy_file_range", counting)
+        save_torch(lazy_obj, str(mine))
+        assert taken.digest(str(mine)) == digests.of_files([str(mine)])[str(mine)]
+    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    assert parts.loaded == len(layers) and sum(copied) == (64 * 32 + 6) * 4
+    assert zipfile.ZipFile(mine).testzip() is None
+    back = torch.load(mine, weights_only=True)
+    assert back["again"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+    assert torch.equal(back["nested"][0]["stack"], torch.stack(layers)) and torch.equal(back["w"], loaded["w"])
+
+
+def test_a_lazy_leaf_whose_source_changed_is_refused_naming_it(tmp_path):
+    from converters.pickle_safety import save_torch
+
+    source = mapped_source(tmp_path, {"w": torch.randn(64, 32)})
+    path = source["w"].origin.rsplit(":", 1)[0]
+    with open(path, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
+        save_torch({"w": source["w"]}, str(tmp_path / "out.pt"))
