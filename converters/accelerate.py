@@ -326,7 +326,8 @@ def _step_of(directory: str, optimizer: OptimizerState | None, trust_pickle: boo
 
 # --- writing ------------------------------------------------------------------------------------------------
 def torch_optimizer_state(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any]:
-    """``optimizer.state_dict()`` of a torch optimizer given ``order``'s groups: parameters by integer id."""
+    """``optimizer.state_dict()`` of a torch optimizer given ``order``'s groups: parameters by integer id; its
+    tensors the source's LazyTensors, which :func:`save_torch` streams into the file (never all in memory)."""
     opt = ckpt.optimizer
     ids = {n: i for i, n in enumerate(n for g in order.groups for n in g)}
     per_id: dict[int, dict[str, Any]] = {}
@@ -335,7 +336,7 @@ def torch_optimizer_state(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[s
             per_id.setdefault(ids[name], {})[key] = scalar_value(entry)
     for key, per in (opt.tensors.items() if opt else []):
         for name, t in per.items():
-            per_id.setdefault(ids[name], {})[key] = t.load()
+            per_id.setdefault(ids[name], {})[key] = t
     groups = [{**h, "params": [ids[n] for n in g]} for h, g in zip(order.hyper, order.groups)]
     return {"state": dict(sorted(per_id.items())), "param_groups": groups}
 

@@ -29,6 +29,7 @@ from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
+from interop.tensors import LazyTensor, concat, zeros
 from interop.universal import scalar_value
 
 from . import deepspeed_moe
@@ -36,6 +37,7 @@ from .deepspeed import NATIVE_KEY, NativeLayout
 from .engine_checkpoint import Written, at_once, write_engine_checkpoint
 from .param_order import EngineOrder, engine_order, regroup
 from .pickle_safety import save_torch
+from .torch_save import Leading
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,6 @@ def shapes(ckpt: LogicalCheckpoint, names: list[str]) -> OrderedDict:
 
 def _numel(ckpt: LogicalCheckpoint, name: str) -> int:
     return math.prod(ckpt.model[name].spec.shape)
-
-
-def _state_tensor(ckpt: LogicalCheckpoint, key: str | None, name: str) -> torch.Tensor | None:
-    if key is None:
-        return ckpt.model[name].load().reshape(-1).to(torch.float32)
-    t = ckpt.optimizer.tensors.get(key, {}).get(name)
-    return None if t is None else t.load().reshape(-1).to(torch.float32)
 
 
 def _group_scalars(ckpt: LogicalCheckpoint, names: list[str]) -> dict[str, torch.Tensor]:
@@ -119,43 +114,64 @@ def zero12_owners(order: EngineOrder, world: int, ep: int, data_before_expert: b
 
 
 def _zero12_partition(owners: Owners, g: int, rank: int, numel: Callable[[str], int],
-                      read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
-    """Rank ``rank``'s partition of group ``g``'s fp32 weights or one optimizer state (``read(name)``: the whole
-    tensor, flat, or None): the flat buffer of its copy's tensors in order, cut into equal rank partitions. Only
-    the tensors this partition holds are read, so a rank's file is built while another's is written, and memory
-    holds the ranks in flight, not every rank."""
+                      slice_of: Callable[[str, int, int], LazyTensor | None], origin: str) -> LazyTensor:
+    """Rank ``rank``'s partition of group ``g``'s fp32 weights or one optimizer state (``slice_of(name, lo, hi)``:
+    elements lo:hi of the tensor flattened, or None where the source has none): the flat buffer of its copy's tensors
+    in order, cut into equal rank partitions, zeros where there is no state and after the last tensor. Nothing is
+    read here: the partition streams into its file slice by slice (a mapped source's bytes copied file to file)."""
     index, count, pairs = _copy_of(owners, g, rank)
     size = zero12_partition(sum(numel(n) for n, _ in pairs), count)
-    part = torch.zeros(size, dtype=torch.float32)
     first, end = index * size, (index + 1) * size
-    offset = 0
+    parts, offset = [], 0
     for n, _ in pairs:
         lo, hi = max(offset, first), min(offset + numel(n), end)
         if lo < hi:
-            t = read(n)
-            if t is not None:
-                part[lo - first : hi - first] = t[lo - offset : hi - offset]
+            parts.append(slice_of(n, lo - offset, hi - offset) or zeros(hi - lo, "float32"))
         offset += numel(n)
         if offset >= end:
             break
-    return part
+    filled = sum(p.spec.numel for p in parts)
+    if filled < size:
+        parts.append(zeros(size - filled, "float32", "padding"))
+    return concat(parts, "float32", origin)
 
 
-class _LastRead:
-    """The tensor read last for each state key: a tensor larger than a rank's partition spans several ranks'
-    partitions, built one after another, and is read once for them, not once for each."""
+class _Flats:
+    """Slices of each parameter's fp32 weight (key None) or optimizer state, flattened, for the ranks' partitions.
+    One source LazyTensor per tensor, so its digest is checked once however many partitions slice it; read under
+    ``lock`` (a reader's caches, a TP merge's, are not shared across threads). A source that must be loaded (no
+    mapping, or a cast) is loaded once for the slices that follow one another (a tensor larger than a partition
+    spans several ranks' partitions, written one after another), not once for each."""
 
-    def __init__(self, ckpt: LogicalCheckpoint):
-        self.ckpt, self.last = ckpt, {}
+    def __init__(self, ckpt: LogicalCheckpoint, lock: threading.Lock):
+        self.ckpt, self.lock = ckpt, lock
+        self._sources: dict[tuple[str | None, str], LazyTensor | None] = {}
+        self._last: dict[str | None, tuple[str, torch.Tensor]] = {}
+        self._guard = threading.Lock()
 
-    def reader(self, key: str | None) -> Callable[[str], torch.Tensor | None]:
-        def read(name: str) -> torch.Tensor | None:
-            found = self.last.get(key)
-            if found is None or found[0] != name:
-                found = self.last[key] = (name, _state_tensor(self.ckpt, key, name))
-            return found[1]
+    def source(self, key: str | None, name: str) -> LazyTensor | None:
+        with self._guard:
+            if (key, name) not in self._sources:
+                opt = self.ckpt.optimizer
+                lazy = self.ckpt.model[name] if key is None else opt.tensors.get(key, {}).get(name) if opt is not None else None
+                self._sources[(key, name)] = None if lazy is None else lazy.cast(torch.float32).guarded(self.lock)
+            return self._sources[(key, name)]
 
-        return read
+    def slicer(self, key: str | None) -> Callable[[str, int, int], LazyTensor | None]:
+        def slice_of(name: str, lo: int, hi: int) -> LazyTensor | None:
+            source = self.source(key, name)
+            if source is None:
+                return None
+            return replace(source.flat_slice(lo, hi), loader=lambda: self._whole(key, name, source)[lo:hi])
+
+        return slice_of
+
+    def _whole(self, key: str | None, name: str, source: LazyTensor) -> torch.Tensor:
+        with self._guard:
+            last = self._last.get(key)
+            if last is None or last[0] != name:
+                self._last[key] = last = (name, source.load().reshape(-1))
+            return last[1]
 
 
 def _copy_of(owners: Owners, g: int, rank: int) -> tuple[int, int, list[tuple[str, str]]]:
@@ -179,24 +195,22 @@ def _sub_groups(ckpt, names: list[str], world: int, sub_group_size: int) -> list
     return subs
 
 
-def _zero3_buffers(ckpt, subs: list[list[str]], world: int, key: str | None) -> list[list[torch.Tensor]]:
-    out = [[] for _ in range(world)]
-    for names in subs:
-        per_rank = sum(math.ceil(_numel(ckpt, n) / world) for n in names)
-        flats = [torch.zeros(per_rank, dtype=torch.float32) for _ in range(world)]
-        offset = 0
+def _zero3_flats(ckpt, subs: list[list[str]], world: int, rank: int, slice_of: Callable[[str, int, int], LazyTensor | None],
+                 origin: str) -> list[LazyTensor]:
+    """Rank ``rank``'s flat buffer of each sub-group: its slice of every tensor (each padded to a multiple of the
+    world size), zeros in the padding and where there is no state; streamed, never built."""
+    out = []
+    for i, names in enumerate(subs):
+        parts = []
         for n in names:
             numel = _numel(ckpt, n)
             c = math.ceil(numel / world)
-            t = _state_tensor(ckpt, key, n)
-            if t is not None:
-                padded = torch.zeros(c * world, dtype=torch.float32)
-                padded[:numel] = t
-                for r in range(world):
-                    flats[r][offset : offset + c] = padded[r * c : (r + 1) * c]
-            offset += c
-        for r in range(world):
-            out[r].append(flats[r])
+            lo, hi = min(rank * c, numel), min((rank + 1) * c, numel)
+            if hi > lo:
+                parts.append(slice_of(n, lo, hi) or zeros(hi - lo, "float32"))
+            if c > hi - lo:
+                parts.append(zeros(c - (hi - lo), "float32", "padding"))
+        out.append(concat(parts, "float32", f"{origin} sub-group {i}"))
     return out
 
 
@@ -287,8 +301,6 @@ def write_native(
                 subs.append(sub)
                 group_of_sub.append(g)
         flat_ids = [[i for i, g2 in enumerate(group_of_sub) if g2 == g] for g in range(len(order.groups))]
-        fp32 = _zero3_buffers(ckpt, subs, world, None)
-        states = {k: _zero3_buffers(ckpt, subs, world, k) for k in keys}
         scalars = [_group_scalars(ckpt, sub) for sub in subs]
         param_shapes = [shapes(ckpt, sub) for sub in subs]
     else:
@@ -300,23 +312,26 @@ def write_native(
                         for g in range(len(owners))]
         subs = order.groups
 
-    module = _module(ckpt, order, dtype, placeholders=stage == 3)
+    reading = threading.Lock()
+    flats = _Flats(ckpt, reading)
+    module = _module(ckpt, order, dtype, placeholders=stage == 3, lock=reading)
     if experts:  # save_checkpoint leaves the experts out of `module` and writes each expert's own file
         module = OrderedDict((k, v) for k, v in module.items() if not deepspeed_moe.expert_of(k))
         for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
             save_torch(tensors, os.path.join(tag_dir, name))
     frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
-    reading, last = threading.Lock(), _LastRead(ckpt)
 
     def write_rank(r: int) -> None:
-        """Rank ``r``'s files, as its engine's save_checkpoint writes them."""
-        if stage == 3:  # every rank holds a slice of every tensor: all built above, each tensor read once
-            fp32_r, states_r = fp32[r], {k: states[k][r] for k in keys}
+        """Rank ``r``'s files, as its engine's save_checkpoint writes them: its flat buffers stream from the source."""
+        where = f"rank {r}'s"
+        if stage == 3:  # every rank holds a slice of every tensor
+            fp32_r = _zero3_flats(ckpt, subs, world, r, flats.slicer(None), f"{where} fp32")
+            states_r = {k: _zero3_flats(ckpt, subs, world, r, flats.slicer(k), f"{where} {k}") for k in keys}
         else:
             numel = lambda n: _numel(ckpt, n)  # noqa: E731
-            with reading:  # one rank's partitions read at a time: a reader's caches (a TP merge's) are not shared
-                fp32_r = [_zero12_partition(owners, g, r, numel, last.reader(None)) for g in range(len(owners))]
-                states_r = {k: [_zero12_partition(owners, g, r, numel, last.reader(k)) for g in range(len(owners))] for k in keys}
+            fp32_r = [_zero12_partition(owners, g, r, numel, flats.slicer(None), f"{where} fp32 group {g}") for g in range(len(owners))]
+            states_r = {k: [_zero12_partition(owners, g, r, numel, flats.slicer(k), f"{where} {k} group {g}") for g in range(len(owners))]
+                        for k in keys}
         state = {}
         for i in range(len(subs)):
             entry = {k: states_r[k][i] for k in keys if _has_state(ckpt, k, subs[i])}
@@ -341,7 +356,7 @@ def write_native(
                 "dynamic_loss_scale": False,
                 "overflow": False,
                 "base_optimizer_state": base,
-                "single_partition_of_fp32_groups": [t[: t.numel() - p] for t, p in zip(fp32_r, paddings)],
+                "single_partition_of_fp32_groups": [Leading(t, t.spec.numel - p) for t, p in zip(fp32_r, paddings)],
                 "zero_stage": ZeroStageEnum(stage),
                 "group_paddings": paddings,
                 "param_alignment_paddings": [[0] * len(pairs) for _, _, pairs in copies],
@@ -416,8 +431,9 @@ def _has_state(ckpt: LogicalCheckpoint, key: str, names: list[str]) -> bool:
     return any(n in per for n in names)
 
 
-def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, placeholders: bool) -> OrderedDict:
-    """``module`` as the engine saves it: the model in its training dtype (ZeRO-3: empty parameters)."""
+def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, placeholders: bool, lock: threading.Lock) -> OrderedDict:
+    """``module`` as the engine saves it: the model in its training dtype (ZeRO-3: empty parameters), each parameter
+    streamed into the file from the source (read under ``lock``)."""
     out = OrderedDict()
     buffers = set(order.buffers)
     for name in order.module_keys:
@@ -427,7 +443,7 @@ def _module(ckpt: LogicalCheckpoint, order: EngineOrder, dtype: torch.dtype, pla
         elif placeholders:
             out[name] = torch.empty(0, dtype=dtype)
         else:
-            out[name] = ckpt.model[source].load().to(dtype)
+            out[name] = ckpt.model[source].cast(dtype).guarded(lock)
     if not placeholders:  # a tied alias is the same tensor as its source, as in the engine's state dict
         for alias, source in order.aliases.items():
             out[alias] = out[source]

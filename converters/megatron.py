@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -31,16 +32,17 @@ from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
-from interop.tensors import LazyTensor, Piece, TensorSpec, own_storage, release_mapped_pages
+from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, zeros
 from interop.universal import scalar_entry, scalar_value
 
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
-    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, pad_rows,
-    rules, split, stack_index, stage_rules, tied_output_rule,
+    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, rules,
+    stack_index, stage_rules, tied_output_rule,
 )
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, at_once, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
+from .megatron_pieces import RankPieces
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
@@ -953,13 +955,6 @@ def hf_values(rule: Rule, get: Callable[[str], torch.Tensor | None]) -> list[tor
     return values
 
 
-def megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int, fill: torch.Tensor | None = None) -> list[torch.Tensor]:
-    full = rule.fuse(values)
-    if rule.split == VOCAB:
-        full = pad_rows(full, padded, fill)
-    return split(rule, full, tp)
-
-
 def padding_rows(padding: dict[str, torch.Tensor], rule: Rule, *tags: str) -> torch.Tensor | None:
     """The padded vocabulary rows a Megatron source had under this rule's name (or an alias), first tag first."""
     return next((padding[f"{tag}/{n}"] for tag in tags for n in (rule.megatron, *rule.aliases) if f"{tag}/{n}" in padding), None)
@@ -1058,6 +1053,8 @@ def write_megatron(
     scheduler = component_state(ckpt, SCHEDULER)
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)
     ckpt.notes.extend(rng_notes)
+    rank_pieces = RankPieces(arch, tp, padded, threading.Lock())
+
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")
 
@@ -1075,7 +1072,7 @@ def write_megatron(
 
         for p, stage in enumerate(stages):
             offset = min((r.layer for r in stage if r.layer >= 0), default=0)
-            stage_write = _write_stage(stage, model, opt, tp, padded, dtype, mixed, offset, padding)
+            stage_write = _write_stage(stage, model, opt, rank_pieces, dtype, mixed, offset, padding)
             # the stage's rank files at once: one is pickled while another's bytes go to the disk
             for d in at_once(write_rank, [(stage_write, p, t, e) for t in range(tp) for e in range(ep)], "megatron-rank"):
                 if progress:
@@ -1098,17 +1095,22 @@ def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], 
     """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
     model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps)."""
     local = dict(zip(stage.names, _local_names(stage, t)))
-    index, total = distributed_layout([(n, tuple(stage.model[t][local[n]].shape)) for n in stage.names])
-    flat = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
-    for i, (name, n_local) in enumerate(local.items()):
-        a, b = index[name]
-        master = stage.master[t][i] if stage.master[t] else stage.model[t][n_local]
-        flat["param"][a:b] = master.float().flatten()
+    index, total = distributed_layout([(n, stage.model[t][local[n]].spec.shape) for n in stage.names])
+    parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
+    at = 0
+    for (a, b), i, name in sorted((index[name], i, name) for i, name in enumerate(stage.names)):
+        if a > at:  # the alignment gap before it
+            for k in parts:
+                parts[k].append(zeros(a - at, "float32", "alignment"))
+        master = stage.master[t][i] if stage.master[t] else stage.model[t][local[name]]
+        parts["param"].append(master.cast(torch.float32).reshaped((b - a,)))
         for key in ("exp_avg", "exp_avg_sq"):
             value = stage.state[t].get(name, {}).get(key)
             if value is None:
                 raise ConversionError(f"the source has no {key} for Megatron's {name}; DistributedOptimizer needs both moments")
-            flat[key][a:b] = value.float().flatten()
+            parts[key].append(value.cast(torch.float32).reshaped((b - a,)))
+        at = b
+    flat = {k: concat(v, "float32", f"TP rank {t}'s distributed optimizer {k}") for k, v in parts.items()}
     steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
     if len(steps) > 1:
         raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
@@ -1120,7 +1122,7 @@ def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], 
 
 def _local_names(stage: _StageWrite, t: int) -> list[str]:
     """The names under which TP rank ``t``'s file holds each of the stage's parameters (global layer indices)."""
-    return [k for k, v in stage.model[t].items() if isinstance(v, torch.Tensor)]
+    return [k for k, v in stage.model[t].items() if v is not None]
 
 
 def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
@@ -1138,42 +1140,53 @@ def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
     return base
 
 
-def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, tp: int, padded: int, dtype, mixed: bool, offset: int,
+def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, pieces: RankPieces, dtype, mixed: bool, offset: int,
                  padding: dict[str, torch.Tensor]) -> _StageWrite:
+    """The stage's rank files' tensors, as LazyTensors: nothing is read here; each streams into its rank's file
+    (:mod:`.megatron_pieces`), so a stage costs the memory of the tensors in flight, not of the stage."""
+    tp = pieces.tp
     models = [OrderedDict() for _ in range(tp)]
-    masters: list[list[torch.Tensor]] = [[] for _ in range(tp)]
-    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    masters: list[list[LazyTensor]] = [[] for _ in range(tp)]
+    states: list[dict[str, dict[str, Any]]] = [{} for _ in range(tp)]
     names, no_decay = [], []
     for rule in stage:
-        values = hf_values(rule, lambda n: model[n].load() if n in model else None)
+        values = hf_values(rule, lambda n: model.get(n))
         if values is None:
             raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
         fill = padding_rows(padding, rule, "master", "model")
-        pieces = megatron_pieces(rule, [v.float() if mixed else v for v in values], tp, padded, fill)
+        weights = pieces.pieces(rule, values, dtype, fill, "model")
         name = local_name(rule.megatron, offset)
         names.append(rule.megatron)
-        no_decay.append(is_no_decay(rule.megatron, tuple(pieces[0].shape)))
+        no_decay.append(is_no_decay(rule.megatron, weights[0].spec.shape))
+        master = pieces.pieces(rule, values, torch.float32, fill, "master") if mixed else None
         for t in range(tp):
-            models[t][name] = own_storage(pieces[t].to(dtype))
-            if mixed:
-                masters[t].append(own_storage(pieces[t].float()))
+            models[t][name] = weights[t]
+            if master is not None:
+                masters[t].append(master[t])
             extra = extra_state_key(name)
             if extra is not None:
                 models[t][extra] = None
         if opt is not None:
             for skey, per in opt.tensors.items():
-                vals = hf_values(rule, lambda n: per[n].load() if n in per else None)
+                vals = hf_values(rule, lambda n: per.get(n))
                 if vals is None:
                     continue
                 fill = padding_rows(padding, rule, f"optim:{skey}")
-                for t, piece in enumerate(megatron_pieces(rule, vals, tp, padded, fill)):
-                    states[t].setdefault(rule.megatron, {})[skey] = own_storage(piece)
+                for t, piece in enumerate(pieces.pieces(rule, vals, _state_dtype(vals), fill, f"optim:{skey}")):
+                    states[t].setdefault(rule.megatron, {})[skey] = piece
             for skey, per in opt.scalars.items():
                 entry = next((per[n] for n in rule.hf if n in per), None)
                 if entry is not None:
                     for t in range(tp):
                         states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
     return _StageWrite(models, masters, states, names, no_decay)
+
+
+def _state_dtype(values: list[LazyTensor]) -> "torch.dtype":
+    """An optimizer state's dtype once fused: as torch.cat promotes its tensors'."""
+    import functools
+
+    return functools.reduce(torch.promote_types, [v.spec.dtype for v in values])
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,13 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, megatron_pieces, padding_rows, target_shape,
+    expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, merge, rules, stack_index, stored_as_is
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index, stored_as_is
 
 log = logging.getLogger(__name__)
 

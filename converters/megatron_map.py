@@ -232,7 +232,16 @@ def split(rule: Rule, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     if rule.split == COLS:
         return [p.contiguous() for p in full.chunk(tp, dim=1)]
     gate, up = full.chunk(2, dim=0)
-    return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+    return [cat([g, u]) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+
+
+def megatron_pieces(rule: Rule, values: list[torch.Tensor], tp: int, padded: int, fill: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The TP ranks' pieces of ``rule`` fused from its Hugging Face ``values``, the vocabulary padded (``fill``: the
+    padding rows a Megatron source had)."""
+    full = rule.fuse(values)
+    if rule.split == VOCAB:
+        full = pad_rows(full, padded, fill)
+    return split(rule, full, tp)
 
 
 def merge(rule: Rule, pieces: list[torch.Tensor]) -> torch.Tensor:

@@ -245,12 +245,18 @@ class _Standins:
     def __init__(self, f: Any, resources: "contextlib.ExitStack"):
         self.f, self._resources = f, resources
         self._by_address: dict[int, tuple[Any, Any]] = {}  # storage address -> (stand-in tensor, LazyTensor)
+        self._by_lazy: dict[int, tuple[Any, Any]] = {}  # id of the LazyTensor -> (stand-in tensor, LazyTensor)
         self._beside = self._ahead = None
 
     def standin(self, lazy: Any) -> Any:
+        """The stand-in tensor of ``lazy`` (one per LazyTensor: a :class:`Leading` view of it shares its storage)."""
         import torch
 
+        found = self._by_lazy.get(id(lazy))
+        if found is not None:
+            return found[0]
         tensor = torch.empty(lazy.spec.shape, dtype=lazy.spec.dtype)
+        self._by_lazy[id(lazy)] = (tensor, lazy)
         if tensor.numel():
             self._by_address[tensor.untyped_storage().data_ptr()] = (tensor, lazy)
         else:  # nothing to stream: an empty tensor's record is empty
@@ -274,6 +280,15 @@ class _Standins:
         yield from tensor_bytes(lazy, self._beside, self._ahead)
 
 
+@dataclass(frozen=True)
+class Leading:
+    """The first ``numel`` elements of a LazyTensor, flattened, saved as a view of its whole storage (the storage is
+    written whole, once, however many views name it): as DeepSpeed saves a ZeRO partition without its padding."""
+
+    lazy: Any  # a LazyTensor
+    numel: int
+
+
 def _pickle_module(standins: _Standins) -> Any:
     """The ``pickle`` module torch.serialization._save is given: its Pickler turns a LazyTensor into its stand-in
     tensor (``reducer_override`` comes after torch's persistent ids and before the usual reduction; the pickler's
@@ -287,6 +302,8 @@ def _pickle_module(standins: _Standins) -> Any:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, LazyTensor):
                 return standins.standin(obj).__reduce_ex__(2)  # torch pickles at protocol 2
+            if isinstance(obj, Leading):
+                return standins.standin(obj.lazy).reshape(-1)[: obj.numel].__reduce_ex__(2)
             return NotImplemented
 
     return types.SimpleNamespace(Pickler=Pickler)

@@ -51,12 +51,19 @@ class HashedFile:
     (a :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`)
     are copied file to file in the kernel. The caller must not change a buffer after writing it. Writeback starts
     every ``writeback`` bytes, so the final fsync waits for little. A failed write or sync is an
-    :class:`OutputWriteError` naming the file (and only these: a source's read failing is not the output's)."""
+    :class:`OutputWriteError` naming the file (and only these: a source's read failing is not the output's).
+
+    Small writes (a torch.save archive's headers, a pickle) are copied into one batch that the hasher gets when it
+    fills, or before the next large write: handing each to the thread on its own cost more than hashing it."""
+
+    SMALL = 64 << 10
 
     def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str, writeback: int = 64 << 20):
         self._f, self.beside, self._hasher, self.path = f, beside, hasher, path
         self._sources: dict[str, int] = {}  # mapped source files copied from, open
         self._writeback, self._dirty_from = writeback, 0
+        self._pos = f.tell()  # kept here: a buffered file's tell() is a system call
+        self._batch = bytearray()
 
     def write(self, data: Any) -> int:
         try:
@@ -75,20 +82,32 @@ class HashedFile:
         return self._written(piece.data, n)
 
     def _written(self, data: Any, n: int) -> int:
+        self._pos += n
+        if n < self.SMALL:
+            self._batch += data
+            if len(self._batch) >= self.SMALL:
+                self._hash_batch()
+            return n
+        self._hash_batch()
         self.beside.submit(self._hasher.update, data, nbytes=n)
-        end = self._f.tell()
-        if end - self._dirty_from >= self._writeback:
+        if self._pos - self._dirty_from >= self._writeback:
             try:
-                start_writeback(self._f, self._dirty_from, end - self._dirty_from)
+                start_writeback(self._f, self._dirty_from, self._pos - self._dirty_from)
             except OSError as exc:
                 raise OutputWriteError.of(self.path, exc) from None
-            self._dirty_from = end
+            self._dirty_from = self._pos
         return n
 
+    def _hash_batch(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, bytearray()
+            self.beside.submit(self._hasher.update, batch, nbytes=len(batch))
+
     def tell(self) -> int:
-        return self._f.tell()
+        return self._pos
 
     def flush(self) -> None:
+        self._hash_batch()
         try:
             self._f.flush()
         except OSError as exc:
@@ -122,6 +141,7 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
         f = HashedFile(raw, beside, hasher, path)
         try:
             yield f
+            f.flush()  # the last small writes to the hasher
         finally:
             f.close_sources()
     written_digests.record(path, hasher.digest())
@@ -129,14 +149,17 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
 
 # --- a LazyTensor's bytes, streamed ---------------------------------------------------------------------------
 def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
-    """A tensor's bytes in order: its parts' one after another where it has parts; each part's (or its own) as
+    """A tensor's bytes in order: its parts' one after another where it has parts (each one index of its leading
+    dimensions, or a block of its rows); each part's (or its own) as
     views of a mapped source where it has them, their digest checked beside the writes (the mapped pages let go
     once checked), else the loaded tensor's (``load`` checks the digest). The next part is fetched on ``ahead``
     (one thread) while this one is written: reading, hashing and fusing overlap the writes."""
     parts = list(lazy.parts()) if lazy.parts is not None else [lazy]
-    for part in parts:
-        rank = len(part.spec.shape)
-        if part.spec.dtype_name != lazy.spec.dtype_name or (rank and lazy.spec.shape[len(lazy.spec.shape) - rank:] != part.spec.shape):
+    whole = lazy.spec.shape
+    for part in parts:  # one index of the whole's leading dimensions (a layer, an expert of a layer), or a block of its rows
+        shape = part.spec.shape
+        fits = shape == whole[len(whole) - len(shape):] if len(shape) < len(whole) else (len(shape) == len(whole) and shape[1:] == whole[1:])
+        if part.spec.dtype_name != lazy.spec.dtype_name or not fits:
             raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
     total = sum(p.spec.nbytes for p in parts)
     if total != lazy.spec.nbytes:

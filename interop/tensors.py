@@ -100,6 +100,7 @@ class LazyTensor:
     # writer that streams bytes (torch.save's format, :mod:`converters.torch_save`) writes these one at a time
     # instead of building the whole tensor to write it.
     parts: Callable[[], Iterable["LazyTensor"]] | None = field(default=None, repr=False)
+    _checked: bool = field(default=False, init=False, repr=False, compare=False)  # check_once: its digest checked
 
     @classmethod
     def of(cls, tensor: torch.Tensor, origin: str = "memory") -> "LazyTensor":
@@ -127,6 +128,51 @@ class LazyTensor:
             listed = under(lambda: list(self.parts()))
             parts = lambda: [p.guarded(lock) for p in listed()]  # noqa: E731
         return replace(self, loader=under(self.loader), mapped_pieces=under(self.mapped_pieces) if self.mapped_pieces else None, parts=parts)
+
+    def flat_slice(self, lo: int, hi: int) -> "LazyTensor":
+        """Elements ``lo:hi`` of this tensor flattened, read only when loaded: views of its mapped bytes where it
+        has them (copied file to file), else sliced from the loaded tensor. A slice cannot be checked against a
+        digest of the whole, so where this tensor has one, the whole tensor's bytes are checked once (no copy: hashed
+        from the mapping) before any slice's are handed out."""
+        if not 0 <= lo <= hi <= self.spec.numel:
+            raise ValueError(f"{self.origin}: elements {lo}:{hi} of {self.spec.describe()}")
+        size = itemsize(self.spec.dtype_name)
+
+        def pieces() -> list[Piece] | None:
+            whole = self.mapped_pieces() if self.mapped_pieces is not None else None
+            if whole is None or not self.check_once():
+                return None
+            return sub_pieces(whole, lo * size, hi * size)
+
+        return LazyTensor(TensorSpec((hi - lo,), dtype_name=self.spec.dtype_name), lambda: self.load().reshape(-1)[lo:hi],
+                          f"{self.origin}[{lo}:{hi}]", mapped_pieces=pieces if self.mapped_pieces is not None else None)
+
+    def reshaped(self, shape: tuple[int, ...]) -> "LazyTensor":
+        """The same bytes as ``shape`` (the digest, of the bytes, still holds); its parts kept where they still are
+        parts (flattened for a 1-D shape, as they are for the same row shape), else it streams loaded whole."""
+        shape = tuple(shape)
+        if shape == self.spec.shape:
+            return self
+        if math.prod(shape) != self.spec.numel:
+            raise ValueError(f"{self.origin}: {self.spec.describe()} cannot be viewed as {list(shape)}")
+        parts = None
+        if self.parts is not None and len(shape) == 1:
+            parts = lambda: [p.reshaped((p.spec.numel,)) for p in self.parts()]  # noqa: E731
+        elif self.parts is not None and shape[1:] == self.spec.shape[1:]:
+            parts = self.parts
+        return LazyTensor(TensorSpec(shape, dtype_name=self.spec.dtype_name), lambda: self.loader().reshape(shape), self.origin,
+                          self.digest, self.mapped_pieces, parts)
+
+    def check_once(self) -> bool:
+        """This tensor's bytes checked against its digest (hashed from its mapping), once; True when they are (or it
+        records none), False when they could not be hashed without loading it (no mapping, another algorithm)."""
+        if self.digest is None or self._checked:
+            return True
+        if self.mapped_pieces is None or digests.parse(self.digest, self.origin)[0] != digests.ALGO or self.mapped_pieces() is None:
+            return False
+        self.bytes_digest()  # raises where they differ
+        self._checked = True
+        return True
 
     def load(self, verify: bool = True) -> torch.Tensor:
         """The tensor, checked against its spec and (unless the caller hashes the bytes itself, ``verify=False``)
@@ -174,6 +220,22 @@ class LazyTensor:
             from .errors import CorruptCheckpointError
 
             raise CorruptCheckpointError(self.origin, "tensor bytes differ from the digest its manifest records (corrupted or replaced)")
+
+
+def concat(parts: list[LazyTensor], dtype: str, origin: str) -> LazyTensor:
+    """``parts`` (of ``dtype``, one shape but for the first dimension) one after another along their first dimension:
+    a writer that streams (``parts``) writes them in turn, never the whole; ``load`` builds it."""
+    rest = {p.spec.shape[1:] for p in parts}
+    if any(p.spec.dtype_name != dtype or not p.spec.shape for p in parts) or len(rest) > 1:
+        raise ValueError(f"{origin}: concatenates {dtype} parts of one row shape, not {[p.spec.describe() for p in parts]}")
+    spec = TensorSpec((sum(p.spec.shape[0] for p in parts), *(rest.pop() if rest else ())), dtype_name=dtype)
+    return LazyTensor(spec, lambda: torch.cat([p.load() for p in parts]) if parts else torch.empty(spec.shape, dtype=spec.dtype), origin,
+                      parts=lambda: parts)
+
+
+def zeros(numel: int, dtype: str, origin: str = "zeros") -> LazyTensor:
+    """``numel`` zeros of ``dtype``, made only when loaded."""
+    return LazyTensor(TensorSpec((numel,), dtype_name=dtype), lambda: torch.zeros(numel, dtype=dtype_from_name(dtype)), origin)
 
 
 _MADV_DONTNEED = 4  # Linux

@@ -650,3 +650,52 @@ def test_rng_states_are_built_once_when_first_read():
             len(failing)
     with pytest.raises(AttributeError):
         failing.append(3)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["llama", "gpt2-tied"])
+def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path, kind, tp):
+    """A Megatron writer's TP pieces (converters.megatron_pieces): each equals the rule's own fuse, padding and split
+    of the loaded tensors, byte for byte as streamed; where those move whole rows (row splits, [gate; up], a GQA
+    QKV, the padded vocabulary) the piece is runs of the sources' mapped rows, copied file to file, never built; a
+    column split or GPT-2's transposed QKV is built once for every rank, and a cast is too."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from converters.megatron_arch import MegatronArch, padded_vocab
+    from converters.megatron_map import megatron_pieces, rules
+    from converters.megatron_pieces import RankPieces
+    from interop.hashed_writes import Beside, tensor_bytes
+    from interop.tensors import Piece, raw_bytes
+
+    make(MODELS[kind]()).save_pretrained(tmp_path / "hf")
+    ckpt = read_hf(str(tmp_path / "hf"))
+    arch = MegatronArch.from_hf(ckpt.config)
+    padded = padded_vocab(arch.vocab, tp)
+    streamed, built = set(), set()
+    with Beside() as beside, ThreadPoolExecutor(1) as ahead:
+        for rule in rules(arch, True):
+            if not all(n in ckpt.model for n in rule.hf):
+                continue
+            values = [ckpt.model[n] for n in rule.hf]
+            expected = megatron_pieces(rule, [v.load() for v in values], tp, padded)
+            for dtype in (torch.float32, torch.bfloat16):
+                pieces = RankPieces(arch, tp, padded, threading.Lock()).pieces(rule, values, dtype, None, "model")
+                for t, piece in enumerate(pieces):
+                    want = expected[t].to(dtype)
+                    assert piece.spec.shape == tuple(want.shape) and torch.equal(piece.load(), want), (rule.megatron, t)
+                    chunks = list(tensor_bytes(piece, beside, ahead))
+                    assert b"".join(bytes(c.data if isinstance(c, Piece) else c) for c in chunks) == bytes(raw_bytes(want))
+                    copied = [isinstance(c, Piece) and c.source is not None for c in chunks]
+                    # every byte copied from a source's file but the vocabulary's padding (zeros here)
+                    mapped = any(copied) and all(ok or not any(bytes(c)) for c, ok in zip(chunks, copied))
+                    (streamed if mapped else built).add((rule.megatron, dtype))
+    if kind == "llama":
+        layer = "decoder.layers.1"
+        for name in (f"{layer}.self_attention.linear_qkv.weight", f"{layer}.mlp.linear_fc1.weight", "embedding.word_embeddings.weight",
+                     "output_layer.weight", f"{layer}.self_attention.linear_qkv.layer_norm_weight"):
+            assert (name, torch.float32) in streamed, name
+        assert (f"{layer}.self_attention.linear_proj.weight", torch.float32) in (built if tp > 1 else streamed)  # a column split
+    else:
+        assert ("decoder.layers.0.self_attention.linear_qkv.weight", torch.float32) in built  # GPT-2's Conv1D: transposed
+    assert not any(dtype == torch.bfloat16 for _, dtype in streamed)  # a cast is built, not copied
