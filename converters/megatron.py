@@ -1053,7 +1053,7 @@ def write_megatron(
     scheduler = component_state(ckpt, SCHEDULER)
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)
     ckpt.notes.extend(rng_notes)
-    rank_pieces = RankPieces(arch, tp, padded, threading.Lock())
+    rank_pieces = RankPieces(tp, padded, threading.Lock())
 
     def write_files(out: str) -> Written:
         iteration_dir = os.path.join(out, f"iter_{step:07d}")

@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import os
+import threading
 from typing import Any, Callable
 
 from interop.lazy_import import torch
@@ -50,7 +51,8 @@ from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index, stored_as_is
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index
+from .megatron_pieces import RankPieces
 
 log = logging.getLogger(__name__)
 
@@ -337,18 +339,21 @@ def _full(rule: Rule, source: dict[str, LazyTensor], padded: int, fill_for, dtyp
     return megatron_pieces(rule, values, 1, padded, fill_for(rule))[0]
 
 
-def _layer(rule: Rule, source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None, spec: TensorSpec) -> LazyTensor:
-    """One rule's full Megatron tensor as a LazyTensor: the source's own where the rule takes one tensor as it is
-    (its mapped bytes can go straight to the output), else built when loaded."""
-    if stored_as_is(rule) and rule.hf[0] in source:
-        t = source[rule.hf[0]]
-        t = t.cast(dtype) if dtype is not None else t
-        if t.spec.shape == spec.shape and t.spec.dtype_name == spec.dtype_name:
-            return t
-    return LazyTensor(spec, lambda: _full(rule, source, padded, fill_for, dtype), origin=rule.megatron)
+def _layer(rule: Rule, source: dict[str, LazyTensor], fill_for, spec: TensorSpec, pieces: RankPieces, tag: str) -> LazyTensor:
+    """One rule's full Megatron tensor as a LazyTensor (its one TP piece, :mod:`.megatron_pieces`): the source's
+    own, or runs of the sources' rows (a fused QKV, [gate; up], the padded vocabulary), whose mapped bytes go
+    straight to the output; else built when loaded (a cast, a transpose)."""
+    values = hf_values(rule, lambda n: source.get(n))
+    if values is None:
+        raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+    out = pieces.pieces(rule, values, spec.dtype, fill_for(rule), tag)[0]
+    if out.spec != spec:
+        raise ConversionError(f"{rule.megatron}: built as {out.spec.describe()}, planned as {spec.describe()}")
+    return out
 
 
-def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, dtype: torch.dtype | None = None) -> LazyTensor | None:
+def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, tag: str,
+             dtype: torch.dtype | None = None) -> LazyTensor | None:
     """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
     (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
     from the specs; the tensors load when the writer reaches them, layer by layer (``parts``) where it streams."""
@@ -369,8 +374,10 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
         experts = len({stack_index(r.megatron)[1] for r in rules_})
         stacked = (len(rules_) // experts, experts)
 
+    pieces = RankPieces(1, padded, threading.Lock())
+
     def part(rule: Rule) -> LazyTensor:
-        return _layer(rule, source, padded, fill_for, dtype, TensorSpec(full_shape, out_dtype))
+        return _layer(rule, source, fill_for, TensorSpec(full_shape, out_dtype), pieces, tag)
 
     shape = (*stacked, *full_shape)
     if not stacked:
@@ -418,7 +425,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
 
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
-        state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), dtype)
+        state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), "model", dtype)
         if state[key] is None:
             raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
     mixed = dtype != torch.float32
@@ -426,14 +433,14 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError(f"the distributed optimizer keeps Adam's exp_avg and exp_avg_sq; the source has {sorted(opt.tensors)}")
     for skey, per in (opt.tensors.items() if opt and not flat else []):
         for key, rs in by_key.items():
-            t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"))
+            t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"), f"optim:{skey}")
             if t is not None:
                 state[f"{prefix(rs[0])}{OPTIM_PREFIX}{skey}.{key}"] = t
     if (mixed or distributed_optimizer) and opt is not None and not flat:  # the fp32 main params, from the fp32 weights
         for key, rs in by_key.items():
             name = DIST_MASTER if distributed_optimizer else MASTER
             state[f"{prefix(rs[0])}{OPTIM_PREFIX}{name}.{key}"] = _stacked(
-                rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
+                rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), "master", torch.float32)
     layers = arch.num_layers
     linears = LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2] + SHARED_LINEARS * arch.spec.shared_experts
     for module in linears:  # megatron-core's linears keep an extra

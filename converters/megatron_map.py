@@ -53,11 +53,6 @@ def _one(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0]
 
 
-def stored_as_is(rule: "Rule") -> bool:
-    """Megatron's full tensor of ``rule`` is its one HF tensor, unchanged (no fuse, no transpose, no vocabulary padding)."""
-    return rule.fuse is _one and len(rule.hf) == 1 and rule.split != VOCAB
-
-
 def _as_list(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 

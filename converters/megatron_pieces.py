@@ -20,7 +20,6 @@ from interop.dtypes import dtype_name
 from interop.lazy_import import torch
 from interop.tensors import LazyTensor, TensorSpec, concat
 
-from .megatron_arch import MegatronArch
 from .megatron_map import COLS, VOCAB, Rule, cat, megatron_pieces, split
 
 PAD = -1  # a run of the vocabulary's padding rows, not of a Hugging Face tensor
@@ -90,8 +89,8 @@ class RankPieces:
     """Makes each TP rank's piece of a rule's tensor (its model weights, its master copy, an optimizer state) as a
     LazyTensor. Sources are read under ``lock`` (a reader's caches are not shared across threads)."""
 
-    def __init__(self, arch: MegatronArch, tp: int, padded: int, lock: threading.Lock):
-        self.arch, self.tp, self.padded, self.lock = arch, tp, padded, lock
+    def __init__(self, tp: int, padded: int, lock: threading.Lock):
+        self.tp, self.padded, self.lock = tp, padded, lock
         self._built = _Built()
 
     def pieces(self, rule: Rule, values: list[LazyTensor], dtype: "torch.dtype", fill: "torch.Tensor | None",

@@ -150,20 +150,12 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
 # --- a LazyTensor's bytes, streamed ---------------------------------------------------------------------------
 def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
     """A tensor's bytes in order: its parts' one after another where it has parts (each one index of its leading
-    dimensions, or a block of its rows); each part's (or its own) as
-    views of a mapped source where it has them, their digest checked beside the writes (the mapped pages let go
-    once checked), else the loaded tensor's (``load`` checks the digest). The next part is fetched on ``ahead``
-    (one thread) while this one is written: reading, hashing and fusing overlap the writes."""
-    parts = list(lazy.parts()) if lazy.parts is not None else [lazy]
-    whole = lazy.spec.shape
-    for part in parts:  # one index of the whole's leading dimensions (a layer, an expert of a layer), or a block of its rows
-        shape = part.spec.shape
-        fits = shape == whole[len(whole) - len(shape):] if len(shape) < len(whole) else (len(shape) == len(whole) and shape[1:] == whole[1:])
-        if part.spec.dtype_name != lazy.spec.dtype_name or not fits:
-            raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
-    total = sum(p.spec.nbytes for p in parts)
-    if total != lazy.spec.nbytes:
-        raise CorruptCheckpointError(lazy.origin, f"its parts hold {total} bytes; {lazy.spec.describe()} is {lazy.spec.nbytes}")
+    dimensions, or a block of its rows; and theirs where they have parts: a layer of a stack made of runs of its
+    sources' rows); each part's (or its own) as views of a mapped source where it has them, their digest checked
+    beside the writes (the mapped pages let go once checked), else the loaded tensor's (``load`` checks the
+    digest). The next part is fetched on ``ahead`` (one thread) while this one is written: reading, hashing and
+    fusing overlap the writes."""
+    parts = _leaves(lazy)
     pending = ahead.submit(_fetch, parts[0]) if parts else None
     for i, part in enumerate(parts):
         fetched = pending.result()
@@ -177,6 +169,23 @@ def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
                 beside.submit(h.update, p.data, nbytes=p.data.nbytes)
             yield p  # a view of a mapped file: copied file to file
         beside.submit(_checked, part, h, fetched)
+
+
+def _leaves(lazy: LazyTensor) -> list[LazyTensor]:
+    """The tensor's parts, theirs in turn where they have parts, in order; each checked to be a part of its whole."""
+    if lazy.parts is None:
+        return [lazy]
+    parts = list(lazy.parts())
+    whole = lazy.spec.shape
+    for part in parts:  # one index of the whole's leading dimensions (a layer, an expert of a layer), or a block of its rows
+        shape = part.spec.shape
+        fits = shape == whole[len(whole) - len(shape):] if len(shape) < len(whole) else (len(shape) == len(whole) and shape[1:] == whole[1:])
+        if part.spec.dtype_name != lazy.spec.dtype_name or not fits:
+            raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
+    total = sum(p.spec.nbytes for p in parts)
+    if total != lazy.spec.nbytes:
+        raise CorruptCheckpointError(lazy.origin, f"its parts hold {total} bytes; {lazy.spec.describe()} is {lazy.spec.nbytes}")
+    return [leaf for part in parts for leaf in _leaves(part)]
 
 
 def _fetch(part: LazyTensor) -> Any:

@@ -680,7 +680,7 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
             values = [ckpt.model[n] for n in rule.hf]
             expected = megatron_pieces(rule, [v.load() for v in values], tp, padded)
             for dtype in (torch.float32, torch.bfloat16):
-                pieces = RankPieces(arch, tp, padded, threading.Lock()).pieces(rule, values, dtype, None, "model")
+                pieces = RankPieces(tp, padded, threading.Lock()).pieces(rule, values, dtype, None, "model")
                 for t, piece in enumerate(pieces):
                     want = expected[t].to(dtype)
                     assert piece.spec.shape == tuple(want.shape) and torch.equal(piece.load(), want), (rule.megatron, t)
@@ -699,3 +699,30 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
     else:
         assert ("decoder.layers.0.self_attention.linear_qkv.weight", torch.float32) in built  # GPT-2's Conv1D: transposed
     assert not any(dtype == torch.bfloat16 for _, dtype in streamed)  # a cast is built, not copied
+
+
+def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, monkeypatch):
+    """torch_dist's stacked QKV and fc1 (each layer q, k, v's rows interleaved; gate's then up's) and the padded
+    vocabulary are written from the Hugging Face files' rows, copied file to file, never fused in memory: every byte
+    of the model's weights (fp32, as the source's) goes through copy_file_range."""
+    from converters.megatron_dist import write_megatron_dist
+
+    make(MODELS["llama"]()).save_pretrained(tmp_path / "hf")
+    ckpt = read_hf(str(tmp_path / "hf"))
+    copied = []
+    copy = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = copy(src, dst, count, *args)
+        copied.append(n)
+        return n
+
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    write_megatron_dist(ckpt, str(tmp_path / "dist"), tp=2)
+    assert sum(copied) == sum(t.spec.nbytes for t in ckpt.model.values())  # all of it: only the padding rows are not
+    back = read_hf(str(tmp_path / "hf"))
+    from converters.megatron_dist import read_megatron_dist
+
+    again = read_megatron_dist(str(tmp_path / "dist"))
+    for name, t in back.model.items():
+        assert torch.equal(again.model[name].load(), t.load()), name
