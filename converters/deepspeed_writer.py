@@ -57,6 +57,17 @@ def _deepspeed():
     return deepspeed, LossScaler, ZeroStageEnum, fragment_address
 
 
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version, without importing it (a second and more with torch): for files that hold
+    none of DeepSpeed's classes, only its version string (a universal checkpoint's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        raise ConversionError("writing a DeepSpeed checkpoint needs deepspeed installed (pip install 'interop[deepspeed]')") from None
+
+
 def shapes(ckpt: LogicalCheckpoint, names: list[str]) -> OrderedDict:
     """``name -> torch.Size``, as DeepSpeed records ``param_shapes`` and ``frozen_param_shapes``."""
     return OrderedDict((n, torch.Size(ckpt.model[n].spec.shape)) for n in names)

@@ -43,7 +43,7 @@ from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
 from .engine_checkpoint import Written, at_once, native_dir, write_engine_checkpoint
-from .deepspeed_writer import _deepspeed, _group_scalars, model_states, shapes
+from .deepspeed_writer import _group_scalars, deepspeed_version, model_states, shapes
 from .param_order import engine_order
 from .pickle_safety import save_torch
 from .torch_zip import as_torch, dtype_name_of, is_tensor, piece_of
@@ -230,7 +230,6 @@ def write_ds_universal(
 
     A source without optimizer state (a Hugging Face model) gets AdamW's initial state, zeros at step 0, which
     is what the optimizer would start from anyway; DeepSpeed's ZeRO-3 loader needs the files to exist."""
-    deepspeed, _, _, _ = _deepspeed()
     order = engine_order(ckpt)
     opt = ckpt.optimizer
     keys = sorted(opt.tensors) if opt is not None else []
@@ -245,7 +244,7 @@ def write_ds_universal(
     ds_config = dict(ds_config or {})
     if not ds_config and ckpt.source.get("dtype") == "bfloat16":  # record the precision it was trained in
         ds_config["bf16"] = {"enabled": True}
-    version = deepspeed.__version__
+    version = deepspeed_version()  # the files hold no DeepSpeed class: it is not imported
 
     def write_files(out: str) -> Written:
         zero = os.path.join(out, tag, ZERO_DIR)
