@@ -43,6 +43,8 @@ def piece_runs(rule: Rule, shapes: list[tuple[int, ...]], tp: int, padded: int) 
         base += s[0]
     try:
         full = rule.fuse(numbers)
+        if rule.split == VOCAB and full.shape[0] > padded:
+            return None  # built instead, which refuses it (pad_rows: the vocabulary does not fit)
         if rule.split == VOCAB and full.shape[0] < padded:  # numbered past every tensor: padding rows
             full = cat([full, RowNumbers.of(np.arange(base, base + padded - full.shape[0], dtype=np.int64).reshape(-1, *rest))])
         pieces = split(rule, full, tp)
@@ -128,7 +130,10 @@ class RankPieces:
             else:
                 parts.append(LazyTensor(TensorSpec((rows, *rest), dtype), lambda rows=rows: torch.zeros((rows, *rest), dtype=dtype),
                                         "vocabulary padding"))
-        return concat(parts, dtype_name(dtype), origin)
+        piece = concat(parts, dtype_name(dtype), origin)
+        if piece.spec.shape != shape:  # a plan that disagrees with the split's shapes would write a wrong file
+            raise RuntimeError(f"{origin}: its rows make {piece.spec.describe()}, the split gives {list(shape)}")
+        return piece
 
 
 def _piece_shape(rule: Rule, shapes: list[tuple[int, ...]], tp: int, padded: int) -> tuple[int, ...]:

@@ -248,3 +248,34 @@ def test_a_lazy_leaf_whose_source_changed_is_refused_naming_it(tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
         save_torch({"w": source["w"]}, str(tmp_path / "out.pt"))
+
+
+def test_slices_and_leading_views_stream_as_torch_save_writes_the_loaded_object(tmp_path):
+    """A ZeRO partition as the writers build it: slices of sources' flattened tensors and zeros, concatenated, and a
+    view of its leading elements (torch_save.Leading, the partition without its padding) sharing its storage: the
+    file torch.save writes for the loaded tensors; the sources' mapped bytes copied; a source whose bytes changed
+    since its digest was recorded is refused before any slice of it is written."""
+    from converters.pickle_safety import save_torch
+    from interop.tensors import concat, zeros
+
+    w, b = torch.randn(8, 5), torch.randn(7)
+    source = mapped_source(tmp_path, {"w": w, "b": b})
+    partition = concat([source["w"].flat_slice(12, 40), source["b"].flat_slice(0, 7), zeros(5, "float32")], "float32", "rank 0")
+    loaded = torch.cat([w.reshape(-1)[12:40], b, torch.zeros(5)])
+    theirs, mine = tmp_path / "theirs" / "optim.pt", tmp_path / "optim.pt"
+    theirs.parent.mkdir()
+    torch.save({"flat": loaded[:35], "states": [loaded]}, theirs)
+    save_torch({"flat": torch_save.Leading(partition, 35), "states": [partition]}, str(mine))
+    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    back = torch.load(mine, weights_only=True)
+    assert torch.equal(back["states"][0], loaded) and back["flat"].untyped_storage().data_ptr() == back["states"][0].untyped_storage().data_ptr()
+
+    path, offset, _ = source["w"].mapped_pieces()[0].source
+    with open(path, "r+b") as f:  # element 30 of w changed: outside the slice written, but the whole tensor's digest fails
+        f.seek(offset + 30 * 4)
+        byte = f.read(1)
+        f.seek(offset + 30 * 4)
+        f.write(bytes([byte[0] ^ 1]))
+    again = dataclasses.replace(source["w"])  # (a LazyTensor checks its digest once: this one has not)
+    with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
+        save_torch({"flat": again.flat_slice(0, 4)}, str(tmp_path / "bad.pt"))
