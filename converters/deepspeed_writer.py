@@ -7,8 +7,9 @@ in module order within each optimizer param group (the order the optimizer was g
 comes from the model built on the meta device from its config; groups from the optimizer state, or, for a
 model without one (a Hugging Face import), the usual decay / no-decay split with torch's AdamW defaults.
 
-Writing holds the fp32 weights and each optimizer state once in memory (DeepSpeed's ranks hold the same
-together), and writes one rank's files at a time.
+Nothing is built in memory: each rank's flat fp32 partitions are slices of the source's tensors and zeros
+(LazyTensors), streamed into its files as they are written (a mapped source's bytes copied file to file), several
+ranks' files at once.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import Any, Callable
 
 from interop.lazy_import import torch
 
-from interop.dtypes import dtype_from_name
+from interop.dtypes import dtype_from_name, dtype_name
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
-from interop.tensors import LazyTensor, concat, zeros
+from interop.tensors import LazyTensor, TensorSpec, concat, zeros
 from interop.universal import scalar_value
 
 from . import deepspeed_moe
@@ -150,9 +151,10 @@ def _zero12_partition(owners: Owners, g: int, rank: int, numel: Callable[[str], 
 class _Flats:
     """Slices of each parameter's fp32 weight (key None) or optimizer state, flattened, for the ranks' partitions.
     One source LazyTensor per tensor, so its digest is checked once however many partitions slice it; read under
-    ``lock`` (a reader's caches, a TP merge's, are not shared across threads). A source that must be loaded (no
-    mapping, or a cast) is loaded once for the slices that follow one another (a tensor larger than a partition
-    spans several ranks' partitions, written one after another), not once for each."""
+    ``lock`` (a reader's caches, a TP merge's, are not shared across threads). A slice of a mapped source is its
+    bytes alone (copied file to file, or read and cast to fp32); a source with no mapping is loaded once for the
+    slices that follow one another (a tensor larger than a partition spans several ranks' partitions), not once
+    for each."""
 
     def __init__(self, ckpt: LogicalCheckpoint, lock: threading.Lock):
         self.ckpt, self.lock = ckpt, lock
@@ -165,7 +167,7 @@ class _Flats:
             if (key, name) not in self._sources:
                 opt = self.ckpt.optimizer
                 lazy = self.ckpt.model[name] if key is None else opt.tensors.get(key, {}).get(name) if opt is not None else None
-                self._sources[(key, name)] = None if lazy is None else lazy.cast(torch.float32).guarded(self.lock)
+                self._sources[(key, name)] = None if lazy is None else lazy.guarded(self.lock)
             return self._sources[(key, name)]
 
     def slicer(self, key: str | None) -> Callable[[str, int, int], LazyTensor | None]:
@@ -173,7 +175,10 @@ class _Flats:
             source = self.source(key, name)
             if source is None:
                 return None
-            return replace(source.flat_slice(lo, hi), loader=lambda: self._whole(key, name, source)[lo:hi])
+            part = source.flat_slice(lo, hi)
+            if source.mapped_pieces is None and source.parts is None:  # no bytes of its own to slice: loaded whole
+                part = replace(part, loader=lambda: self._whole(key, name, source)[lo:hi])
+            return as_float32(part)
 
         return slice_of
 
@@ -183,6 +188,13 @@ class _Flats:
             if last is None or last[0] != name:
                 self._last[key] = last = (name, source.load().reshape(-1))
             return last[1]
+
+
+def as_float32(lazy: LazyTensor) -> LazyTensor:
+    """``lazy`` as ZeRO's flat fp32 buffers hold it: cast, or (a state that is not floating) converted."""
+    if lazy.spec.is_floating_point or lazy.spec.dtype_name == "float32":
+        return lazy.cast(torch.float32)
+    return LazyTensor(TensorSpec(lazy.spec.shape, torch.float32), lambda: lazy.load().to(torch.float32), f"{lazy.origin} as float32")
 
 
 def _copy_of(owners: Owners, g: int, rank: int) -> tuple[int, int, list[tuple[str, str]]]:
@@ -225,12 +237,16 @@ def _zero3_flats(ckpt, subs: list[list[str]], world: int, rank: int, slice_of: C
     return out
 
 
-def _zero3_fragment(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    flat = t.reshape(-1)
-    c = math.ceil(flat.numel() / world)
-    padded = torch.zeros(c * world, dtype=flat.dtype)
-    padded[: flat.numel()] = flat
-    return padded[rank * c : (rank + 1) * c].clone()
+def _zero3_fragment(t: LazyTensor, world: int, rank: int, dtype: torch.dtype) -> LazyTensor:
+    """Rank ``rank``'s fragment of a frozen parameter under ZeRO-3, in ``dtype``: its slice of the flattened tensor
+    padded to a multiple of the world size, zeros after its end."""
+    numel = t.spec.numel
+    c = math.ceil(numel / world)
+    lo, hi = min(rank * c, numel), min((rank + 1) * c, numel)
+    parts = [t.flat_slice(lo, hi).cast(dtype)] if hi > lo else []
+    if c > hi - lo:
+        parts.append(zeros(c - (hi - lo), dtype_name(dtype), "padding"))
+    return concat(parts, dtype_name(dtype), f"{t.origin}, rank {rank}'s fragment")
 
 
 # --- files ---------------------------------------------------------------------------------------------------
@@ -328,9 +344,10 @@ def write_native(
     module = _module(ckpt, order, dtype, placeholders=stage == 3, lock=reading)
     if experts:  # save_checkpoint leaves the experts out of `module` and writes each expert's own file
         module = OrderedDict((k, v) for k, v in module.items() if not deepspeed_moe.expert_of(k))
-        for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].load().to(dtype)).items():
-            save_torch(tensors, os.path.join(tag_dir, name))
-    frozen = {n: ckpt.model[n].load().to(dtype) for n in order.frozen}
+        for name, tensors in deepspeed_moe.expert_state_dicts(experts, lambda n: ckpt.model[n].cast(dtype)).items():
+            save_torch(tensors, os.path.join(tag_dir, name))  # each expert streamed from the source
+    frozen = {n: ckpt.model[n].guarded(reading) for n in order.frozen}  # streamed into each rank's model states
+    frozen_whole = {n: t.cast(dtype) for n, t in frozen.items()}  # one per tensor: ranks' files that hold it share it
 
     def write_rank(r: int) -> None:
         """Rank ``r``'s files, as its engine's save_checkpoint writes them: its flat buffers stream from the source."""
@@ -382,7 +399,8 @@ def write_native(
                 ckpt, order, module, param_shapes,
                 frozen_shapes=shapes(ckpt, order.frozen) if stage >= 2 else None,
                 frozen_fragments=(
-                    OrderedDict((n, _zero3_fragment(t, world, r) if stage == 3 else t) for n, t in frozen.items()) if stage >= 2 else None
+                    OrderedDict((n, _zero3_fragment(t, world, r, dtype) if stage == 3 else frozen_whole[n]) for n, t in frozen.items())
+                    if stage >= 2 else None
                 ),
                 step=step, ds_config=ds_config, world=world, version=version,
             )

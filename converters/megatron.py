@@ -1010,7 +1010,8 @@ def write_megatron(
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
-    source's other components beside the rank folders. Holds one pipeline stage in memory at a time.
+    source's other components beside the rank folders. Each rank's tensors stream into its file from the source
+(:mod:`.megatron_pieces`): memory holds the tensors in flight, not a stage.
     ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
     beside each rank's file (for any data-parallel size: see :func:`distributed_layout`). A MoE model's experts
     split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts."""

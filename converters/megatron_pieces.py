@@ -5,8 +5,9 @@ the result over TP ranks. Where that moves whole rows of the Hugging Face tensor
 vocabulary, [gate; up], a fused QKV, a replicated tensor) a rank's piece is runs of consecutive rows of them, and
 its bytes are the sources' bytes: copied file to file from a mapped source, never built in memory. Which rows
 follows from running the rule's own fuse and split on row numbers (:class:`row_numbers.RowNumbers`), the mirror
-of :func:`megatron.row_runs` for reading, so it holds for whatever they do. Anything else (a column split, a cast
-to the training dtype) builds the whole tensor once for all TP ranks, and the pieces are cut from it.
+of :func:`megatron.row_runs` for reading, so it holds for whatever they do; a cast to the training dtype is made run
+by run, from each run's bytes alone. Anything else (a column split, a transpose) builds the whole tensor once for
+all TP ranks, and the pieces are cut from it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class _Built:
         self._built: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
 
     def get(self, key: tuple, build: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        if not self._keep:
+            return build()
         with self._lock:
             if key in self._built:
                 self._built.move_to_end(key)
@@ -93,7 +96,7 @@ class RankPieces:
 
     def __init__(self, tp: int, padded: int, lock: threading.Lock):
         self.tp, self.padded, self.lock = tp, padded, lock
-        self._built = _Built()
+        self._built = _Built(keep=4 if tp > 1 else 0)  # one rank: nothing to share
 
     def pieces(self, rule: Rule, values: list[LazyTensor], dtype: "torch.dtype", fill: "torch.Tensor | None",
                tag: str) -> list[LazyTensor]:
@@ -103,8 +106,7 @@ class RankPieces:
         shape = _piece_shape(rule, [v.spec.shape for v in values], self.tp, self.padded)
         name = f"{rule.megatron} ({tag})"
         runs = piece_runs(rule, [v.spec.shape for v in values], self.tp, self.padded)
-        same = all(v.spec.dtype == dtype for v in values)
-        if runs is not None and same and all(v.mapped_pieces is not None for v in values):
+        if runs is not None and all(_rows_of(v, dtype, shape[1:]) for v in values):
             return [self._from_runs(values, r, shape, dtype, fill, f"{name} TP rank {t}") for t, r in enumerate(runs)]
 
         def build() -> list[torch.Tensor]:
@@ -119,12 +121,12 @@ class RankPieces:
         rest = shape[1:]
         width = math.prod(rest)
         if len(runs) == 1 and runs[0][0] != PAD and runs[0][1] == 0 and values[runs[0][0]].spec.shape == shape:
-            return values[runs[0][0]]  # the whole tensor, as it is: its digest checked as its bytes are written
+            return values[runs[0][0]].cast(dtype)  # the whole tensor: as it is, its digest checked as its bytes are written
         pad_shape = (self.padded - sum(v.spec.shape[0] for v in values), *rest)
         parts = []
         for value, first, rows in runs:
-            if value != PAD:
-                parts.append(values[value].flat_slice(first * width, (first + rows) * width).reshaped((rows, *rest)))
+            if value != PAD:  # its rows' bytes alone: copied file to file, or read and cast
+                parts.append(values[value].flat_slice(first * width, (first + rows) * width).reshaped((rows, *rest)).cast(dtype))
             elif fill is not None and tuple(fill.shape) == pad_shape:  # the rows a Megatron source had there
                 parts.append(LazyTensor.of(fill[first : first + rows].to(dtype), "vocabulary padding"))
             else:
@@ -134,6 +136,17 @@ class RankPieces:
         if piece.spec.shape != shape:  # a plan that disagrees with the split's shapes would write a wrong file
             raise RuntimeError(f"{origin}: its rows make {piece.spec.describe()}, the split gives {list(shape)}")
         return piece
+
+
+def _rows_of(value: LazyTensor, dtype: "torch.dtype", rest: tuple[int, ...]) -> bool:
+    """Whether a piece's runs can be cut from ``value``'s mapped bytes: rows of the piece's width, checkable from the
+    mapping once (no digest, or one of the algorithm hashed here: else each run would load and hash it whole), and
+    of ``dtype`` or castable to it run by run. A tensor of another width (a corrupt source) is built, and refused."""
+    from interop import digests
+
+    checkable = value.digest is None or digests.parse(value.digest, value.origin)[0] == digests.ALGO
+    castable = value.spec.dtype == dtype or (value.spec.is_floating_point and dtype.is_floating_point)
+    return value.mapped_pieces is not None and checkable and castable and value.spec.shape[1:] == rest
 
 
 def _piece_shape(rule: Rule, shapes: list[tuple[int, ...]], tp: int, padded: int) -> tuple[int, ...]:

@@ -177,9 +177,10 @@ def _leaves(lazy: LazyTensor) -> list[LazyTensor]:
         return [lazy]
     parts = list(lazy.parts())
     whole = lazy.spec.shape
-    for part in parts:  # one index of the whole's leading dimensions (a layer, an expert of a layer), or a block of its rows
-        shape = part.spec.shape
-        fits = shape == whole[len(whole) - len(shape):] if len(shape) < len(whole) else (len(shape) == len(whole) and shape[1:] == whole[1:])
+    for part in parts:  # one index of the whole's leading dimensions (a layer, an expert of a layer), a block of its rows,
+        shape = part.spec.shape  # or a run of its elements (1-D)
+        fits = (shape == whole[len(whole) - len(shape):] if len(shape) < len(whole) else (len(shape) == len(whole) and shape[1:] == whole[1:])
+                ) or len(shape) == 1
         if part.spec.dtype_name != lazy.spec.dtype_name or not fits:
             raise CorruptCheckpointError(part.origin, f"is {part.spec.describe()}, not a part of {lazy.origin} ({lazy.spec.describe()})")
     total = sum(p.spec.nbytes for p in parts)

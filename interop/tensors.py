@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 from . import digests
 from .dtypes import dtype_from_name, dtype_name, is_floating, itemsize, unpack_scalar
 from .lazy_import import torch
 
-if TYPE_CHECKING:
-    import threading
-
 _dtype_name = dtype_name  # TensorSpec's field of that name hides it in __init__
+_CHECKING = [threading.Lock() for _ in range(64)]  # LazyTensor.check_once: a lock per tensor, without one in each
 
 
 @dataclass(frozen=True, init=False)
@@ -125,8 +124,12 @@ class LazyTensor:
 
         parts = None
         if self.parts is not None:
-            listed = under(lambda: list(self.parts()))
-            parts = lambda: [p.guarded(lock) for p in listed()]  # noqa: E731
+            listed, made = under(lambda: list(self.parts())), []
+
+            def parts() -> list[LazyTensor]:  # made once: a part's digest is then checked once (check_once)
+                if not made:
+                    made.append([p.guarded(lock) for p in listed()])
+                return made[0]
         return replace(self, loader=under(self.loader), mapped_pieces=under(self.mapped_pieces) if self.mapped_pieces else None, parts=parts)
 
     def flat_slice(self, lo: int, hi: int) -> "LazyTensor":
@@ -136,6 +139,8 @@ class LazyTensor:
         from the mapping) before any slice's are handed out."""
         if not 0 <= lo <= hi <= self.spec.numel:
             raise ValueError(f"{self.origin}: elements {lo}:{hi} of {self.spec.describe()}")
+        if self.mapped_pieces is None and self.parts is not None:  # the slices of its parts (each checked as a part is)
+            return self._slice_of_parts(lo, hi)
         size = itemsize(self.spec.dtype_name)
 
         def pieces() -> list[Piece] | None:
@@ -144,8 +149,32 @@ class LazyTensor:
                 return None
             return sub_pieces(whole, lo * size, hi * size)
 
-        return LazyTensor(TensorSpec((hi - lo,), dtype_name=self.spec.dtype_name), lambda: self.load().reshape(-1)[lo:hi],
-                          f"{self.origin}[{lo}:{hi}]", mapped_pieces=pieces if self.mapped_pieces is not None else None)
+        def load() -> torch.Tensor:
+            """The slice's bytes alone, copied out of the checked mapping; else the whole tensor loaded and sliced."""
+            viewed = pieces() if self.mapped_pieces is not None else None
+            if viewed is None:
+                return self.load().reshape(-1)[lo:hi]
+            flat, out = unfilled_bytes((hi - lo) * size)
+            at = 0
+            for p in viewed:
+                data = p.data if p.data.format == "B" and p.data.ndim == 1 else p.data.cast("B")
+                out[at : at + len(data)] = data
+                at += len(data)
+            return flat.view(self.spec.dtype)
+
+        return LazyTensor(TensorSpec((hi - lo,), dtype_name=self.spec.dtype_name), load, f"{self.origin}[{lo}:{hi}]",
+                          mapped_pieces=pieces if self.mapped_pieces is not None else None)
+
+    def _slice_of_parts(self, lo: int, hi: int) -> "LazyTensor":
+        """Elements ``lo:hi`` of a tensor that is its parts one after another (a fused stack of stored tensors)."""
+        pieces, at = [], 0
+        for part in self.parts():
+            n = part.spec.numel
+            a, b = max(lo - at, 0), min(hi - at, n)
+            if a < b:
+                pieces.append(part.flat_slice(a, b))
+            at += n
+        return concat(pieces, self.spec.dtype_name, f"{self.origin}[{lo}:{hi}]")
 
     def reshaped(self, shape: tuple[int, ...]) -> "LazyTensor":
         """The same bytes as ``shape`` (the digest, of the bytes, still holds); its parts kept where they still are
@@ -168,10 +197,14 @@ class LazyTensor:
         records none), False when they could not be hashed without loading it (no mapping, another algorithm)."""
         if self.digest is None or self._checked:
             return True
-        if self.mapped_pieces is None or digests.parse(self.digest, self.origin)[0] != digests.ALGO or self.mapped_pieces() is None:
+        if self.mapped_pieces is None or digests.parse(self.digest, self.origin)[0] != digests.ALGO:
             return False
-        self.bytes_digest()  # raises where they differ
-        self._checked = True
+        with _CHECKING[id(self) % len(_CHECKING)]:  # sliced on several threads at once: hashed once, the others wait
+            if not self._checked:
+                if self.mapped_pieces() is None:
+                    return False
+                self.bytes_digest()  # raises where they differ
+                self._checked = True
         return True
 
     def load(self, verify: bool = True) -> torch.Tensor:

@@ -657,8 +657,8 @@ def test_rng_states_are_built_once_when_first_read():
 def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path, kind, tp):
     """A Megatron writer's TP pieces (converters.megatron_pieces): each equals the rule's own fuse, padding and split
     of the loaded tensors, byte for byte as streamed; where those move whole rows (row splits, [gate; up], a GQA
-    QKV, the padded vocabulary) the piece is runs of the sources' mapped rows, copied file to file, never built; a
-    column split or GPT-2's transposed QKV is built once for every rank, and a cast is too."""
+    QKV, the padded vocabulary) the piece is runs of the sources' mapped rows, copied file to file, never built (a
+    cast: each run's rows read and cast); a column split or GPT-2's transposed QKV is built once for every rank."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -672,7 +672,7 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
     ckpt = read_hf(str(tmp_path / "hf"))
     arch = MegatronArch.from_hf(ckpt.config)
     padded = padded_vocab(arch.vocab, tp)
-    streamed, built = set(), set()
+    streamed, built, cut = set(), set(), set()
     with Beside() as beside, ThreadPoolExecutor(1) as ahead:
         for rule in rules(arch, True):
             if not all(n in ckpt.model for n in rule.hf):
@@ -690,6 +690,8 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
                     # every byte copied from a source's file but the vocabulary's padding (zeros here)
                     mapped = any(copied) and all(ok or not any(bytes(c)) for c, ok in zip(chunks, copied))
                     (streamed if mapped else built).add((rule.megatron, dtype))
+                    if piece.parts is not None:
+                        cut.add((rule.megatron, dtype))  # made run by run, not built whole
     if kind == "llama":
         layer = "decoder.layers.1"
         for name in (f"{layer}.self_attention.linear_qkv.weight", f"{layer}.mlp.linear_fc1.weight", "embedding.word_embeddings.weight",
@@ -698,7 +700,10 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
         assert (f"{layer}.self_attention.linear_proj.weight", torch.float32) in (built if tp > 1 else streamed)  # a column split
     else:
         assert ("decoder.layers.0.self_attention.linear_qkv.weight", torch.float32) in built  # GPT-2's Conv1D: transposed
-    assert not any(dtype == torch.bfloat16 for _, dtype in streamed)  # a cast is built, not copied
+    assert not any(dtype == torch.bfloat16 for _, dtype in streamed)  # a cast is read and cast, not copied ...
+    if kind == "llama":  # ... run by run, each run's bytes alone, never the whole fused tensor
+        assert (f"{layer}.self_attention.linear_qkv.weight", torch.bfloat16) in cut
+        assert (f"{layer}.mlp.linear_fc1.weight", torch.bfloat16) in cut
 
 
 def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, monkeypatch):

@@ -253,3 +253,42 @@ def test_experts_stored_as_one_renamed_tensor_are_counted(tmp_path, capsys):
     assert code == 0, err
     code, out, err = run_cli(capsys, "diff", tmp_path / "hf", tmp_path / "uni")
     assert code == 0 and " 0 different" in out, out + err
+
+
+def test_an_experts_stack_fused_for_an_engine_streams_from_each_stored_expert(tmp_path):
+    """The other way: a module tensor that is its stored experts one after another (Mixtral's gate_up_proj, each
+    expert's gate then up) is offered as those tensors in turn (``parts``), so a writer streams each expert's mapped
+    bytes into an engine's file and a ZeRO partition slices through them: the bytes of the fused tensor, every one
+    copied file to file, and each stored expert's digest checked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from interop.errors import CorruptCheckpointError
+    from interop.hashed_writes import Beside, tensor_bytes
+    from interop.tensors import Piece, raw_bytes
+
+    _, hf = architectures.saved(tmp_path, "mixtral")
+    uni = tmp_path / "universal"
+    main(["convert", str(hf), str(uni), "--to", "universal"])  # a universal checkpoint: each stored expert's digest recorded
+    module = in_module_names(registry.read(str(uni))[1])
+    fused = {n: t for n, t in module.model.items() if n.startswith(LAYER.replace("experts", "")) and t.parts is not None}
+    assert f"{LAYER}.gate_up_proj" in fused and f"{LAYER}.down_proj" in fused
+    with Beside() as beside, ThreadPoolExecutor(1) as ahead:
+        for name, t in fused.items():
+            whole = t.load()
+            chunks = list(tensor_bytes(t, beside, ahead))
+            assert all(isinstance(c, Piece) and c.source is not None for c in chunks), name
+            assert b"".join(bytes(c.data) for c in chunks) == bytes(raw_bytes(whole)), name
+            n = t.spec.numel
+            cut = t.flat_slice(n // 3, n - 5)  # across experts, as a ZeRO rank's partition cuts it
+            assert torch.equal(cut.load(), whole.reshape(-1)[n // 3 : n - 5]), name
+            assert all(isinstance(c, Piece) and c.source is not None for c in tensor_bytes(cut, beside, ahead)), name
+    stored = next(iter(fused.values())).parts()[0]
+    path, offset, _ = stored.mapped_pieces()[0].source
+    with open(path, "r+b") as f:  # one expert's byte changed: its digest, not the fused tensor's, refuses it
+        f.seek(offset + 3)
+        byte = f.read(1)
+        f.seek(offset + 3)
+        f.write(bytes([byte[0] ^ 1]))
+    again = in_module_names(registry.read(str(uni))[1]).model[next(iter(fused))]
+    with pytest.raises(CorruptCheckpointError, match="differ from the digest"), Beside() as beside, ThreadPoolExecutor(1) as ahead:
+        list(tensor_bytes(again, beside, ahead))

@@ -133,6 +133,18 @@ def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any, expecte
             for v in fused.views:
                 out.as_strided(v.shape, v.stride, v.offset).copy_(parts[v.stored].load())
             return out
+
+        tiled = sorted(fused.views, key=lambda v: v.offset)
+        at = 0
+        for v in tiled:  # one run each, one after another: the module tensor's bytes are the stored tensors' in turn
+            if not v.contiguous or v.offset != at:
+                break
+            at += v.numel
+        else:
+            if shape is not None and at == math.prod(shape):
+                runs = [parts[v.stored].reshaped((v.numel,)) for v in tiled]
+                return LazyTensor(TensorSpec(shape, first.spec.dtype), load, f"{fused.target} (fused from {fused.names[0]}...)",
+                                  parts=lambda: runs)
     else:
         patterns = fused.converter.source_patterns
         empty = {p: [torch.empty(parts[n].spec.shape, dtype=parts[n].spec.dtype, device="meta") for n in group]
