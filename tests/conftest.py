@@ -95,6 +95,21 @@ def by_blocks(checkpoint, block_bytes: int) -> list[str]:
 
 
 @pytest.fixture
+def copied(monkeypatch) -> list[int]:
+    """The bytes of each ``os.copy_file_range`` call in the test: what writers copied file to file in the kernel."""
+    counts: list[int] = []
+    copy = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = copy(src, dst, count, *args)
+        counts.append(n)
+        return n
+
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    return counts
+
+
+@pytest.fixture
 def tiny_llama():
     from trainers.base import tiny_config
 

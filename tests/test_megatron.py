@@ -706,7 +706,7 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
         assert (f"{layer}.mlp.linear_fc1.weight", torch.bfloat16) in cut
 
 
-def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, monkeypatch):
+def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, copied):
     """torch_dist's stacked QKV and fc1 (each layer q, k, v's rows interleaved; gate's then up's) and the padded
     vocabulary are written from the Hugging Face files' rows, copied file to file, never fused in memory: every byte
     of the model's weights (fp32, as the source's) goes through copy_file_range."""
@@ -714,15 +714,6 @@ def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, monkeyp
 
     make(MODELS["llama"]()).save_pretrained(tmp_path / "hf")
     ckpt = read_hf(str(tmp_path / "hf"))
-    copied = []
-    copy = os.copy_file_range
-
-    def counting(src, dst, count, *args):
-        n = copy(src, dst, count, *args)
-        copied.append(n)
-        return n
-
-    monkeypatch.setattr(os, "copy_file_range", counting)
     write_megatron_dist(ckpt, str(tmp_path / "dist"), tp=2)
     assert sum(copied) == sum(t.spec.nbytes for t in ckpt.model.values())  # all of it: only the padding rows are not
     back = read_hf(str(tmp_path / "hf"))

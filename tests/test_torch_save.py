@@ -47,6 +47,31 @@ def masked(data: bytes) -> bytes:
     return bytes(out)
 
 
+def flip_byte(path, at: int) -> None:
+    """One bit of the byte at ``at`` (from the end where negative) changed, after its digest was recorded."""
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END if at < 0 else os.SEEK_SET)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def saved_as_torch_saves(tmp_path, name: str, ours_obj, loaded):
+    """``ours_obj`` written by save_torch beside torch.save of ``loaded`` (the same, loaded): every byte but the id
+    the same, real CRCs, and the digest taken as written the file's. The path of ours."""
+    from converters.pickle_safety import save_torch
+
+    theirs, mine = tmp_path / "theirs" / name, tmp_path / name
+    theirs.parent.mkdir(exist_ok=True)
+    torch.save(loaded, theirs)
+    with written_digests.digesting_as_written() as taken:
+        save_torch(ours_obj, str(mine))
+        assert taken.digest(str(mine)) == digests.of_files([str(mine)])[str(mine)]
+    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    assert zipfile.ZipFile(mine).testzip() is None
+    return mine
+
+
 @pytest.mark.parametrize("t", [torch.arange(10, dtype=torch.bfloat16).reshape(2, 5), torch.randn(3, 4, 5), torch.tensor(3.5),
                                torch.empty(0, 4), torch.arange(7), torch.ones(3, dtype=torch.bool), torch.randn(2, 2).half(),
                                torch.randn(2, 3).to(torch.float8_e4m3fn), torch.tensor([[1, 2], [3, 4]], dtype=torch.uint16)],
@@ -120,22 +145,13 @@ def mapped_source(tmp_path, tensors: dict[str, torch.Tensor]) -> dict[str, LazyT
     return {k: dataclasses.replace(st.lazy(k), digest=digests.of_bytes(raw_bytes(t))) for k, t in tensors.items()}
 
 
-def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written(tmp_path):
+def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written(tmp_path, copied):
     layers = [torch.randn(5, 3) for _ in range(4)]
     parts = Parts(layers)
     source = mapped_source(tmp_path, {"w": torch.randn(64, 32), "b": torch.arange(6.0)})
     state = {"stack": parts.lazy(), "w": source["w"], "nested": {"b": source["b"], "real": torch.ones(2)}, "obj": {"step": 3}}
     out = tmp_path / "dcp"
-    copied = []
-    copy = os.copy_file_range
-
-    def counting(src, dst, count, *args):
-        n = copy(src, dst, count, *args)
-        copied.append(n)
-        return n
-
-    with written_digests.digesting_as_written() as taken, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "copy_file_range", counting)
+    with written_digests.digesting_as_written() as taken:
         write_dcp(state, str(out))
         data_file = out / "__0_0.distcp"
         assert taken.digest(str(data_file)) == digests.of_files([str(data_file)])[str(data_file)]
@@ -151,11 +167,7 @@ def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written
 def test_dcp_stream_checks_mapped_bytes_against_their_digest(tmp_path):
     source = mapped_source(tmp_path, {"w": torch.randn(64, 32)})
     path = source["w"].origin.rsplit(":", 1)[0]
-    with open(path, "r+b") as f:  # one byte of the tensor changed after its digest was recorded
-        f.seek(-5, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(path, -5)  # a byte of the tensor
     with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
         write_dcp({"w": source["w"]}, str(tmp_path / "dcp"))
 
@@ -179,29 +191,20 @@ def test_any_object_is_saved_as_torch_save_saves_it_and_its_digest_is_taken_as_w
 
     import numpy as np
 
-    from converters.pickle_safety import save_torch
 
     base = torch.randn(10, 8)
     obj = {"model": collections.OrderedDict(a=torch.randn(3, 4).bfloat16(), b=base[2:5], c=base[:, 1], d=torch.arange(5)),
            "args": argparse.Namespace(x=1, y="s"), "np": np.arange(3.0), "rng": torch.get_rng_state(),
            "list": [1, 2.5, None, (3, "x")], "empty": torch.empty(0), "p": torch.nn.Parameter(torch.ones(2))}
-    theirs, mine = tmp_path / "theirs" / "model_optim_rng.pt", tmp_path / "model_optim_rng.pt"
-    theirs.parent.mkdir()
-    torch.save(obj, theirs)
-    with written_digests.digesting_as_written() as taken:
-        save_torch(obj, str(mine))
-        assert taken.digest(str(mine)) == digests.of_files([str(mine)])[str(mine)]
-    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
-    assert zipfile.ZipFile(mine).testzip() is None
+    mine = saved_as_torch_saves(tmp_path, "model_optim_rng.pt", obj, obj)
     back = torch.load(mine, weights_only=False)
     assert torch.equal(back["model"]["b"], base[2:5]) and back["model"]["c"].stride() == (8,) and back["args"].y == "s"
 
 
-def test_lazy_leaves_stream_into_the_file_torch_save_writes_for_the_loaded_object(tmp_path):
+def test_lazy_leaves_stream_into_the_file_torch_save_writes_for_the_loaded_object(tmp_path, copied):
     """A LazyTensor anywhere in the object is saved as the tensor it loads to (the same file as torch.save of the
     loaded object, storages numbered as torch numbers them): a mapped one copied file to file and its digest checked,
     a stack written layer by layer and never built; the same LazyTensor twice is one storage, as a tensor twice is."""
-    from converters.pickle_safety import save_torch
 
     layers = [torch.randn(5, 3) for _ in range(3)]
     parts = Parts(layers)
@@ -213,24 +216,8 @@ def test_lazy_leaves_stream_into_the_file_torch_save_writes_for_the_loaded_objec
               "none": torch.empty(0, 3)}
     loaded["again"] = loaded["w"]
     loaded = {k: loaded[k] for k in lazy_obj}  # the same key order
-    theirs, mine = tmp_path / "theirs" / "optim.pt", tmp_path / "optim.pt"
-    theirs.parent.mkdir()
-    torch.save(loaded, theirs)
-    copied = []
-    copy = os.copy_file_range
-
-    def counting(src, dst, count, *args):
-        n = copy(src, dst, count, *args)
-        copied.append(n)
-        return n
-
-    with written_digests.digesting_as_written() as taken, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "copy_file_range", counting)
-        save_torch(lazy_obj, str(mine))
-        assert taken.digest(str(mine)) == digests.of_files([str(mine)])[str(mine)]
-    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    mine = saved_as_torch_saves(tmp_path, "optim.pt", lazy_obj, loaded)
     assert parts.loaded == len(layers) and sum(copied) == (64 * 32 + 6) * 4
-    assert zipfile.ZipFile(mine).testzip() is None
     back = torch.load(mine, weights_only=True)
     assert back["again"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
     assert torch.equal(back["nested"][0]["stack"], torch.stack(layers)) and torch.equal(back["w"], loaded["w"])
@@ -241,11 +228,7 @@ def test_a_lazy_leaf_whose_source_changed_is_refused_naming_it(tmp_path):
 
     source = mapped_source(tmp_path, {"w": torch.randn(64, 32)})
     path = source["w"].origin.rsplit(":", 1)[0]
-    with open(path, "r+b") as f:
-        f.seek(-5, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(path, -5)
     with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
         save_torch({"w": source["w"]}, str(tmp_path / "out.pt"))
 
@@ -262,20 +245,13 @@ def test_slices_and_leading_views_stream_as_torch_save_writes_the_loaded_object(
     source = mapped_source(tmp_path, {"w": w, "b": b})
     partition = concat([source["w"].flat_slice(12, 40), source["b"].flat_slice(0, 7), zeros(5, "float32")], "float32", "rank 0")
     loaded = torch.cat([w.reshape(-1)[12:40], b, torch.zeros(5)])
-    theirs, mine = tmp_path / "theirs" / "optim.pt", tmp_path / "optim.pt"
-    theirs.parent.mkdir()
-    torch.save({"flat": loaded[:35], "states": [loaded]}, theirs)
-    save_torch({"flat": torch_save.Leading(partition, 35), "states": [partition]}, str(mine))
-    assert masked(mine.read_bytes()) == masked(theirs.read_bytes())
+    mine = saved_as_torch_saves(tmp_path, "optim.pt", {"flat": torch_save.Leading(partition, 35), "states": [partition]},
+                                {"flat": loaded[:35], "states": [loaded]})
     back = torch.load(mine, weights_only=True)
     assert torch.equal(back["states"][0], loaded) and back["flat"].untyped_storage().data_ptr() == back["states"][0].untyped_storage().data_ptr()
 
     path, offset, _ = source["w"].mapped_pieces()[0].source
-    with open(path, "r+b") as f:  # element 30 of w changed: outside the slice written, but the whole tensor's digest fails
-        f.seek(offset + 30 * 4)
-        byte = f.read(1)
-        f.seek(offset + 30 * 4)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(path, offset + 30 * 4)  # element 30 of w: outside the slice written, but the whole tensor's digest fails
     again = dataclasses.replace(source["w"])  # (a LazyTensor checks its digest once: this one has not)
     with pytest.raises(CorruptCheckpointError, match="source.safetensors:w.*differ from the digest"):
         save_torch({"flat": again.flat_slice(0, 4)}, str(tmp_path / "bad.pt"))
