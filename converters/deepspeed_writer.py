@@ -192,7 +192,7 @@ class _Flats:
 
 def as_float32(lazy: LazyTensor) -> LazyTensor:
     """``lazy`` as ZeRO's flat fp32 buffers hold it: cast, or (a state that is not floating) converted."""
-    if lazy.spec.is_floating_point or lazy.spec.dtype_name == "float32":
+    if lazy.spec.is_floating_point:
         return lazy.cast(torch.float32)
     return LazyTensor(TensorSpec(lazy.spec.shape, torch.float32), lambda: lazy.load().to(torch.float32), f"{lazy.origin} as float32")
 
@@ -222,30 +222,25 @@ def _zero3_flats(ckpt, subs: list[list[str]], world: int, rank: int, slice_of: C
                  origin: str) -> list[LazyTensor]:
     """Rank ``rank``'s flat buffer of each sub-group: its slice of every tensor (each padded to a multiple of the
     world size), zeros in the padding and where there is no state; streamed, never built."""
-    out = []
-    for i, names in enumerate(subs):
-        parts = []
-        for n in names:
-            numel = _numel(ckpt, n)
-            c = math.ceil(numel / world)
-            lo, hi = min(rank * c, numel), min((rank + 1) * c, numel)
-            if hi > lo:
-                parts.append(slice_of(n, lo, hi) or zeros(hi - lo, "float32"))
-            if c > hi - lo:
-                parts.append(zeros(c - (hi - lo), "float32", "padding"))
-        out.append(concat(parts, "float32", f"{origin} sub-group {i}"))
-    return out
+    return [concat([p for n in names for p in _zero3_share(_numel(ckpt, n), world, rank, lambda lo, hi, n=n: slice_of(n, lo, hi), "float32")],
+                   "float32", f"{origin} sub-group {i}") for i, names in enumerate(subs)]
+
+
+def _zero3_share(numel: int, world: int, rank: int, slice_of: Callable[[int, int], LazyTensor | None], dtype: str) -> list[LazyTensor]:
+    """A tensor's share on ``rank`` under ZeRO-3, as parts: its slice of the flattened tensor (zeros where
+    ``slice_of(lo, hi)`` has none), then zeros to ceil(numel / world) (each tensor padded to a multiple of the world)."""
+    c = math.ceil(numel / world)
+    lo, hi = min(rank * c, numel), min((rank + 1) * c, numel)
+    parts = [slice_of(lo, hi) or zeros(hi - lo, dtype)] if hi > lo else []
+    if c > hi - lo:
+        parts.append(zeros(c - (hi - lo), dtype, "padding"))
+    return parts
 
 
 def _zero3_fragment(t: LazyTensor, world: int, rank: int, dtype: torch.dtype) -> LazyTensor:
     """Rank ``rank``'s fragment of a frozen parameter under ZeRO-3, in ``dtype``: its slice of the flattened tensor
     padded to a multiple of the world size, zeros after its end."""
-    numel = t.spec.numel
-    c = math.ceil(numel / world)
-    lo, hi = min(rank * c, numel), min((rank + 1) * c, numel)
-    parts = [t.flat_slice(lo, hi).cast(dtype)] if hi > lo else []
-    if c > hi - lo:
-        parts.append(zeros(c - (hi - lo), dtype_name(dtype), "padding"))
+    parts = _zero3_share(t.spec.numel, world, rank, lambda lo, hi: t.flat_slice(lo, hi).cast(dtype), dtype_name(dtype))
     return concat(parts, dtype_name(dtype), f"{t.origin}, rank {rank}'s fragment")
 
 

@@ -42,7 +42,7 @@ from .megatron_map import (
 )
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, at_once, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
-from .megatron_pieces import RankPieces
+from .megatron_pieces import RankPieces, fused_dtype
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
@@ -1173,7 +1173,7 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, pieces: R
                 if vals is None:
                     continue
                 fill = padding_rows(padding, rule, f"optim:{skey}")
-                for t, piece in enumerate(pieces.pieces(rule, vals, _state_dtype(vals), fill, f"optim:{skey}")):
+                for t, piece in enumerate(pieces.pieces(rule, vals, fused_dtype([v.spec for v in vals]), fill, f"optim:{skey}")):
                     states[t].setdefault(rule.megatron, {})[skey] = piece
             for skey, per in opt.scalars.items():
                 entry = next((per[n] for n in rule.hf if n in per), None)
@@ -1181,13 +1181,6 @@ def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, pieces: R
                     for t in range(tp):
                         states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
     return _StageWrite(models, masters, states, names, no_decay)
-
-
-def _state_dtype(values: list[LazyTensor]) -> "torch.dtype":
-    """An optimizer state's dtype once fused: as torch.cat promotes its tensors'."""
-    import functools
-
-    return functools.reduce(torch.promote_types, [v.spec.dtype for v in values])
 
 
 @dataclass(frozen=True)

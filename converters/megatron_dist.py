@@ -21,7 +21,6 @@ torch's own ``dcp.save`` with whole tensors, which megatron-core loads onto any 
 from __future__ import annotations
 
 import argparse
-import functools
 import io
 import json
 import logging
@@ -52,7 +51,7 @@ from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import as_torch, is_tensor, materialize
 from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index
-from .megatron_pieces import RankPieces
+from .megatron_pieces import RankPieces, fused_dtype
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +364,7 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
         return None
     fused = first.fuse([RowNumbers.shaped(s.shape) for s in specs]).shape  # (meta tensors would import torch's compiler)
     full_shape = (padded, *fused[1:]) if first.split == VOCAB else tuple(fused)
-    out_dtype = dtype or functools.reduce(torch.promote_types, [s.dtype for s in specs])  # as the fuse's torch.cat gives
+    out_dtype = dtype or fused_dtype(specs)
     index = stack_index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
     stacked: tuple[int, ...] = ()
     if len(index) == 1:

@@ -138,6 +138,13 @@ class RankPieces:
         return piece
 
 
+def fused_dtype(specs: list[TensorSpec]) -> "torch.dtype":
+    """The dtype of tensors fused into one: as the fuse's torch.cat promotes theirs."""
+    import functools
+
+    return functools.reduce(torch.promote_types, [s.dtype for s in specs])
+
+
 def _rows_of(value: LazyTensor, dtype: "torch.dtype", rest: tuple[int, ...]) -> bool:
     """Whether a piece's runs can be cut from ``value``'s mapped bytes: rows of the piece's width, checkable from the
     mapping once (no digest, or one of the algorithm hashed here: else each run would load and hash it whole), and

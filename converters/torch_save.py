@@ -244,8 +244,8 @@ class _Standins:
 
     def __init__(self, f: Any, resources: "contextlib.ExitStack"):
         self.f, self._resources = f, resources
-        self._by_address: dict[int, tuple[Any, Any]] = {}  # storage address -> (stand-in tensor, LazyTensor)
-        self._by_lazy: dict[int, tuple[Any, Any]] = {}  # id of the LazyTensor -> (stand-in tensor, LazyTensor)
+        self._by_address: dict[int, Any] = {}  # storage address -> LazyTensor
+        self._by_lazy: dict[int, tuple[Any, Any]] = {}  # id of the LazyTensor -> (stand-in tensor, LazyTensor): both kept alive
         self._beside = self._ahead = None
 
     def standin(self, lazy: Any) -> Any:
@@ -258,14 +258,13 @@ class _Standins:
         tensor = torch.empty(lazy.spec.shape, dtype=lazy.spec.dtype)
         self._by_lazy[id(lazy)] = (tensor, lazy)
         if tensor.numel():
-            self._by_address[tensor.untyped_storage().data_ptr()] = (tensor, lazy)
+            self._by_address[tensor.untyped_storage().data_ptr()] = lazy
         else:  # nothing to stream: an empty tensor's record is empty
             lazy.load()  # still read: a missing or mismatched source is an error, as with the loaded object
         return tensor
 
     def lazy_for(self, storage: Any) -> Any:
-        found = self._by_address.get(storage.data_ptr()) if hasattr(storage, "data_ptr") else None
-        return None if found is None else found[1]
+        return self._by_address.get(storage.data_ptr()) if hasattr(storage, "data_ptr") else None
 
     def stream(self, lazy: Any) -> Iterator[Any]:
         """The LazyTensor's bytes, its next part fetched on a thread while this one is written; checked beside the

@@ -60,7 +60,7 @@ class HashedFile:
 
     def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str, writeback: int = 64 << 20):
         self._f, self.beside, self._hasher, self.path = f, beside, hasher, path
-        self._sources: dict[str, int] = {}  # mapped source files copied from, open
+        self.sources: dict[str, int] = {}  # mapped source files copied from, open (closed by hashed_output)
         self._writeback, self._dirty_from = writeback, 0
         self._pos = f.tell()  # kept here: a buffered file's tell() is a system call
         self._batch = bytearray()
@@ -76,7 +76,7 @@ class HashedFile:
         """``piece``'s bytes: copied from its file in the kernel where it is a view of a mapped file (no copy
         through this process), else written from memory."""
         try:
-            n = write_piece(self._f, piece, self._sources)
+            n = write_piece(self._f, piece, self.sources)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(piece.data, n)
@@ -121,11 +121,6 @@ class HashedFile:
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
 
-    def close_sources(self) -> None:
-        for fd in self._sources.values():
-            os.close(fd)
-        self._sources.clear()
-
 
 @contextlib.contextmanager
 def hashed_output(path: str) -> Iterator[HashedFile]:
@@ -139,11 +134,9 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
         raise OutputWriteError.of(path, exc) from None
     with Beside() as beside, raw:
         f = HashedFile(raw, beside, hasher, path)
-        try:
+        with closing_fds(f.sources):
             yield f
             f.flush()  # the last small writes to the hasher
-        finally:
-            f.close_sources()
     written_digests.record(path, hasher.digest())
 
 

@@ -373,19 +373,3 @@ def unfilled_bytes(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     the read then writes again (a third of the time of reading a safetensors tensor from the page cache)."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     return flat, memoryview(flat.numpy()) if nbytes else memoryview(bytearray())
-
-
-def own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with a storage of exactly its own bytes, for ``torch.save``: it writes a tensor's whole storage, so
-    a view (a TP rank's rows of a loaded tensor) would carry every byte of what it was cut from. A contiguous view
-    is given a storage over just its bytes, sharing its memory (no copy: ``clone`` would write a fresh copy of every
-    piece); anything else is copied once."""
-    if not tensor.is_contiguous() or tensor.numel() == 0:
-        return tensor.contiguous() if tensor.numel() else tensor.clone()
-    storage = tensor.untyped_storage()
-    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.nbytes:
-        return tensor
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # the storage's bytes, as numpy can view them
-    lo = tensor.storage_offset() * tensor.element_size()
-    own = memoryview(whole.numpy())[lo : lo + tensor.nbytes]  # keeps the memory alive while the alias lives
-    return torch.frombuffer(own, dtype=torch.uint8).view(tensor.dtype).reshape(tensor.shape)

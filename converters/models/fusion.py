@@ -143,8 +143,7 @@ def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any, expecte
         else:
             if shape is not None and at == math.prod(shape):
                 runs = [parts[v.stored].reshaped((v.numel,)) for v in tiled]
-                return LazyTensor(TensorSpec(shape, first.spec.dtype), load, f"{fused.target} (fused from {fused.names[0]}...)",
-                                  parts=lambda: runs)
+                return LazyTensor(TensorSpec(shape, first.spec.dtype), load, _fused_origin(fused), parts=lambda: runs)
     else:
         patterns = fused.converter.source_patterns
         empty = {p: [torch.empty(parts[n].spec.shape, dtype=parts[n].spec.dtype, device="meta") for n in group]
@@ -158,7 +157,11 @@ def _fused_tensor(fused: Fused, parts: dict[str, LazyTensor], meta: Any, expecte
             inputs = {p: [parts[n].load() for n in group] for p, group in zip(patterns, fused.sources)}
             return next(iter(_run(fused.converter, inputs, fused.target, meta).values())).contiguous()
 
-    return LazyTensor(TensorSpec(shape, first.spec.dtype), load, f"{fused.target} (fused from {fused.names[0]}...)")
+    return LazyTensor(TensorSpec(shape, first.spec.dtype), load, _fused_origin(fused))
+
+
+def _fused_origin(fused: Fused) -> str:
+    return f"{fused.target} (fused from {fused.names[0]}...)"
 
 
 def fuse(ckpt: LogicalCheckpoint, plans: list[Fused], meta: Any, shapes: dict[str, tuple[int, ...]] | None = None) -> LogicalCheckpoint:
