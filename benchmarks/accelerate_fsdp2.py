@@ -87,10 +87,10 @@ def collect(args) -> engine_bench.Section:
     rows = [
         ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
         ("FSDP2 -> universal, safetensors (interop)", measure(
-            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"], floor=True)),
         ("dcp_to_torch_save + save_file, model + optimizer (torch)", measure(
             [sys.executable, "-c", REFERENCE, outputs["ref_universal"], model_dcp, optim_dcp], None, n, outputs["ref_universal"])),
-        ("FSDP2 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        ("FSDP2 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"], floor=True)),
         ("dcp_to_torch_save + save_file, model (torch)", measure(
             [sys.executable, "-c", REFERENCE, outputs["ref_hf"], model_dcp], None, n, outputs["ref_hf"])),
     ]

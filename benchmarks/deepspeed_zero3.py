@@ -63,22 +63,22 @@ def collect(args) -> engine_bench.Section:
     rows = [
         ("import torch + deepspeed (baseline)", measure([sys.executable, "-c", "import torch, deepspeed"], ds_env, n)),
         ("ZeRO-3 -> universal, safetensors (interop)", measure(
-            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"])),
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], None, n, outputs["universal"], floor=True)),
         ("ZeRO-3 -> universal, first conversion of the model (interop)", measure(  # transformers asked, not its kept answers
-            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], {"INTEROP_CACHE_DIR": "off"}, n, outputs["universal"])),
+            cli + ["convert", ckpt, outputs["universal"], "--to", "universal"], {"INTEROP_CACHE_DIR": "off"}, n, outputs["universal"], floor=True)),
         ("ZeRO-3 -> universal, 2 processes (interop --workers 2)", measure(
-            cli + ["convert", ckpt, outputs["universal_2"], "--to", "universal", "--workers", "2"], None, n, outputs["universal_2"])),
+            cli + ["convert", ckpt, outputs["universal_2"], "--to", "universal", "--workers", "2"], None, n, outputs["universal_2"], floor=True)),
         ("ZeRO-3 -> ds-universal (interop)", measure(
-            cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env, n, outputs["ds_universal"])),
+            cli + ["convert", ckpt, outputs["ds_universal"], "--to", "ds-universal"], ds_env, n, outputs["ds_universal"], floor=True)),
         ("ds_to_universal (DeepSpeed)", measure(
             [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
              "--output_folder", os.path.join(outputs["ref_universal"], "global_step1_universal"), "--inject_missing_state"],
             ds_env, n, outputs["ref_universal"],
         )),
-        ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        ("ZeRO-3 -> HF safetensors (interop)", measure(cli + ["convert", ckpt, outputs["hf"], "--to", "hf"], None, n, outputs["hf"], floor=True)),
         ("universal -> ZeRO-2, 4 ranks (interop)", measure(  # the way back: DeepSpeed's own files at another layout
             cli + ["convert", outputs["universal"], outputs["zero"], "--to", "deepspeed", "--zero-stage", "2", "--world-size", "4"],
-            ds_env, n, outputs["zero"])),
+            ds_env, n, outputs["zero"], floor=True)),
         ("zero_to_fp32.py --safe_serialization (DeepSpeed)", measure(
             [sys.executable, os.path.join(native, "zero_to_fp32.py"), os.path.dirname(tag), outputs["ref_hf"], "--safe_serialization",
              "--tag", os.path.basename(tag)],

@@ -298,12 +298,12 @@ def prepare(args, script: str, native_key: str, engine: str, port: int, env: dic
     run_dir = os.path.join(work, "run")
     ckpt = os.path.join(run_dir, "checkpoint-1")
     if not os.path.isdir(ckpt):
-        wall, _ = measure(
+        wall = measure(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
              f"--master_port={port}", os.path.abspath(script), "--train", run_dir, "--hidden", str(args.hidden),
              "--layers", str(args.layers)],
             env=env,
-        )
+        ).wall
         print(f"trained and saved with {engine} on 2 processes in {wall:.0f} s")
     params = int(subprocess.check_output([sys.executable, os.path.abspath(__file__), str(args.hidden), str(args.layers)]))
     native = os.path.join(ckpt, native_key)  # an older trainer's layout; today's keeps the engine's files beside the manifest
@@ -333,7 +333,7 @@ def main(doc: str, collect, train_and_save, layers: int | None = None, saves=Non
 
 
 def report(section: Section, repeat: int, kept: bool = True) -> None:
-    print_table(section.with_disk_floor(repeat), section.reference, section.floors())
+    print_table(section.rows, section.reference)
     if kept:  # a temporary work directory is removed at exit
         print(f"\nfiles under {section.work}")
 

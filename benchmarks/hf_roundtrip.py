@@ -83,8 +83,8 @@ def collect(args) -> Section:
     n = args.repeat
     rows = [
         ("import torch + transformers (baseline)", measure([sys.executable, "-c", "import torch, transformers"], None, n)),
-        ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"], None, n, uni)),
-        ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"], None, n, out)),
+        ("HF -> universal (interop)", measure(cli + ["convert", src, uni, "--to", "universal"], None, n, uni, floor=True)),
+        ("universal -> HF (interop)", measure(cli + ["convert", uni, out, "--to", "hf"], None, n, out, floor=True)),
         ("from_pretrained + save_pretrained (transformers)", measure([sys.executable, "-c", REFERENCE, src, ref], None, n, ref)),
     ]
     reference = rows[-1][0]
@@ -97,7 +97,7 @@ def main() -> None:
         build(args.build, args.hidden, args.layers)
         return
     section = collect(args)
-    print_table(section.with_disk_floor(args.repeat), section.reference, section.floors())
+    print_table(section.rows, section.reference)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {section.work}")
 

@@ -105,7 +105,7 @@ def collect(args) -> engine_bench.Section:
     cli = [sys.executable, "-m", "converters.cli"]
     if not os.path.isdir(meg):
         run = os.path.join(work, "run")
-        wall, _ = measure([sys.executable, os.path.abspath(__file__), "--train", run, "--hidden", str(args.hidden), "--layers", str(args.layers)])
+        wall = measure([sys.executable, os.path.abspath(__file__), "--train", run, "--hidden", str(args.hidden), "--layers", str(args.layers)]).wall
         print(f"one base-trainer step in {wall:.0f} s")
         subprocess.run(cli + ["convert", os.path.join(run, "checkpoint-1"), meg, "--to", "megatron", "--tp", "2", "--pp", "2"],
                        check=True, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL)
@@ -120,17 +120,17 @@ def collect(args) -> engine_bench.Section:
     dist_interop, dist_reference = "Megatron torch_dist -> HF safetensors (interop)", "dcp_to_torch_save + unstack + merge + save_file (torch)"
     rows = [
         ("import torch (baseline)", measure([sys.executable, "-c", "import torch"], None, n)),
-        (interop, measure(cli + ["convert", meg, outputs["hf"], "--to", "hf"], None, n, outputs["hf"])),
+        (interop, measure(cli + ["convert", meg, outputs["hf"], "--to", "hf"], None, n, outputs["hf"], floor=True)),
         (reference, measure([sys.executable, "-c", REFERENCE, meg, outputs["ref_hf"]], PASSIVE, n, outputs["ref_hf"])),
         ("Megatron TP2xPP2 -> universal (interop)", measure(cli + ["convert", meg, outputs["universal"], "--to", "universal"],
-                                                           None, n, outputs["universal"])),
+                                                           None, n, outputs["universal"], floor=True)),
         ("universal -> Megatron TP2xPP2 (interop)", measure(cli + ["convert", outputs["universal"], outputs["megatron"], "--to",
-                                                                   "megatron", "--tp", "2", "--pp", "2"], None, n, outputs["megatron"])),
+                                                                   "megatron", "--tp", "2", "--pp", "2"], None, n, outputs["megatron"], floor=True)),
         # torch_dist, Megatron-LM's default format: written from the universal checkpoint, then exported
         ("universal -> Megatron torch_dist TP2xPP2 (interop)", measure(
             cli + ["convert", outputs["universal"], outputs["megatron_dist"], "--to", "megatron-dist", "--tp", "2", "--pp", "2"],
-            None, n, outputs["megatron_dist"])),
-        (dist_interop, measure(cli + ["convert", outputs["megatron_dist"], outputs["hf_dist"], "--to", "hf"], None, n, outputs["hf_dist"])),
+            None, n, outputs["megatron_dist"], floor=True)),
+        (dist_interop, measure(cli + ["convert", outputs["megatron_dist"], outputs["hf_dist"], "--to", "hf"], None, n, outputs["hf_dist"], floor=True)),
         (dist_reference, measure([sys.executable, "-c", REFERENCE_DIST, outputs["megatron_dist"], outputs["ref_hf_dist"]], PASSIVE, n,
                                  outputs["ref_hf_dist"])),
     ]

@@ -33,16 +33,15 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     args = p.parse_args()
     work = workdir(args.workdir, "interop-bench-all-")
-    rows, reference, floors = [], {}, {}
+    rows, reference = [], {}
 
     def add(section, tag: str) -> None:
         """The section's rows, each tagged where names repeat across sections; its outputs removed after."""
-        measured = section.with_disk_floor(args.repeat)
-        named = {r: f"{r} [{tag}]" if r.startswith(("dd,", "save:", "step:")) or "(baseline)" in r or tag == "MoE" else r
+        measured = section.rows
+        named = {r: f"{r} [{tag}]" if r.startswith(("save:", "step:")) or "(baseline)" in r or tag == "MoE" else r
                  for r, _ in measured}
         rows.extend((named[r], m) for r, m in measured)
         reference.update({named[k]: named[v] for k, v in section.reference.items()})
-        floors.update({named[r]: named[dd] for r, dd in section.floors().items()})
         for out in section.outputs.values():  # several GiB each: the next section needs the disk
             shutil.rmtree(out, ignore_errors=True)
 
@@ -58,7 +57,7 @@ def main() -> None:
                                                        workdir=os.path.join(work, "deepspeed-moe"), train=None)), "MoE")
     finally:
         del os.environ[hf_roundtrip.EXPERTS_ENV]
-    print_table(rows, reference, floors)
+    print_table(rows, reference)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {work}")
 
