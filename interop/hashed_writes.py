@@ -215,11 +215,14 @@ def write_piece(f, piece: Piece, sources: dict[str, int]) -> int:
 
 
 def start_writeback(f, offset: int, length: int) -> None:
-    """Start writing this range to disk now (Linux: DONTNEED on dirty pages initiates writeback), so the
-    final fsync waits for little and a large save does not pile up dirty pages until the kernel throttles."""
+    """Start writing this range of ``f`` (a file, flushed first, or a descriptor) to disk now (Linux: DONTNEED on
+    dirty pages initiates writeback), so the final fsync waits for little and a large save does not pile up dirty
+    pages until the kernel throttles."""
     if hasattr(os, "posix_fadvise") and length:
-        f.flush()
-        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
+        if not isinstance(f, int):
+            f.flush()
+            f = f.fileno()
+        os.posix_fadvise(f, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 @contextlib.contextmanager
@@ -232,28 +235,39 @@ def closing_fds(fds: dict[str, int]):
 
 
 def copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
-    """Write ``piece``, a view of a mapped file, by copying its file range in the kernel (no page faults, no copy
-    through this process); the bytes written, or None when the kernel refuses (another filesystem, an old kernel)."""
+    """Write ``piece``, a view of a mapped file, at ``f``'s position by copying its file range in the kernel (no
+    page faults, no copy through this process); the bytes written, or None when it is not (see :func:`copy_at`)."""
     if piece.source is None or not hasattr(os, "copy_file_range"):
         return None
-    path, offset, inode = piece.source
+    f.flush()
+    start = f.tell()
+    copied = copy_at(f.fileno(), start, piece, sources)
+    if copied is not None:
+        f.seek(start + copied)
+    return copied
+
+
+def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int | None:
+    """Copy ``piece``, a view of a mapped file, to ``fd`` at ``offset`` in the kernel; the bytes written, or None
+    when nothing was (not a mapped view, the file replaced since it was mapped, another filesystem, an old kernel):
+    the caller writes the bytes from memory."""
+    if piece.source is None or not hasattr(os, "copy_file_range"):
+        return None
+    path, source_offset, inode = piece.source
     if path not in sources:
         sources[path] = os.open(path, os.O_RDONLY)
     if os.fstat(sources[path]).st_ino != inode:  # replaced since it was mapped: the mapping's bytes are the ones hashed
         return None
-    f.flush()
-    start = position = f.tell()
-    remaining = piece.data.nbytes
+    done, remaining = 0, piece.data.nbytes
     try:
         while remaining:
-            n = os.copy_file_range(sources[path], f.fileno(), remaining, offset + position - start, position)
+            n = os.copy_file_range(sources[path], fd, remaining, source_offset + done, offset + done)
             if n == 0:
                 raise OSError(f"{path}: ended {remaining} bytes early")
-            position += n
+            done += n
             remaining -= n
     except OSError:
-        if position != start:
+        if done:
             raise
         return None  # nothing copied: written the ordinary way
-    f.seek(position)
-    return position - start
+    return done

@@ -29,7 +29,9 @@ from . import digests
 from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
+from .hashed_writes import copy_at, start_writeback
 from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
+from .tensors import sub_pieces
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +222,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
                  spans_of: dict[tuple[str, str], int], hashed: bool, on_tensor) -> dict[tuple[str, str], str]:
     """This rank's spans, each file fsynced; the digests of the tensors it wrote whole."""
     fds: dict[str, int] = {}
+    sources: dict[str, int] = {}  # mapped source files copied from, open
     done: dict[tuple[str, str], str] = {}
     try:
         for span in spans:
@@ -233,19 +236,25 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
                     continue
                 key = (span.rel, span.tensor)
                 entry = entries[key]
-                data = [p.data for p in fetch_pieces(entry)]
-                position = 0  # in the tensor's bytes, across its pieces
-                for view in data:
-                    lo, hi = max(span.start, position), min(span.start + span.length, position + len(view))
-                    if lo < hi:
-                        _pwrite_all(fd, view[lo - position:hi - position], span.offset + lo - span.start)
-                    position += len(view)
-                if spans_of[key] == 1:
-                    if hashed:
-                        done[key] = digests.label(digests.ALGO, hash_pieces(data).hex())
-                    if on_tensor is not None:
-                        on_tensor(entry)
-                del data
+                pieces = fetch_pieces(entry)
+                try:
+                    at = span.offset
+                    for piece in sub_pieces(pieces, span.start, span.start + span.length):
+                        copied = copy_at(fd, at, piece, sources)  # a mapped source's range, file to file
+                        if copied is None:
+                            _pwrite_all(fd, piece.data, at)
+                        at += piece.data.nbytes
+                    start_writeback(fd, span.offset, span.length)
+                    if spans_of[key] == 1:
+                        if hashed:
+                            done[key] = digests.label(digests.ALGO, hash_pieces([p.data for p in pieces]).hex())
+                        if on_tensor is not None:
+                            on_tensor(entry)
+                finally:
+                    for p in pieces:
+                        if p.release is not None:
+                            p.release()  # out of this process's memory, still in the page cache
+                    del pieces
             except OSError as exc:
                 raise OutputWriteError.of(path, exc) from None
         for rel, fd in fds.items():
@@ -254,7 +263,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
             except OSError as exc:
                 raise OutputWriteError.of(os.path.join(out, rel), exc) from None
     finally:
-        for fd in fds.values():
+        for fd in (*fds.values(), *sources.values()):
             os.close(fd)
     return done
 

@@ -176,20 +176,28 @@ class ThreadCollective:
 
 
 @pytest.mark.parametrize("world", [2, 3, 7])
-def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path, world):
+@pytest.mark.parametrize("source", ["memory", "mapped"])
+def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path, world, source, copied):
     """Tensors cut between ranks, a tensor of no bytes, a file of one small tensor, more ranks than some files have
-    pages: the files and every digest are the single-process writer's."""
+    pages, from memory or as views of a mapped file (each rank's share of those copied file to file): the files
+    and every digest are the single-process writer's."""
     import threading
 
-    from interop.safetensors_io import TensorEntry
+    from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
     from interop.spread import Spread, TensorFile, write_tensor_files
 
     g = torch.Generator().manual_seed(0)
     tensors = {"big": torch.randn(3000, 7, generator=g), "empty": torch.zeros(0, 4), "half": torch.randn(1500, generator=g).half(),
                "ints": torch.arange(2049, dtype=torch.int64), "tiny": torch.ones(1)}
+    if source == "mapped":
+        write_safetensors(tmp_path / "source.safetensors", [TensorEntry(n, LazyTensor.of(t).spec, lambda t=t: t) for n, t in tensors.items()])
+        stored = SafetensorsFile(tmp_path / "source.safetensors")
+        lazies = {n: stored.lazy(n) for n in tensors}
+    else:
+        lazies = {n: LazyTensor.of(t) for n, t in tensors.items()}
 
     def files():
-        entry = lambda n: TensorEntry(n, LazyTensor.of(tensors[n]).spec, lambda n=n: tensors[n])  # noqa: E731
+        entry = lambda n: TensorEntry(n, lazies[n].spec, lazies[n].load, lazies[n].mapped_pieces)  # noqa: E731
         return [TensorFile("a/one.safetensors", [entry(n) for n in ("big", "empty", "half", "ints")], {"format": "pt"}),
                 TensorFile("b/two.safetensors", [entry("tiny")], {"format": "pt"})]
 
@@ -197,6 +205,7 @@ def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path
         for sub in ("a", "b"):
             (tmp_path / d / sub).mkdir(parents=True)
     alone = write_tensor_files(str(tmp_path / "one"), files())
+    copied_alone = sum(copied)
     shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
     results, errors = [None] * world, []
 
@@ -217,3 +226,5 @@ def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path
         assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "many" / rel).read_bytes(), rel
         for r in range(world):
             assert (results[r][rel].digest, results[r][rel].tensor_digests) == (written.digest, written.tensor_digests)
+    # from a mapped file every tensor byte went file to file, alone and spread over the ranks
+    assert sum(copied) - copied_alone == copied_alone == (sum(t.nbytes for t in tensors.values()) if source == "mapped" else 0)
