@@ -334,6 +334,27 @@ def test_optimizer_state_round_trips_through_megatron_dist(tmp_path, trained):
     assert back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
 
 
+@pytest.mark.parametrize("target", [("deepspeed", "--zero-stage", "2", "--world-size", "2"),
+                                    ("deepspeed", "--zero-stage", "3", "--world-size", "4"), ("ds-universal",)],
+                         ids=["zero2", "zero3", "ds-universal"])
+def test_megatron_tp_pp_into_deepspeed_equals_the_way_through_universal(tmp_path, trained, target):
+    """A TP 2 x PP 2 checkpoint into DeepSpeed's files: each rank's partitions streamed from the rank files' rows
+    (a column split's halves side by side, fused QKV taken apart) are the bytes the same conversion writes from
+    the universal checkpoint of it, whose way into DeepSpeed the engine's own loader checks (test_deepspeed)."""
+    from converters import cli
+
+    meg, uni = str(tmp_path / "meg"), str(tmp_path / "uni")
+    assert cli.main(["convert", trained, meg, "--to", "megatron", "--tp", "2", "--pp", "2"]) == 0
+    assert cli.main(["convert", meg, uni, "--to", "universal"]) == 0
+    files = {}
+    for name, source in (("direct", meg), ("through", uni)):
+        out = tmp_path / name
+        assert cli.main(["convert", source, str(out), "--to", *target]) == 0
+        files[name] = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert sorted(files["direct"]) == sorted(files["through"]) and len(files["direct"]) > 2
+    assert [rel for rel, data in files["direct"].items() if files["through"][rel] != data] == []
+
+
 def test_distributed_optimizer_layout_is_refused_where_it_is_not_known(tmp_path):
     """distrib_optim.pt's flat layout follows megatron-core's module order, known here for its local spec: with
     TransformerEngine's fused norms the converter refuses with one line instead of writing a layout it guesses."""

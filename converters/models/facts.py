@@ -239,24 +239,29 @@ def _split_plans(key: str, to_module: Callable[[str], tuple[str, str | None]],
     converters = _live_converters(key)
     if not converters:
         return {}
-    from transformers.core_model_loading import rename_source_key
-
     facts, model = _facts(key)
     reversed_ = [c.reverse_transform() for c in converters]
     state = model.state_dict(keep_vars=True)
     traced: dict[tuple[int, tuple[int, ...]], list[tuple[str, fusion.View]] | None] = {}
     out = {}
     for name in facts.names:
-        pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
-        if pattern is None:
+        i = _splitting(name, reversed_)
+        if i is None:
             continue
-        i = next(i for i, r in enumerate(reversed_) if pattern in r.source_patterns)
         shape = tuple(state[name].shape)
         if (i, shape) not in traced:
             traced[(i, shape)] = fusion.trace(name, reversed_[i], shape, model)
         views = _named(name, reversed_[i], traced[(i, shape)], to_module, to_stored)
         out[name] = fusion.SplitPlan(shape, tuple(converters[i].source_patterns), views)
     return out
+
+
+def _splitting(name: str, reversed_: list[Any]) -> int | None:
+    """Which of the reversed converters splits module tensor ``name`` as save_pretrained matches it, or None."""
+    from transformers.core_model_loading import rename_source_key
+
+    pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
+    return None if pattern is None else next(i for i, r in enumerate(reversed_) if pattern in r.source_patterns)
 
 
 def _named(name: str, reverse: Any, traced: list[tuple[str, fusion.View]] | None,
@@ -505,9 +510,6 @@ def in_stored_names(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = Non
 
 def _split_by_values(key: str, name: str, spec: Any) -> fusion.Split:
     """The split of module tensor ``name`` whose operations are no views: transformers' reversed converter run on it."""
-    from transformers.core_model_loading import rename_source_key
-
     reversed_ = [c.reverse_transform() for c in _live_converters(key)]
-    pattern = rename_source_key(name, [], reversed_, reverse=True)[1]
-    reverse = next(r for r in reversed_ if pattern in r.source_patterns)
+    reverse = reversed_[_splitting(name, reversed_)]
     return fusion.plan_split(name, reverse, spec, _renamers(key)[1], _facts(key)[1])
