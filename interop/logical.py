@@ -115,6 +115,11 @@ class OptimizerState:
             object.__setattr__(self, "scalars", value)
         return value
 
+    def __repr__(self) -> str:
+        """What it holds, reading nothing: a repr in a log or a debugger must not read (and check) the scalars."""
+        names = {k: len(per) for k, per in (*self.tensors.items(), *self._scalars_by_key().items())}
+        return f"OptimizerState({self.cls}, {len(self.param_groups)} param groups, parameters per state key: {names})"
+
     @property
     def state_keys(self) -> list[str]:
         return sorted(set(self.tensors) | set(self.scalar_keys))

@@ -363,3 +363,19 @@ def test_mapped_pieces_are_copied_file_to_file_with_the_same_bytes(tmp_path):
 
     loaded = load_file(tmp_path / "copied.safetensors")
     assert torch.equal(loaded["a"], torch.cat(views)) and torch.equal(loaded["b"], tail)
+
+
+def test_an_optimizer_states_repr_reads_no_deferred_scalar():
+    """A repr (a log line, a debugger) says what the state holds without reading its scalars: reading them checks
+    nearly every block of a DCP file, and a damaged one would fail where nothing asked for them."""
+    from interop.logical import DeferredScalars, OptimizerState
+    from interop.tensors import LazyTensor
+
+    def unread():
+        raise AssertionError("a scalar was read")
+
+    opt = OptimizerState("AdamW", [{"params": ["w"]}], {"exp_avg": {"w": LazyTensor.of(torch.zeros(2))}},
+                         DeferredScalars({"step": {"w": unread}}))
+    assert repr(opt) == "OptimizerState(AdamW, 1 param groups, parameters per state key: {'exp_avg': 1, 'step': 1})"
+    with pytest.raises(AssertionError, match="a scalar was read"):
+        opt.scalars
