@@ -15,10 +15,12 @@ import sys
 import time
 
 from interop.dist import TorchCollective
+from interop.errors import ConversionError
 from interop.spread import Spread
 
 
 GRACE_SECONDS = 20  # after one rank failed, how long the others may take to end on their own
+joined = False  # this process joined its launcher's group: its failures are its lead's to report
 
 
 def launched() -> bool:
@@ -27,11 +29,20 @@ def launched() -> bool:
 
 
 def join() -> Spread:
-    """The launcher's group (gloo: the conversion exchanges Python objects on the CPU)."""
+    """The launcher's group (gloo: the conversion exchanges Python objects on the CPU). RANK and WORLD_SIZE left
+    in a shell, without the rest of a launcher's environment, are one line saying so, not torch's traceback."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ConversionError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} and RANK={os.environ['RANK']} are set, so this "
+                                  f"process would be one of a group, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                                  "not: start it with torchrun (or --workers N), or unset WORLD_SIZE and RANK to convert "
+                                  "in one process")
         dist.init_process_group("gloo")
+    global joined
+    joined = True
     return Spread(TorchCollective())
 
 

@@ -156,6 +156,21 @@ def test_a_target_one_process_writes_is_refused_with_workers(source, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_group_left_half_set_up_in_the_shell_is_one_line(source, tmp_path, rank):
+    """WORLD_SIZE and RANK left in a shell without a launcher's MASTER_ADDR: every rank (not only the lead, which
+    speaks for a group that formed) says so in one line and writes nothing, instead of torch's rendezvous error
+    passed off as a damaged input."""
+    env = {k: v for k, v in worker_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(source / "run"), str(tmp_path / "out"), "--to",
+                           "universal"], env=dict(env, WORLD_SIZE="2", RANK=rank), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"interop convert: error: WORLD_SIZE=2 and RANK={rank} are set, so this process would be one of a group, but MASTER_ADDR "
+        "and MASTER_PORT are not: start it with torchrun (or --workers N), or unset WORLD_SIZE and RANK to convert in one process"]
+    assert not (tmp_path / "out").exists()
+
+
 class ThreadCollective:
     """Ranks as threads of this process (the spread writer needs all_gather_object only): fast enough to try many
     layouts, while the tests above run real processes."""
