@@ -70,12 +70,17 @@ class Piece:
             return cls(data, dtype=dtype)
         return cls(data, mapped_file_range(tensor), lambda: release_mapped_pages(tensor), dtype)
 
+    @property
+    def bytes_view(self) -> memoryview:
+        """``data`` as one flat run of bytes (indexed and measured in bytes, whatever it was viewed as)."""
+        return self.data if self.data.format == "B" and self.data.ndim == 1 else self.data.cast("B")
+
 
 def sub_pieces(pieces: list[Piece], lo: int, hi: int) -> list[Piece]:
     """Bytes ``lo:hi`` of what ``pieces`` hold in order, as pieces of the same memory and files (no copy)."""
     out, at = [], 0
     for p in pieces:
-        data = p.data if p.data.format == "B" and p.data.ndim == 1 else p.data.cast("B")
+        data = p.bytes_view
         a, b = max(lo - at, 0), min(hi - at, len(data))
         if a < b:
             source = (p.source[0], p.source[1] + a, p.source[2]) if p.source is not None else None
@@ -157,7 +162,7 @@ class LazyTensor:
             flat, out = unfilled_bytes((hi - lo) * size)
             at = 0
             for p in viewed:
-                data = p.data if p.data.format == "B" and p.data.ndim == 1 else p.data.cast("B")
+                data = p.bytes_view
                 out[at : at + len(data)] = data
                 at += len(data)
             return flat.view(self.spec.dtype)

@@ -109,6 +109,15 @@ def copied(monkeypatch) -> list[int]:
     return counts
 
 
+def flip_byte(path, at: int) -> None:
+    """One bit of the byte at ``at`` (from the end where negative) changed in place, after its digest was recorded."""
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END if at < 0 else os.SEEK_SET)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 @pytest.fixture
 def tiny_llama():
     from trainers.base import tiny_config

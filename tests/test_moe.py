@@ -22,7 +22,7 @@ from interop.logical import OptimizerState
 from interop.tensors import LazyTensor
 from interop.universal import write_universal
 from tests import architectures
-from tests.conftest import ROOT, worker_env
+from tests.conftest import ROOT, flip_byte, worker_env
 
 LAYER = "model.layers.1.mlp.experts"
 
@@ -284,11 +284,7 @@ def test_an_experts_stack_fused_for_an_engine_streams_from_each_stored_expert(tm
             assert all(isinstance(c, Piece) and c.source is not None for c in tensor_bytes(cut, beside, ahead)), name
     stored = next(iter(fused.values())).parts()[0]
     path, offset, _ = stored.mapped_pieces()[0].source
-    with open(path, "r+b") as f:  # one expert's byte changed: its digest, not the fused tensor's, refuses it
-        f.seek(offset + 3)
-        byte = f.read(1)
-        f.seek(offset + 3)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(path, offset + 3)  # one expert's byte changed: its digest, not the fused tensor's, refuses it
     again = in_module_names(registry.read(str(uni))[1]).model[next(iter(fused))]
     with pytest.raises(CorruptCheckpointError, match="differ from the digest"), Beside() as beside, ThreadPoolExecutor(1) as ahead:
         list(tensor_bytes(again, beside, ahead))

@@ -19,6 +19,7 @@ from interop import digests, written_digests
 from interop.errors import CorruptCheckpointError
 from interop.safetensors_io import SafetensorsFile
 from interop.tensors import LazyTensor, TensorSpec, raw_bytes
+from tests.conftest import flip_byte
 
 ID = "archive/.data/serialization_id"  # an opaque id: torch's own mixes in a hash of its record names
 
@@ -45,15 +46,6 @@ def masked(data: bytes) -> bytes:
     for lo, hi in id_spans(data):
         out[lo:hi] = bytes(hi - lo)
     return bytes(out)
-
-
-def flip_byte(path, at: int) -> None:
-    """One bit of the byte at ``at`` (from the end where negative) changed, after its digest was recorded."""
-    with open(path, "r+b") as f:
-        f.seek(at, os.SEEK_END if at < 0 else os.SEEK_SET)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
 
 
 def saved_as_torch_saves(tmp_path, name: str, ours_obj, loaded):
