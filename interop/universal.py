@@ -24,7 +24,7 @@ from .lazy_import import instance_of, torch
 
 from . import codec
 from .commit import durable_write, fsync_path, write_manifest
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import dtype_from_name, dtype_name, is_dtype_name
 from .errors import ConversionError, CorruptCheckpointError
 from .logical import AdapterState, ComponentSource, DeferredScalars, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
@@ -337,7 +337,7 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
                 raise TypeError("state_keys must be names and param_groups a list")
             for per in scalars.values():
                 for entry in per.values():
-                    scalar_value(entry)
+                    checked_scalar(entry)
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(path, f"not a valid optimizer state: {exc}") from None
         tensors = {}
@@ -402,12 +402,21 @@ def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(STATE_JSON, f"unexpected tensor reference {name!r}")
 
 
-def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
-    """A 0-dim optimizer state value as stored in state.json."""
-    value = entry["value"]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) and entry["dtype"] != "bool":
+def checked_scalar(entry: dict[str, Any]) -> tuple[int | float | bool, str]:
+    """A 0-dim optimizer state value as stored in state.json: (value, dtype name), checked without torch (reading
+    a universal checkpoint for a target that needs no torch, Hugging Face, must not import it: a second of start-up)."""
+    value, dtype = entry["value"], entry["dtype"]
+    if not is_dtype_name(dtype):
+        dtype_from_name(dtype)  # a name outside the table (ValueError where torch has no such dtype either)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) and dtype != "bool":
         raise TypeError(f"scalar value {value!r} is not a number")
-    return torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
+    return value, dtype
+
+
+def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
+    """A 0-dim optimizer state value as stored in state.json, as a tensor."""
+    value, dtype = checked_scalar(entry)
+    return torch.tensor(value, dtype=dtype_from_name(dtype))
 
 
 def scalar_entry(t: "torch.Tensor") -> dict[str, Any]:

@@ -103,6 +103,48 @@ def test_a_conversion_that_moves_bytes_never_imports_torch(tmp_path):
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items()), name
 
 
+def test_a_universal_checkpoint_with_optimizer_state_goes_to_hf_without_torch(tmp_path):
+    """A training run's universal checkpoint (AdamW's moments and its 0-dim step in state.json) to a Hugging Face
+    directory moves the model's bytes only: its optimizer state is checked as it is read (a step that is not a
+    number is still refused), without torch."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from converters import registry
+    from interop.logical import OptimizerState
+    from interop.tensors import LazyTensor
+    from interop.universal import write_universal
+
+    model, src = saved(tmp_path, "llama")
+    _, ckpt = registry.read(str(src))
+    names = list(ckpt.model)
+    moments = {n: LazyTensor.of(torch.full(t.spec.shape, 0.5)) for n, t in ckpt.model.items()}
+    steps = {n: {"value": 3.0, "dtype": "float32"} for n in names}
+    ckpt = dataclasses.replace(ckpt, optimizer=OptimizerState("AdamW", [{"params": names, "lr": 1e-3}], {"exp_avg": moments}, {"step": steps}))
+    uni = tmp_path / "uni"
+    write_universal(ckpt, str(uni))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, "convert", str(uni), str(tmp_path / "out"), "--to", "hf"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    state = uni / "optimizer" / "state.json"
+    text = state.read_text()
+    assert '"value": 3.0' in text
+    state.write_text(text.replace('"value": 3.0', '"value": "3"', 1))
+    from tests.conftest import reseal
+
+    reseal(uni, "optimizer/state.json")  # its digest agrees: the reader's own check has to refuse it
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, "convert", str(uni), str(tmp_path / "out2"), "--to", "hf"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "out2").exists()
+    assert done.stderr.strip().splitlines()[-1] == (f"interop convert: error: {state}: not a valid optimizer state: "
+                                                    "scalar value '3' is not a number")
+
+
 def test_an_interrupt_during_torchs_import_arrives_once_torch_is_imported():
     """The console script holds Ctrl-C while torch is imported wherever a conversion first needs it (torch's C
     initialisation swallows an interrupt raised inside it or aborts on it), then delivers it: the KeyboardInterrupt
