@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import logging
 import sys
-from importlib.metadata import entry_points
 from typing import Callable
 
 import os
@@ -54,18 +53,30 @@ def human_bytes(n: float) -> str:
 
 
 def _tqdm(**kwargs):
-    from tqdm.auto import tqdm
+    """A progress bar on a terminal; tqdm is not imported where it would draw none (``disable=None``: stderr is not
+    a terminal), since importing it costs 25-35 ms of a command's start-up (its version lookup imports
+    importlib.metadata; tqdm.auto's notebook check, asyncio)."""
+    from tqdm import tqdm
 
     return tqdm(disable=None, leave=False, **kwargs)
 
 
+def _draws() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stderr
+        return False
+
+
 def _bytes_progress(total: int, desc: str) -> tuple[Callable, Callable]:
+    if not _draws():
+        return None, lambda: None
     bar = _tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
     return (lambda entry: bar.update(entry.spec.nbytes)), bar.close
 
 
 def _iter_progress(items, **kwargs):
-    return _tqdm(iterable=items, total=len(items), **kwargs)
+    return _tqdm(iterable=items, total=len(items), **kwargs) if _draws() else items
 
 
 def _options(args: argparse.Namespace) -> registry.Options:
@@ -365,7 +376,9 @@ def _size_arg(text: str) -> int:
 # --- wiring --------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; with ``argv``, the plugins' commands are loaded only where it names none of
+    the built-in ones (looking them up imports importlib.metadata: a tenth of a small conversion's start-up)."""
     parser = OneLineParser(
         prog="interop", description="Inspect, verify, convert and compare training checkpoints across engines."
     )
@@ -446,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true", help="allow arbitrary objects in pickled native files")
     p.add_argument("--config", metavar="PATH", help="the model's config.json (or its model directory), for a source that carries none")
 
+    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    if command in sub.choices:
+        return parser
+    from importlib.metadata import entry_points
+
     for ep in entry_points(group="interop.commands"):
         try:
             ep.load()(sub)
@@ -455,9 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(given)
+    args = parser.parse_args(given)
+    args.argv = given
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries(args.verbose)
     if args.command in ("convert", "verify", "inspect", "diff"):

@@ -44,7 +44,7 @@ from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
 from . import deepspeed_moe
-from .engine_checkpoint import carried_components, owning_checkpoint, holds_native, native_dir
+from .engine_checkpoint import at_once, carried_components, owning_checkpoint, holds_native, native_dir
 from .models.facts import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
@@ -210,6 +210,7 @@ class NativeInfo:
     files: NativeFiles
     layout: NativeLayout
     ds_version: str | None
+    rank0_states: Any = field(default=None, repr=False, compare=False)  # files.model[0] as read here (not read twice)
 
 
 def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
@@ -223,7 +224,7 @@ def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
     precision = precision_of_config(ds_config)
     if files.bf16_prefix:
         precision = "bfloat16"
-    return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version"))
+    return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version") if isinstance(states, dict) else None, states)
 
 
 # --- flat partitions -----------------------------------------------------------------------------------------
@@ -472,15 +473,16 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
     info = describe(path, trust_pickle)
     files, world, zero3 = info.files, info.layout.world_size, info.layout.zero_stage == 3
     model_states = []
-    for p in files.model:
-        ms = load_ds_file(p, trust_pickle)
+    for i, p in enumerate(files.model):
+        ms = info.rank0_states if i == 0 else load_ds_file(p, trust_pickle)
         if not isinstance(ms, dict) or "param_shapes" not in ms:
             raise CorruptCheckpointError(p, "not a DeepSpeed model-states file (no param_shapes)")
         saved_world = ms.get("dp_world_size")
         if saved_world is not None and int(saved_world) != world:
             raise TopologyError(f"{p}: saved by {saved_world} ranks, but the directory holds {world} optimizer files (two world sizes mixed)")
         model_states.append(ms)
-    optims = [_parse_optim(p, trust_pickle, zero3) for p in files.optim]
+    # each rank's file parsed on its own thread: most of a parse is waiting for its blocks' digests
+    optims = list(at_once(_parse_optim, [(p, trust_pickle, zero3) for p in files.optim], "deepspeed-read"))
     for o in optims:
         if o.partition_count != world:
             raise TopologyError(f"{o.path}: written by a run of {o.partition_count} ranks; the directory has {world} optimizer files (two world sizes mixed)")

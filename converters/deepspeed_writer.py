@@ -61,12 +61,12 @@ def _deepspeed():
 def deepspeed_version() -> str:
     """The installed DeepSpeed's version, without importing it (a second and more with torch): for files that hold
     none of DeepSpeed's classes, only its version string (a universal checkpoint's)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from interop.installed import version
 
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        raise ConversionError("writing a DeepSpeed checkpoint needs deepspeed installed (pip install 'interop[deepspeed]')") from None
+    found = version("deepspeed")
+    if found is None:
+        raise ConversionError("writing a DeepSpeed checkpoint needs deepspeed installed (pip install 'interop[deepspeed]')")
+    return found
 
 
 def shapes(ckpt: LogicalCheckpoint, names: list[str]) -> OrderedDict:

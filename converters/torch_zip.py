@@ -93,6 +93,8 @@ class Archive:
         self._maps = maps if maps is not None else {}
         self._lock = threading.Lock()
         self.ranges = ranged.registered(path)
+        if self.ranges is not None:  # torch.save writes data.pkl first: its block is hashed beside the directory's
+            self.ranges.start(base, base + 1)
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             self.inode = st.st_ino
@@ -129,9 +131,11 @@ class Archive:
                 raise NeedsTorch("big-endian storages")
             self.pickle = self._read(f, pickles[0])
 
-    def _checked(self, lo: int, hi: int) -> None:
+    def _checked(self, lo: int, hi: int, ahead: bool = False) -> None:
+        """Bytes ``lo .. hi`` checked before they are used; ``ahead``: a tensor's, read on in order (the directory,
+        data.pkl and the records' headers are looked at and the reader moves elsewhere)."""
         if self.ranges is not None:
-            self.ranges.check(lo, hi, self.inode)
+            self.ranges.check(lo, hi, self.inode, ahead)
 
     def _read(self, f: Any, info: zipfile.ZipInfo) -> bytes:
         """A small stored record's bytes (data.pkl, byteorder), checked with its local header."""
@@ -152,7 +156,7 @@ class Archive:
         if self.ranges is not None:
             header, start = self._headers[f"{self.prefix}data/{key}"]
             self._checked(header, start)
-            self._checked(lo, hi)
+            self._checked(lo, hi, ahead=True)
 
     def storage(self, key: str, nbytes: int) -> tuple[int, int]:
         """(file offset, bytes) of storage record ``key``, which must be stored uncompressed, hold ``nbytes``

@@ -246,13 +246,11 @@ def now_iso() -> str:
 
 
 def producer_versions(**extra: str) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     from . import __version__
+    from .installed import version
 
-    try:
-        torch_version = version("torch")  # without importing torch
-    except PackageNotFoundError:  # torch on a path of its own, without install metadata
+    torch_version = version("torch")  # without importing torch
+    if torch_version is None:  # torch on a path of its own, without install metadata
         import torch
 
         torch_version = torch.__version__

@@ -73,9 +73,11 @@ class RangeCheck:
                 future = self._checks[index] = _pool().submit(self._check_block, index)
             return future
 
-    def check(self, lo: int, hi: int, inode: int | None = None) -> None:
+    def check(self, lo: int, hi: int, inode: int | None = None, ahead: bool = True) -> None:
         """Return once bytes ``lo .. hi`` of the file (as the reader opened it: ``inode``) match the manifest;
-        raise CorruptCheckpointError naming the file otherwise."""
+        raise CorruptCheckpointError naming the file otherwise. ``ahead``: the reader goes on through the file in
+        order, so the next blocks are hashed meanwhile (not for a look at a file's index or pickle: the next bytes
+        it reads lie elsewhere, and a block hashed for nothing takes a core from the blocks it does need)."""
         if inode is not None and inode != self.inode:
             raise CorruptCheckpointError(self.path, "was replaced after it was checked against the manifest")
         if not 0 <= lo <= hi <= self.size:
@@ -84,10 +86,17 @@ class RangeCheck:
             return
         first, last = lo // self.block, (hi - 1) // self.block
         futures = [self._start(i) for i in range(first, last + 1)]
-        for i in range(last + 1, min(last + 1 + AHEAD, len(self.record.blocks))):
+        for i in range(last + 1, min(last + 1 + AHEAD, len(self.record.blocks))) if ahead else ():
             self._start(i)
         for future in futures:
             future.result()
+
+    def start(self, lo: int, hi: int) -> None:
+        """Start checking the blocks of bytes ``lo .. hi`` now, on the threads, for a ``check`` of them to come (a
+        reader that will need two far-apart ranges has both hashed at once rather than one after the other)."""
+        lo, hi = max(0, lo), min(hi, self.size)
+        for i in range(lo // self.block, (hi - 1) // self.block + 1) if hi > lo else ():
+            self._start(i)
 
     def check_whole(self, inode: int | None = None) -> None:
         self.check(0, self.size, inode)

@@ -184,3 +184,38 @@ def test_a_conversion_lets_openmp_threads_sleep_unless_told_otherwise(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ACTIVE"]
+
+
+def test_installed_versions_are_importlib_metadatas():
+    """The versions read beside each package (a manifest's producer versions, the key of transformers' kept
+    answers) are the ones importlib.metadata gives; a package that is not installed has none."""
+    from importlib.metadata import version as metadata_version
+
+    from interop.installed import version
+
+    for name in ("torch", "transformers", "deepspeed", "accelerate", "safetensors", "tqdm", "blake3"):
+        assert version(name) == metadata_version(name), name
+    assert version("no_such_package_here") is None
+
+
+def test_a_conversion_starts_without_importlib_metadata_or_tqdm_when_no_bar_is_drawn(tmp_path):
+    """A built-in command loads no command plugins (looking them up imports importlib.metadata), versions are read
+    without it, and with stderr not a terminal (tqdm would draw nothing) tqdm is not imported: 50-70 ms of a
+    conversion's start-up. The plugins' commands are still there when asked for."""
+    _, src = saved(tmp_path, "llama")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the first conversion of a model asks transformers about it (importing it and torch), and keeps the answers
+    subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(src), str(tmp_path / "first"), "--to", "universal"],
+                   env=env, check=True, capture_output=True, timeout=300)
+    probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
+             "print(sorted(m for m in ('importlib.metadata', 'tqdm', 'torch') if m in sys.modules)); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", probe, "convert", str(src), str(tmp_path / "uni"), "--to", "universal"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    manifest = json.loads((tmp_path / "uni" / "manifest.json").read_text())
+    from importlib.metadata import version as metadata_version
+
+    assert manifest["producer"]["torch"] == metadata_version("torch").split("+")[0]
+    listed = subprocess.run([sys.executable, "-m", "converters.cli", "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert "demo" in listed.stdout.split()

@@ -267,3 +267,28 @@ def test_a_registration_replaced_stays_good_for_its_readers(tmp_path):
         ranged.registered(str(paths[0])).check(1500, 1600)
     ranged.clear()
     assert ranged.registered(str(paths[0])) is None
+
+
+def test_a_look_at_a_files_index_hashes_only_its_blocks_and_a_tensors_read_hashes_ahead(tmp_path):
+    """Reading a torch file's directory and data.pkl checks just the blocks they lie in (the reader goes elsewhere
+    next: a block hashed ahead there is a core taken from the blocks it does need); a tensor's bytes, read on in
+    order, have the next blocks hashed meanwhile."""
+    from interop import digests, ranged
+    from interop.manifest import FileRecord
+
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)  # 16 KiB of storage between data.pkl and the directory
+    block = 1024
+    found = digests.of_files([str(path)], blocked=True, block_bytes=block)[str(path)]
+    size = os.path.getsize(path)
+    check = ranged.defer(str(path), FileRecord(size, found.digest, blocks=found.blocks, block_bytes=block))
+    try:
+        archive = torch_zip.Archive(str(path))
+        looked = set(check._checks)
+        pickle_block = archive._headers[next(n for n in archive.records if n.endswith("data.pkl"))][0] // block
+        assert looked <= {pickle_block, pickle_block + 1, *range((size - 1024) // block - 1, size // block + 1)}
+        start, nbytes = archive.storage("0", 4096 * 4)
+        archive.checked_storage("0", start, start + block)
+        assert {start // block + 1, start // block + 2} <= set(check._checks)  # hashed ahead of the tensor's reader
+    finally:
+        ranged.clear()

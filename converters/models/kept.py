@@ -26,10 +26,10 @@ T = TypeVar("T")
 def kept_path(kind: str, schema: int, key: str) -> tuple[str, str] | None:
     """(the file keeping the answer to ``key``, the answer's identity), or None when keeping is off or
     transformers is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
     from importlib.util import find_spec
 
     from interop import __version__
+    from interop.installed import version
 
     root = os.environ.get(CACHE_ENV)
     if root == "off":
@@ -40,7 +40,9 @@ def kept_path(kind: str, schema: int, key: str) -> tuple[str, str] | None:
         installed = version("transformers")
         spec = find_spec("transformers")
         written = os.stat(spec.origin).st_mtime_ns if spec is not None and spec.origin else 0
-    except (PackageNotFoundError, ValueError, OSError):
+    except (ValueError, OSError):
+        return None
+    if installed is None:
         return None
     identity = hashlib.sha256(f"{kind}\0{schema}\0{__version__}\0{installed}\0{written}\0{key}".encode()).hexdigest()
     return os.path.join(root, "model-facts", f"{identity}.json"), identity
