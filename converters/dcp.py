@@ -38,6 +38,7 @@ from interop.universal import scalar_value, split_optimizer_state
 
 from . import torch_zip
 from .param_order import EngineOrder
+from .pickle_safety import expanded
 from .torch_zip import as_torch, dtype_name_of, is_tensor, materialize, piece_of
 
 log = logging.getLogger(__name__)
@@ -215,8 +216,12 @@ def read_metadata(directory: str, stubs: bool = False):
         raise CorruptCheckpointError(path, f"unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise CorruptCheckpointError(path, f"is a {type(metadata).__name__}, not DCP metadata")
+    named: set[str] = set()
     for info in (metadata.storage_data or {}).values():  # every data file it names stays inside the directory
-        inside(directory, getattr(info, "relative_path", None), path)
+        rel = getattr(info, "relative_path", None)
+        if not (isinstance(rel, str) and rel in named):  # each file once (resolving links is a system call per
+            inside(directory, rel, path)                 # component: a tenth of a second for a model's thousand chunks)
+            named.add(rel)
         if getattr(info, "transform_descriptors", None):  # compressed or transformed data: neither reader expands it
             raise CorruptCheckpointError(path, f"stores {info.relative_path} through transforms {info.transform_descriptors}; "
                                                "only plain DCP data is read")
@@ -422,7 +427,7 @@ class DCPReader:
         if len(data) != length:
             raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
         try:
-            with torch.serialization.safe_globals(list(allow or [])):
+            with torch.serialization.safe_globals(expanded(allow)):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafePickleError(path, f"{what} is not plain data ({str(exc).splitlines()[0]}); it was not loaded") from None

@@ -32,7 +32,20 @@ def allowlist() -> list[Any]:
 
 
 def numpy_allowlist() -> list[Any]:
-    """What a pickled ``np.random.get_state()`` needs (RNG states in accelerate's and Megatron's files)."""
+    """What a pickled ``np.random.get_state()`` needs (RNG states in accelerate's and Megatron's files), numpy
+    imported only when a pickle read without torch names it, or torch's loader is given it (:func:`expanded`)."""
+    from .torch_zip import LazyAllow
+
+    return [LazyAllow(_NUMPY_NAMES, _numpy_objects)]
+
+
+# what _numpy_objects gives, by the names torch_zip's unpickler matches (numpy 2's; a pickle naming numpy 1's goes to
+# torch's loader, which is given the objects)
+_NUMPY_NAMES = frozenset({"numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "_codecs.encode",
+                          "numpy.dtypes.UInt32DType"})
+
+
+def _numpy_objects() -> list[Any]:
     import codecs
 
     import numpy as np
@@ -42,6 +55,13 @@ def numpy_allowlist() -> list[Any]:
     if hasattr(np, "dtypes"):
         allow.append(np.dtypes.UInt32DType)
     return allow
+
+
+def expanded(allow: Iterable[Any] | None) -> list[Any]:
+    """An allowlist as torch's ``safe_globals`` takes it: lazy entries resolved."""
+    from .torch_zip import LazyAllow
+
+    return [obj for e in allow or [] for obj in (e.resolve() if isinstance(e, LazyAllow) else [e])]
 
 
 def is_mapped(path: str) -> bool:
@@ -69,7 +89,7 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(allowlist() + list(allow or [])):
+        with torch.serialization.safe_globals(allowlist() + expanded(allow)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -121,7 +141,7 @@ def weights_only_loads(trust_pickle: bool = False, allow: list[Any] | None = Non
     saved = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(allowlist() + list(allow or [])):
+        with torch.serialization.safe_globals(allowlist() + expanded(allow)):
             yield
     except pickle.UnpicklingError as exc:
         raise UnsafePickleError(None, f"an engine's load met a pickle beyond the allowlist ({str(exc).strip().splitlines()[-1]}); "

@@ -403,6 +403,16 @@ def _latin1(text: Any, encoding: str) -> bytes:
 _NAMED = {"torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter"} | {f"torch.{s}" for s in STORAGE_DTYPES}
 
 
+@dataclass(frozen=True)
+class LazyAllow:
+    """Allowlist entries imported only when a pickle names one of them (``resolve`` gives the objects): numpy's
+    RNG-state types cost 70 ms of import, and most files (a scheduler's, an optimizer's) name none. A pickle that
+    names them under other names (an older numpy's) is left to torch's loader, given the resolved objects."""
+
+    names: frozenset[str]
+    resolve: Callable[[], list[Any]]
+
+
 def _name(entry: Any) -> tuple[str, Any]:
     if isinstance(entry, tuple):
         return entry[1], entry[0]
@@ -415,8 +425,18 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
     def __init__(self, archive: Archive, allow: list[Any]):
         super().__init__(io.BytesIO(archive.pickle))
         self.archive = archive
-        self.allowed = dict(_name(e) for e in allow)
+        self.deferred = [e for e in allow if isinstance(e, LazyAllow)]
+        self.allowed = dict(_name(e) for e in allow if not isinstance(e, LazyAllow))
         self.built = tuple(v for v in self.allowed.values() if isinstance(v, type))
+
+    def _allowed(self, full: str) -> Any:
+        for lazy in self.deferred:
+            if full in lazy.names:
+                self.deferred.remove(lazy)
+                self.allowed.update(_name(e) for e in lazy.resolve())
+                self.built = tuple(v for v in self.allowed.values() if isinstance(v, type))
+                break
+        return self.allowed.get(full)
 
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3:  # Python 2 names, as pickle maps them (protocol 2 writes __builtin__.set)
@@ -428,8 +448,9 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: BUILD can be check
             return _FUNCTIONS[full]
         if full in _NAMED:
             return _Global(full)
-        if full in self.allowed:
-            return self.allowed[full]
+        found = self._allowed(full)
+        if found is not None:
+            return found
         if module == "torch" and is_dtype_name(name):
             return StoredDtype(name)
         raise NeedsTorch(f"references {full}")

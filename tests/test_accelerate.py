@@ -129,8 +129,9 @@ def test_fsdp2_is_read_without_torch_and_checked_only_where_it_is_read(runs, tmp
     assert "optimizer_0/__0_0.distcp" in blocked and "pytorch_model_fsdp_0/__0_0.distcp" in blocked
     assert main(["convert", str(src), str(tmp_path / "hf1"), "--to", "hf"]) == 0  # checked block by block
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf1").iterdir()} == exported
-    # read with torch unimportable (this model's own names would ask transformers, which needs torch, to rename)
-    probe = ("import sys, json; sys.modules['torch'] = None\n"
+    # read with torch unimportable (this model's own names would ask transformers, which needs torch, to rename),
+    # and numpy (70 ms of import: the scheduler's pickle is allowed numpy's RNG types, but names none of them)
+    probe = ("import sys, json; sys.modules['torch'] = sys.modules['numpy'] = None\n"
              "from converters.accelerate import read_accelerate\nfrom interop import digests\n"
              "c = read_accelerate(sys.argv[1])\n"
              "print(json.dumps([{n: digests.of_bytes(b''.join(bytes(p.data) for p in t.mapped_pieces())) for n, t in c.model.items()},"
