@@ -56,12 +56,17 @@ def _tqdm(**kwargs):
     """A progress bar on a terminal; tqdm is not imported where it would draw none (``disable=None``: stderr is not
     a terminal), since importing it costs 25-35 ms of a command's start-up (its version lookup imports
     importlib.metadata; tqdm.auto's notebook check, asyncio)."""
-    from tqdm import tqdm
+    if "ipykernel" in sys.modules:  # main() called in a notebook: tqdm.auto's widget
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
 
     return tqdm(disable=None, leave=False, **kwargs)
 
 
 def _draws() -> bool:
+    if "ipykernel" in sys.modules:
+        return True
     try:
         return sys.stderr is not None and sys.stderr.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stderr
@@ -378,7 +383,8 @@ def _size_arg(text: str) -> int:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line's parser; with ``argv``, the plugins' commands are loaded only where it names none of
-    the built-in ones (looking them up imports importlib.metadata: a tenth of a small conversion's start-up)."""
+    the built-in ones (looking them up imports importlib.metadata: a tenth of a small conversion's start-up). A
+    plugin (entry point group ``interop.commands``) adds commands of its own; it does not change the built-in ones."""
     parser = OneLineParser(
         prog="interop", description="Inspect, verify, convert and compare training checkpoints across engines."
     )

@@ -38,7 +38,7 @@ from interop.universal import scalar_value, split_optimizer_state
 
 from . import torch_zip
 from .param_order import EngineOrder
-from .pickle_safety import expanded
+from .pickle_safety import TORCH_LOAD_LOCK, expanded
 from .torch_zip import as_torch, dtype_name_of, is_tensor, materialize, piece_of
 
 log = logging.getLogger(__name__)
@@ -426,8 +426,9 @@ class DCPReader:
             raise MissingFileError(path, f"holds {what} but is missing") from None
         if len(data) != length:
             raise CorruptCheckpointError(path, f"truncated: {what} needs bytes {offset}..{offset + length}, file has {offset + len(data)}")
+        allowed = expanded(allow)
         try:
-            with torch.serialization.safe_globals(expanded(allow)):
+            with TORCH_LOAD_LOCK, torch.serialization.safe_globals(allowed):
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafePickleError(path, f"{what} is not plain data ({str(exc).splitlines()[0]}); it was not loaded") from None

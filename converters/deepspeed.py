@@ -213,8 +213,9 @@ class NativeInfo:
     rank0_states: Any = field(default=None, repr=False, compare=False)  # files.model[0] as read here (not read twice)
 
 
-def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
-    """Stage, world size and precision of the checkpoint at ``path`` (reads only the rank-0 model states)."""
+def describe(path: str, trust_pickle: bool = False, keep_states: bool = False) -> NativeInfo:
+    """Stage, world size and precision of the checkpoint at ``path`` (reads only the rank-0 model states; kept in
+    ``rank0_states`` with ``keep_states``, for a reader that goes on to read them)."""
     files = native_files(locate(path))
     states = load_ds_file(files.model[0], trust_pickle)
     ds_config = states.get("ds_config") if isinstance(states, dict) else None
@@ -224,7 +225,8 @@ def describe(path: str, trust_pickle: bool = False) -> NativeInfo:
     precision = precision_of_config(ds_config)
     if files.bf16_prefix:
         precision = "bfloat16"
-    return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version") if isinstance(states, dict) else None, states)
+    return NativeInfo(files, NativeLayout(files.world_size, stage, precision), states.get("ds_version") if isinstance(states, dict) else None,
+                      states if keep_states else None)
 
 
 # --- flat partitions -----------------------------------------------------------------------------------------
@@ -470,11 +472,12 @@ def frozen_and_buffers(
 
 
 def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
-    info = describe(path, trust_pickle)
+    info = describe(path, trust_pickle, keep_states=True)
     files, world, zero3 = info.files, info.layout.world_size, info.layout.zero_stage == 3
     model_states = []
     for i, p in enumerate(files.model):
         ms = info.rank0_states if i == 0 else load_ds_file(p, trust_pickle)
+        info.rank0_states = None  # held by model_states from here
         if not isinstance(ms, dict) or "param_shapes" not in ms:
             raise CorruptCheckpointError(p, "not a DeepSpeed model-states file (no param_shapes)")
         saved_world = ms.get("dp_world_size")

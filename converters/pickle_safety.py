@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import threading
 import zipfile
 from typing import Any, Iterable, Iterator
 
@@ -39,10 +40,10 @@ def numpy_allowlist() -> list[Any]:
     return [LazyAllow(_NUMPY_NAMES, _numpy_objects)]
 
 
-# what _numpy_objects gives, by the names torch_zip's unpickler matches (numpy 2's; a pickle naming numpy 1's goes to
-# torch's loader, which is given the objects)
-_NUMPY_NAMES = frozenset({"numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "_codecs.encode",
-                          "numpy.dtypes.UInt32DType"})
+# what _numpy_objects gives, by the names torch_zip's unpickler matches (numpy 2's and numpy 1's _reconstruct: only the
+# installed numpy's name then matches what it resolves to; a pickle naming the other goes to torch's loader)
+_NUMPY_NAMES = frozenset({"numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray",
+                          "numpy.dtype", "_codecs.encode", "numpy.dtypes.UInt32DType"})
 
 
 def _numpy_objects() -> list[Any]:
@@ -55,6 +56,11 @@ def _numpy_objects() -> list[Any]:
     if hasattr(np, "dtypes"):
         allow.append(np.dtypes.UInt32DType)
     return allow
+
+
+# torch's safe_globals adds to one set for the whole process and takes its entries out on leaving: two threads'
+# weights-only loads (ranks' files parsed side by side) would take each other's allowlist away mid-load
+TORCH_LOAD_LOCK = threading.Lock()
 
 
 def expanded(allow: Iterable[Any] | None) -> list[Any]:
@@ -86,10 +92,11 @@ def load_torch_file(path: str, trust_pickle: bool = False, allow: list[Any] | No
     ranged.start_whole(path)  # torch reads all of it: a file its reader was to check range by range is checked whole,
     torch.serialization  # noqa: B018 - while torch is imported
     ranged.check_whole(path)
+    allowed = allowlist() + expanded(allow) if not trust_pickle else []
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(allowlist() + expanded(allow)):
+        with TORCH_LOAD_LOCK, torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))

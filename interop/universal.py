@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -406,10 +407,16 @@ def checked_scalar(entry: dict[str, Any]) -> tuple[int | float | bool, str]:
     """A 0-dim optimizer state value as stored in state.json: (value, dtype name), checked without torch (reading
     a universal checkpoint for a target that needs no torch, Hugging Face, must not import it: a second of start-up)."""
     value, dtype = entry["value"], entry["dtype"]
-    if not is_dtype_name(dtype):
+    if not (isinstance(dtype, str) and is_dtype_name(dtype)):
         dtype_from_name(dtype)  # a name outside the table (ValueError where torch has no such dtype either)
     if not isinstance(value, (int, float)) or isinstance(value, bool) and dtype != "bool":
         raise TypeError(f"scalar value {value!r} is not a number")
+    ints = re.fullmatch(r"(u?)int(8|16|32|64)", dtype)
+    if ints and isinstance(value, int):  # (torch.tensor would refuse it with a RuntimeError, in the target's writer)
+        width = int(ints[2])
+        low, high = (0, 1 << width) if ints[1] else (-(1 << (width - 1)), 1 << (width - 1))
+        if not low <= value < high:
+            raise ValueError(f"scalar value {value} does not fit {dtype}")
     return value, dtype
 
 

@@ -186,15 +186,34 @@ def test_a_conversion_lets_openmp_threads_sleep_unless_told_otherwise(tmp_path):
     assert out.stdout.split() == ["ACTIVE"]
 
 
-def test_installed_versions_are_importlib_metadatas():
+def test_installed_versions_are_importlib_metadatas(tmp_path, monkeypatch):
     """The versions read beside each package (a manifest's producer versions, the key of transformers' kept
-    answers) are the ones importlib.metadata gives; a package that is not installed has none."""
+    answers) are the ones importlib.metadata gives; where the dist-info beside a package is not plain (two of
+    them) it is importlib.metadata that answers; a package that is not installed has none."""
+    import importlib
     from importlib.metadata import version as metadata_version
 
-    from interop.installed import version
+    from interop.installed import _beside_package, version
 
-    for name in ("torch", "transformers", "deepspeed", "accelerate", "safetensors", "tqdm", "blake3"):
-        assert version(name) == metadata_version(name), name
+    for name in ("torch", "transformers", "deepspeed", "accelerate", "safetensors", "tqdm"):
+        assert _beside_package(name) == metadata_version(name), name  # read beside it, not by the fallback
+    assert version("blake3") == metadata_version("blake3")  # a one-file extension module: the fallback's
+    site = tmp_path / "site"
+    (site / "fakepkg_interop").mkdir(parents=True)
+    (site / "fakepkg_interop" / "__init__.py").write_text("")
+    for v in ("1.0", "2.0"):
+        info = site / f"fakepkg_interop-{v}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakepkg_interop\nVersion: {v}\n\nVersion: 9\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    assert _beside_package("fakepkg_interop") is None
+    assert version("fakepkg_interop") == metadata_version("fakepkg_interop")
+    import shutil
+
+    shutil.rmtree(site / "fakepkg_interop-2.0.dist-info")
+    importlib.invalidate_caches()
+    assert _beside_package("fakepkg_interop") == "1.0"  # the headers' Version, not the body's
     assert version("no_such_package_here") is None
 
 
@@ -219,3 +238,26 @@ def test_a_conversion_starts_without_importlib_metadata_or_tqdm_when_no_bar_is_d
     assert manifest["producer"]["torch"] == metadata_version("torch").split("+")[0]
     listed = subprocess.run([sys.executable, "-m", "converters.cli", "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert "demo" in listed.stdout.split()
+    demo = subprocess.run([sys.executable, "-m", "converters.cli", "demo", "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 0 and demo.stdout.startswith("usage: interop demo"), demo.stderr
+
+
+def test_optimizer_scalars_are_checked_as_torch_would_build_them():
+    """state.json's scalars are checked without torch as torch.tensor(value, dtype) would take them: an integer
+    that does not fit its dtype, a value that is no number, a dtype that is no name are refused as read."""
+    import pytest
+
+    from interop.universal import checked_scalar
+
+    assert checked_scalar({"value": 255, "dtype": "uint8"}) == (255, "uint8")
+    assert checked_scalar({"value": -(1 << 63), "dtype": "int64"}) == (-(1 << 63), "int64")
+    assert checked_scalar({"value": 3.5, "dtype": "bfloat16"}) == (3.5, "bfloat16")
+    assert checked_scalar({"value": True, "dtype": "bool"}) == (True, "bool")
+    for entry, problem in (({"value": 256, "dtype": "uint8"}, "scalar value 256 does not fit uint8"),
+                           ({"value": 1 << 63, "dtype": "int64"}, f"scalar value {1 << 63} does not fit int64"),
+                           ({"value": True, "dtype": "float32"}, "scalar value True is not a number"),
+                           ({"value": "3", "dtype": "float32"}, "scalar value '3' is not a number"),
+                           ({"value": 3, "dtype": ["int64"]}, "unknown dtype name ['int64']")):
+        with pytest.raises((TypeError, ValueError)) as caught:
+            checked_scalar(entry)
+        assert str(caught.value) == problem

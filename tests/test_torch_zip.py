@@ -292,3 +292,59 @@ def test_a_look_at_a_files_index_hashes_only_its_blocks_and_a_tensors_read_hashe
         assert {start // block + 1, start // block + 2} <= set(check._checks)  # hashed ahead of the tensor's reader
     finally:
         ranged.clear()
+
+
+def test_numpys_rng_state_is_read_without_torch_its_types_imported_when_named(tmp_path):
+    """A pickle holding ``np.random.get_state()`` (accelerate's and Megatron's RNG files) is read by the torch-free
+    reader with the lazy numpy allowlist: the names resolve to numpy's own types when the pickle names them."""
+    import numpy as np
+
+    from converters.pickle_safety import numpy_allowlist
+
+    state = np.random.RandomState(3).get_state()
+    path = tmp_path / "rng.pt"
+    torch.save({"numpy": state, "w": torch.arange(3.0)}, path)
+    got = torch_zip.load(str(path), numpy_allowlist())  # (NeedsTorch if a name did not resolve)
+    assert got["numpy"][0] == state[0] and np.array_equal(got["numpy"][1], state[1]) and got["numpy"][2:] == state[2:]
+    assert torch.equal(torch_zip.as_torch(got["w"]), torch.arange(3.0))
+
+
+def test_weights_only_loads_on_two_threads_keep_each_ones_allowlist(tmp_path, monkeypatch):
+    """torch's safe_globals is one set for the process, each load's entries taken out as it leaves: a load that
+    leaves while another is inside took the entries both were given (every rank's file is loaded with the same
+    allowlist) away from the other (ranks' files are parsed side by side). Loads through torch take turns: the
+    second load, whose file holds an allowlisted object, still reads it after the first has left."""
+    import argparse
+    import threading
+    import time
+
+    from converters.pickle_safety import load_torch_file
+
+    plain, needs = tmp_path / "plain.pt", tmp_path / "args.pt"
+    torch.save({"w": torch.ones(2)}, plain)
+    torch.save({"args": argparse.Namespace(lr=0.1)}, needs)
+    real = torch.load
+
+    def slow(*args, **kwargs):  # inside safe_globals long enough for the other thread's to come and go
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", slow)
+    results = {}
+
+    def load(name, path, allow):
+        try:
+            results[name] = load_torch_file(str(path), allow=allow)
+        except Exception as exc:  # noqa: BLE001
+            results[name] = exc
+
+    first = threading.Thread(target=load, args=("plain", plain, [argparse.Namespace]))  # one allowlist for all ranks' files
+    second = threading.Thread(target=load, args=("args", needs, [argparse.Namespace]))
+    first.start()
+    time.sleep(0.1)
+    second.start()
+    first.join()
+    second.join()
+    assert torch.equal(results["plain"]["w"], torch.ones(2))
+    assert not isinstance(results["args"], Exception), results["args"]
+    assert results["args"]["args"] == argparse.Namespace(lr=0.1)
