@@ -56,7 +56,7 @@ def _tqdm(**kwargs):
     """A progress bar on a terminal; tqdm is not imported where it would draw none (``disable=None``: stderr is not
     a terminal), since importing it costs 25-35 ms of a command's start-up (its version lookup imports
     importlib.metadata; tqdm.auto's notebook check, asyncio)."""
-    if "ipykernel" in sys.modules:  # main() called in a notebook: tqdm.auto's widget
+    if _in_notebook():  # main() called in a notebook: tqdm.auto's widget
         from tqdm.auto import tqdm
     else:
         from tqdm import tqdm
@@ -64,8 +64,12 @@ def _tqdm(**kwargs):
     return tqdm(disable=None, leave=False, **kwargs)
 
 
+def _in_notebook() -> bool:
+    return "ipykernel" in sys.modules
+
+
 def _draws() -> bool:
-    if "ipykernel" in sys.modules:
+    if _in_notebook():
         return True
     try:
         return sys.stderr is not None and sys.stderr.isatty()

@@ -475,9 +475,9 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
     info = describe(path, trust_pickle, keep_states=True)
     files, world, zero3 = info.files, info.layout.world_size, info.layout.zero_stage == 3
     model_states = []
+    rank0, info.rank0_states = info.rank0_states, None  # held by model_states from here
     for i, p in enumerate(files.model):
-        ms = info.rank0_states if i == 0 else load_ds_file(p, trust_pickle)
-        info.rank0_states = None  # held by model_states from here
+        ms = rank0 if i == 0 else load_ds_file(p, trust_pickle)
         if not isinstance(ms, dict) or "param_shapes" not in ms:
             raise CorruptCheckpointError(p, "not a DeepSpeed model-states file (no param_shapes)")
         saved_world = ms.get("dp_world_size")

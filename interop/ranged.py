@@ -103,8 +103,7 @@ class RangeCheck:
 
     def start_whole(self) -> None:
         """Start hashing every block now (on the threads), for a ``check_whole`` to come."""
-        for i in range(len(self.record.blocks)):
-            self._start(i)
+        self.start(0, self.size)
 
 
 _POOL: ThreadPoolExecutor | None = None

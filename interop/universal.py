@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from .lazy_import import instance_of, torch
 
 from . import codec
 from .commit import durable_write, fsync_path, write_manifest
-from .dtypes import dtype_from_name, dtype_name, is_dtype_name
+from .dtypes import dtype_from_name, dtype_name, is_dtype_name, is_floating, itemsize
 from .errors import ConversionError, CorruptCheckpointError
 from .logical import AdapterState, ComponentSource, DeferredScalars, LogicalCheckpoint, OptimizerState, optim_key
 from .manifest import UNIVERSAL_FORMAT, ComponentRecord, FileRecord, Manifest, TensorRecord, now_iso, producer_versions
@@ -411,10 +410,9 @@ def checked_scalar(entry: dict[str, Any]) -> tuple[int | float | bool, str]:
         dtype_from_name(dtype)  # a name outside the table (ValueError where torch has no such dtype either)
     if not isinstance(value, (int, float)) or isinstance(value, bool) and dtype != "bool":
         raise TypeError(f"scalar value {value!r} is not a number")
-    ints = re.fullmatch(r"(u?)int(8|16|32|64)", dtype)
-    if ints and isinstance(value, int):  # (torch.tensor would refuse it with a RuntimeError, in the target's writer)
-        width = int(ints[2])
-        low, high = (0, 1 << width) if ints[1] else (-(1 << (width - 1)), 1 << (width - 1))
+    if isinstance(value, int) and dtype != "bool" and is_dtype_name(dtype) and not is_floating(dtype):
+        width = 8 * itemsize(dtype)  # (torch.tensor would refuse it with a RuntimeError, in the target's writer)
+        low, high = (0, 1 << width) if dtype.startswith("u") else (-(1 << (width - 1)), 1 << (width - 1))
         if not low <= value < high:
             raise ValueError(f"scalar value {value} does not fit {dtype}")
     return value, dtype
