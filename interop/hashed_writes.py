@@ -214,6 +214,13 @@ def write_piece(f, piece: Piece, sources: dict[str, int]) -> int:
     return f.write(piece.data) if copied is None else copied
 
 
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` at ``offset`` of ``fd`` (a write may take less than it is given)."""
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def start_writeback(f, offset: int, length: int) -> None:
     """Start writing this range of ``f`` (a file, flushed first, or a descriptor) to disk now (Linux: DONTNEED on
     dirty pages initiates writeback), so the final fsync waits for little and a large save does not pile up dirty

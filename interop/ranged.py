@@ -54,7 +54,7 @@ class RangeCheck:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             raise CorruptCheckpointError(self.path, f"cannot be read to check bytes {lo}..{lo + want}: {exc.strerror}") from None
-        buffer = _take_buffer(want)
+        buffer = _take_buffer(min(digests.HASH_READ, want))
         try:
             if os.fstat(fd).st_ino != self.inode:
                 raise CorruptCheckpointError(self.path, "was replaced after it was checked against the manifest")

@@ -29,7 +29,7 @@ from . import digests
 from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
-from .hashed_writes import copy_at, start_writeback
+from .hashed_writes import copy_at, pwrite_all, start_writeback
 from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
 from .tensors import sub_pieces
 
@@ -232,7 +232,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
             fd = fds[span.rel]
             try:
                 if span.tensor is None:
-                    _pwrite_all(fd, memoryview(headers[span.rel])[span.start:span.start + span.length], span.offset)
+                    pwrite_all(fd, memoryview(headers[span.rel])[span.start:span.start + span.length], span.offset)
                     continue
                 key = (span.rel, span.tensor)
                 entry = entries[key]
@@ -242,7 +242,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
                     for piece in sub_pieces(pieces, span.start, span.start + span.length):
                         copied = copy_at(fd, at, piece, sources)  # a mapped source's range, file to file
                         if copied is None:
-                            _pwrite_all(fd, piece.data, at)
+                            pwrite_all(fd, piece.data, at)
                         at += piece.data.nbytes
                     start_writeback(fd, span.offset, span.length)
                     if spans_of[key] == 1:
@@ -266,12 +266,6 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
         for fd in (*fds.values(), *sources.values()):
             os.close(fd)
     return done
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _hash_range(path: str, offset: int, length: int) -> str:

@@ -1,0 +1,151 @@
+"""Large output files written with direct I/O: the bytes (and digests) of the same file written through the page
+cache, whichever way each buffer went; a failed write or a shortened source is one error naming the file."""
+
+import errno
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from interop import direct_writes, safetensors_io
+from interop.errors import CorruptCheckpointError, OutputWriteError
+from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
+from interop.tensors import LazyTensor
+
+
+def takes_direct_io(directory) -> bool:
+    """Whether the filesystem under ``directory`` opens files for direct I/O (tmpfs and some others do not)."""
+    probe = os.path.join(directory, "probe")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    os.remove(probe)
+    return True
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(5000, 3, generator=g), "empty": torch.zeros(0, 4), "half": torch.randn(1001, generator=g).half(),
+            "ints": torch.arange(2049, dtype=torch.int64), "tiny": torch.ones(1)}
+
+
+def entries(tmp_path, mapped: set[str]) -> list[TensorEntry]:
+    """The tensors, those named in ``mapped`` as views of a stored file (read from it), the rest from memory."""
+    source = tmp_path / "source.safetensors"
+    if not source.exists():
+        write_safetensors(source, [TensorEntry(n, LazyTensor.of(t).spec, lambda t=t: t) for n, t in tensors().items()])
+    stored = SafetensorsFile(source)
+    out = []
+    for name, t in tensors().items():
+        lazy = stored.lazy(name) if name in mapped else LazyTensor.of(t)
+        out.append(TensorEntry(name, lazy.spec, lazy.load, lazy.mapped_pieces))
+    return out
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Direct writes for a file of any size, in buffers of three blocks: a tensor spans buffers, a buffer tensors."""
+    monkeypatch.setattr(direct_writes, "DIRECT_FROM", 0)
+    monkeypatch.setattr(direct_writes, "CHUNK", 3 * direct_writes.ALIGN)
+
+
+def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_path, monkeypatch):
+    reference = write_safetensors(tmp_path / "buffered.safetensors", entries(tmp_path, {"big", "ints"}), {"format": "pt"})
+    opened = []
+
+    def spy(path, size):
+        opened.append(direct_writes.open_output(path, size))
+        return opened[-1]
+
+    monkeypatch.setattr(safetensors_io, "open_output", spy)
+    monkeypatch.setattr(direct_writes, "DIRECT_FROM", 0)
+    monkeypatch.setattr(direct_writes, "CHUNK", 3 * direct_writes.ALIGN)
+    for mapped in ({"big", "ints"}, set(tensors()), set()):
+        written = write_safetensors(tmp_path / "direct.safetensors", entries(tmp_path, mapped), {"format": "pt"})
+        assert opened[-1].direct == takes_direct_io(tmp_path)  # direct where the filesystem takes it, from start to end
+        assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+        assert (written.nbytes, written.digest, written.tensor_digests) == (reference.nbytes, reference.digest, reference.tensor_digests)
+    loaded = load_file(tmp_path / "direct.safetensors")
+    assert all(torch.equal(loaded[n], t) for n, t in tensors().items())
+
+
+def test_a_small_file_goes_through_the_page_cache(tmp_path):
+    """Below DIRECT_FROM a file gains nothing from direct I/O, and whoever reads it next finds it in memory."""
+    out = direct_writes.open_output(str(tmp_path / "small"), direct_writes.DIRECT_FROM - 1)
+    try:
+        assert isinstance(out, direct_writes.BufferedFile)
+    finally:
+        out.close()
+
+
+def _refusing(monkeypatch, tmp_path, after: int, code: int) -> list[int]:
+    """Writers given a DirectFile on an ordinary descriptor, whose direct writes are refused (``code``) once
+    ``after`` of them have gone through; the direct writes tried, by descriptor."""
+    real, direct, tried = direct_writes.pwrite_all, [], []
+
+    def pwrite_all(fd, view, offset):
+        if fd in direct:
+            tried.append(fd)
+            if len(tried) > after:
+                raise OSError(code, os.strerror(code))
+        real(fd, view, offset)
+
+    def open_output(path, size):
+        direct.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))  # direct or not, the writer takes it as direct
+        return direct_writes.DirectFile(path, size, direct[-1])
+
+    monkeypatch.setattr(direct_writes, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(safetensors_io, "open_output", open_output)
+    return tried
+
+
+def test_a_device_that_refuses_direct_writes_midway_gets_the_same_file(tmp_path, monkeypatch, small_chunks):
+    """EINVAL from a direct write (an alignment the device will not take): that buffer and every one after it go
+    through the page cache; the file is the same."""
+    reference = write_safetensors(tmp_path / "reference.safetensors", entries(tmp_path, {"big"}))
+    tried = _refusing(monkeypatch, tmp_path, after=2, code=errno.EINVAL)
+    written = write_safetensors(tmp_path / "out", entries(tmp_path, {"big"}))
+    assert written.nbytes == reference.nbytes and written.digest == reference.digest
+    assert (tmp_path / "out").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert len(tried) == 3  # two writes went direct, the third was refused, and none was tried direct after it
+
+
+def test_a_direct_write_that_fails_is_one_error_naming_the_file(tmp_path, monkeypatch, small_chunks):
+    pieces = entries(tmp_path, {"big"})
+    _refusing(monkeypatch, tmp_path, after=1, code=errno.ENOSPC)
+    with pytest.raises(OutputWriteError, match=f"{tmp_path / 'out'}: could not be written: No space left on device"):
+        write_safetensors(tmp_path / "out", pieces)
+
+
+def test_a_source_shortened_while_it_is_read_is_named(tmp_path, small_chunks):
+    """A mapped source file cut short after its pieces were taken: their bytes are read from the file, which ends
+    early; the error names the source, not the output (the mapping itself is never touched: it would fault)."""
+    entries(tmp_path, set())
+    pieces = SafetensorsFile(tmp_path / "source.safetensors").mapped("big")
+    os.truncate(tmp_path / "source.safetensors", 1000)
+    out = direct_writes.DirectFile(str(tmp_path / "out"), 1 << 20, os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT))
+    try:
+        with pytest.raises(CorruptCheckpointError, match=f"{tmp_path / 'source.safetensors'}: ended .* bytes early"):
+            for piece in pieces:
+                out.write_piece(piece)
+    finally:
+        out.close()
+
+
+def test_a_source_replaced_since_it_was_mapped_is_written_from_the_mapping(tmp_path, small_chunks):
+    """The bytes written are the mapped (and hashed) ones, not those of a file put in the source's place."""
+    reference = write_safetensors(tmp_path / "reference.safetensors", entries(tmp_path, set()))
+    stored = SafetensorsFile(tmp_path / "source.safetensors")
+    mapped = {n: stored.mapped(n) for n in tensors()}  # the file mapped now
+    pieces = [TensorEntry(n, stored.spec(n), stored.lazy(n).load, lambda n=n: mapped[n]) for n in tensors()]
+    replacement = tmp_path / "other"
+    replacement.write_bytes(b"\0" * (tmp_path / "source.safetensors").stat().st_size)
+    os.replace(replacement, tmp_path / "source.safetensors")
+    written = write_safetensors(tmp_path / "out.safetensors", pieces)
+    assert written.digest == reference.digest
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
