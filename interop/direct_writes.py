@@ -18,6 +18,7 @@ cache. The bytes are the same whichever way they went.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -236,19 +237,27 @@ def _preallocate(fd: int, size: int) -> None:
     """The file's blocks allocated at its final size, so the direct writes overwrite and run side by side. Only
     the kernel's fallocate: glibc's posix_fallocate writes zeros where a filesystem has none, a second write of
     the whole file. A full disk is refused here, before any byte is written."""
-    try:
+    fallocate = _fallocate()
+    if fallocate is not None and fallocate(fd, 0, 0, size) != 0:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        fallocate = libc.fallocate
-    except (OSError, AttributeError):
-        return
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-    if fallocate(fd, 0, 0, size) != 0:
         code = ctypes.get_errno()
         if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise OSError(code, os.strerror(code))
         log.debug("fallocate: %s; the file grows as it is written", os.strerror(code))
+
+
+@functools.lru_cache(maxsize=None)
+def _fallocate() -> Any:
+    """libc's fallocate(2) wrapper, or None where there is none (not Linux, not glibc)."""
+    import ctypes
+
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    return fallocate
 
 
 def _close_all(fds: Iterable[int]) -> None:
