@@ -6,13 +6,13 @@ so on two cores the digest costs the writer no time."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import digests, written_digests
 from .errors import CorruptCheckpointError, OutputWriteError
+from .output_files import open_output
 from .tensors import LazyTensor, Piece, raw_bytes
 
 
@@ -47,42 +47,37 @@ class Beside:
 
 
 class HashedFile:
-    """The output file ``path``, open for writing as ``f``, whose written bytes are also fed, in order, to ``hasher``
-    (a :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`)
-    are copied file to file in the kernel. The caller must not change a buffer after writing it. Writeback starts
-    every ``writeback`` bytes, so the final fsync waits for little. A failed write or sync is an
-    :class:`OutputWriteError` naming the file (and only these: a source's read failing is not the output's).
+    """The output file ``path``, open for writing as ``out`` (an :mod:`interop.output_files` file: direct once it is
+    large, else through the page cache), whose written bytes are also fed, in order, to ``hasher`` (a
+    :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`) are
+    read from its file, not through the mapping. The caller must not change a buffer after writing it. A failed
+    write or sync is an :class:`OutputWriteError` naming the file (and only these: a source's read failing is not
+    the output's).
 
     Small writes (a torch.save archive's headers, a pickle) are copied into one batch that the hasher gets when it
     fills, or before the next large write: handing each to the thread on its own cost more than hashing it."""
 
     SMALL = 64 << 10
 
-    def __init__(self, f: BinaryIO, beside: Beside, hasher: Any, path: str, writeback: int = 64 << 20):
-        self._f, self.beside, self._hasher, self.path = f, beside, hasher, path
-        self.sources: dict[str, int] = {}  # mapped source files copied from, open (closed by hashed_output)
-        self._writeback, self._dirty_from = writeback, 0
-        self._pos = f.tell()  # kept here: a buffered file's tell() is a system call
+    def __init__(self, out: Any, beside: Beside, hasher: Any, path: str):
+        self._out, self.beside, self._hasher, self.path = out, beside, hasher, path
         self._batch = bytearray()
 
     def write(self, data: Any) -> int:
         try:
-            n = self._f.write(data)
+            n = self._out.write(data)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(data, n)
 
     def write_piece(self, piece: Piece) -> int:
-        """``piece``'s bytes: copied from its file in the kernel where it is a view of a mapped file (no copy
-        through this process), else written from memory."""
         try:
-            n = write_piece(self._f, piece, self.sources)
+            n = self._out.write_piece(piece)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(piece.data, n)
 
     def _written(self, data: Any, n: int) -> int:
-        self._pos += n
         if n < self.SMALL:
             self._batch += data
             if len(self._batch) >= self.SMALL:
@@ -90,12 +85,6 @@ class HashedFile:
             return n
         self._hash_batch()
         self.beside.submit(self._hasher.update, data, nbytes=n)
-        if self._pos - self._dirty_from >= self._writeback:
-            try:
-                start_writeback(self._f, self._dirty_from, self._pos - self._dirty_from)
-            except OSError as exc:
-                raise OutputWriteError.of(self.path, exc) from None
-            self._dirty_from = self._pos
         return n
 
     def _hash_batch(self) -> None:
@@ -104,20 +93,21 @@ class HashedFile:
             self.beside.submit(self._hasher.update, batch, nbytes=len(batch))
 
     def tell(self) -> int:
-        return self._pos
+        return self._out.tell()
 
     def flush(self) -> None:
+        """Everything handed over is in the file (at the end: a direct file's later bytes could not go direct)."""
         self._hash_batch()
         try:
-            self._f.flush()
+            self._out.flush()
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
 
     def sync(self) -> None:
         """Flush and fsync: the bytes are on disk when this returns."""
-        self.flush()
+        self._hash_batch()
         try:
-            os.fsync(self._f.fileno())
+            self._out.sync()
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
 
@@ -128,15 +118,14 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
     the writer's own work on its bytes); once the block ends without error, its digest is recorded for the manifest
     (:func:`written_digests.record`). The caller flushes (or syncs) before the block ends."""
     hasher = digests.BlockHasher()
+    out = open_output(path)
     try:
-        raw = open(path, "wb")
-    except OSError as exc:
-        raise OutputWriteError.of(path, exc) from None
-    with Beside() as beside, raw:
-        f = HashedFile(raw, beside, hasher, path)
-        with closing_fds(f.sources):
+        with Beside() as beside:
+            f = HashedFile(out, beside, hasher, path)
             yield f
-            f.flush()  # the last small writes to the hasher
+            f.flush()  # the last bytes written, and handed to the hasher
+    finally:
+        out.close()
     written_digests.record(path, hasher.digest())
 
 
@@ -160,7 +149,7 @@ def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
         for p in fetched:
             if h is not None:
                 beside.submit(h.update, p.data, nbytes=p.data.nbytes)
-            yield p  # a view of a mapped file: copied file to file
+            yield p  # a view of a mapped file: the writer reads it from the file
         beside.submit(_checked, part, h, fetched)
 
 
@@ -204,77 +193,3 @@ def _checked(part: LazyTensor, h: Any, pieces: list) -> None:
     for p in pieces:
         if p.release is not None:
             p.release()
-
-
-# --- writing helpers shared with the safetensors writer ----------------------------------------------------------
-def write_piece(f, piece: Piece, sources: dict[str, int]) -> int:
-    """``piece``'s bytes at ``f``'s position: copied from its file in the kernel where it is a view of a mapped file
-    (:func:`copy_range`), else written from memory; the bytes written."""
-    copied = copy_range(f, piece, sources)
-    return f.write(piece.data) if copied is None else copied
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """All of ``view`` at ``offset`` of ``fd`` (a write may take less than it is given)."""
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def start_writeback(f, offset: int, length: int) -> None:
-    """Start writing this range of ``f`` (a file, flushed first, or a descriptor) to disk now (Linux: DONTNEED on
-    dirty pages initiates writeback), so the final fsync waits for little and a large save does not pile up dirty
-    pages until the kernel throttles."""
-    if hasattr(os, "posix_fadvise") and length:
-        if not isinstance(f, int):
-            f.flush()
-            f = f.fileno()
-        os.posix_fadvise(f, offset, length, os.POSIX_FADV_DONTNEED)
-
-
-@contextlib.contextmanager
-def closing_fds(fds: dict[str, int]):
-    try:
-        yield fds
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
-    """Write ``piece``, a view of a mapped file, at ``f``'s position by copying its file range in the kernel (no
-    page faults, no copy through this process); the bytes written, or None when it is not (see :func:`copy_at`)."""
-    if piece.source is None or not hasattr(os, "copy_file_range"):
-        return None
-    f.flush()
-    start = f.tell()
-    copied = copy_at(f.fileno(), start, piece, sources)
-    if copied is not None:
-        f.seek(start + copied)
-    return copied
-
-
-def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int | None:
-    """Copy ``piece``, a view of a mapped file, to ``fd`` at ``offset`` in the kernel; the bytes written, or None
-    when nothing was (not a mapped view, the file replaced since it was mapped, another filesystem, an old kernel):
-    the caller writes the bytes from memory."""
-    if piece.source is None or not hasattr(os, "copy_file_range"):
-        return None
-    path, source_offset, inode = piece.source
-    if path not in sources:
-        sources[path] = os.open(path, os.O_RDONLY)
-    if os.fstat(sources[path]).st_ino != inode:  # replaced since it was mapped: the mapping's bytes are the ones hashed
-        return None
-    done, remaining = 0, piece.data.nbytes
-    try:
-        while remaining:
-            n = os.copy_file_range(sources[path], fd, remaining, source_offset + done, offset + done)
-            if n == 0:
-                raise OSError(f"{path}: ended {remaining} bytes early")
-            done += n
-            remaining -= n
-    except OSError:
-        if done:
-            raise
-        return None  # nothing copied: written the ordinary way
-    return done

@@ -23,7 +23,7 @@ from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
 from .digests import read_exactly
-from .direct_writes import open_output
+from .output_files import open_output
 from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024

@@ -29,7 +29,7 @@ from . import digests
 from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
-from .hashed_writes import copy_at, pwrite_all, start_writeback
+from .output_files import copy_at, pwrite_all, start_writeback
 from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
 from .tensors import sub_pieces
 

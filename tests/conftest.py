@@ -96,16 +96,26 @@ def by_blocks(checkpoint, block_bytes: int) -> list[str]:
 
 @pytest.fixture
 def copied(monkeypatch) -> list[int]:
-    """The bytes of each ``os.copy_file_range`` call in the test: what writers copied file to file in the kernel."""
+    """The bytes writers took from mapped sources' files rather than from the mappings or loaded tensors, one count
+    per call: copied file to file in the kernel (``os.copy_file_range``, through the page cache) or read into a
+    direct write's buffer (``output_files.read_source``)."""
+    from interop import output_files
+
     counts: list[int] = []
-    copy = os.copy_file_range
+    copy, read = os.copy_file_range, output_files.read_source
 
     def counting(src, dst, count, *args):
         n = copy(src, dst, count, *args)
         counts.append(n)
         return n
 
+    def reading(fd, view, offset):
+        n = read(fd, view, offset)
+        counts.append(n)
+        return n
+
     monkeypatch.setattr(os, "copy_file_range", counting)
+    monkeypatch.setattr(output_files, "read_source", reading)
     return counts
 
 

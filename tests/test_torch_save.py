@@ -148,7 +148,7 @@ def test_dcp_streams_parts_and_mapped_bytes_and_takes_the_file_digest_as_written
         data_file = out / "__0_0.distcp"
         assert taken.digest(str(data_file)) == digests.of_files([str(data_file)])[str(data_file)]
     assert parts.loaded == len(layers)
-    assert sum(copied) == 64 * 32 * 4 + 6 * 4  # the mapped tensors' bytes went file to file, in the kernel
+    assert sum(copied) == 64 * 32 * 4 + 6 * 4  # the mapped tensors' bytes were taken from their file
     back = {"stack": torch.zeros(4, 5, 3), "w": torch.zeros(64, 32), "nested": {"b": torch.zeros(6), "real": torch.zeros(2)}, "obj": {"step": 0}}
     load_dcp(back, str(out))
     assert torch.equal(back["stack"], torch.stack(layers))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from interop import direct_writes, safetensors_io
+from interop import output_files, safetensors_io
 from interop.errors import CorruptCheckpointError, OutputWriteError
 from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from interop.tensors import LazyTensor
@@ -50,8 +50,8 @@ def entries(tmp_path, mapped: set[str]) -> list[TensorEntry]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Direct writes for a file of any size, in buffers of three blocks: a tensor spans buffers, a buffer tensors."""
-    monkeypatch.setattr(direct_writes, "DIRECT_FROM", 0)
-    monkeypatch.setattr(direct_writes, "CHUNK", 3 * direct_writes.ALIGN)
+    monkeypatch.setattr(output_files, "DIRECT_FROM", 0)
+    monkeypatch.setattr(output_files, "CHUNK", 3 * output_files.ALIGN)
 
 
 def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_path, monkeypatch):
@@ -59,12 +59,12 @@ def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_pa
     opened = []
 
     def spy(path, size):
-        opened.append(direct_writes.open_output(path, size))
+        opened.append(output_files.open_output(path, size))
         return opened[-1]
 
     monkeypatch.setattr(safetensors_io, "open_output", spy)
-    monkeypatch.setattr(direct_writes, "DIRECT_FROM", 0)
-    monkeypatch.setattr(direct_writes, "CHUNK", 3 * direct_writes.ALIGN)
+    monkeypatch.setattr(output_files, "DIRECT_FROM", 0)
+    monkeypatch.setattr(output_files, "CHUNK", 3 * output_files.ALIGN)
     for mapped in ({"big", "ints"}, set(tensors()), set()):
         written = write_safetensors(tmp_path / "direct.safetensors", entries(tmp_path, mapped), {"format": "pt"})
         assert opened[-1].direct == takes_direct_io(tmp_path)  # direct where the filesystem takes it, from start to end
@@ -76,9 +76,9 @@ def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_pa
 
 def test_a_small_file_goes_through_the_page_cache(tmp_path):
     """Below DIRECT_FROM a file gains nothing from direct I/O, and whoever reads it next finds it in memory."""
-    out = direct_writes.open_output(str(tmp_path / "small"), direct_writes.DIRECT_FROM - 1)
+    out = output_files.open_output(str(tmp_path / "small"), output_files.DIRECT_FROM - 1)
     try:
-        assert isinstance(out, direct_writes.BufferedFile)
+        assert isinstance(out, output_files.BufferedFile)
     finally:
         out.close()
 
@@ -86,7 +86,7 @@ def test_a_small_file_goes_through_the_page_cache(tmp_path):
 def _refusing(monkeypatch, tmp_path, after: int, code: int) -> list[int]:
     """Writers given a DirectFile on an ordinary descriptor, whose direct writes are refused (``code``) once
     ``after`` of them have gone through; the direct writes tried, by descriptor."""
-    real, direct, tried = direct_writes.pwrite_all, [], []
+    real, direct, tried = output_files.pwrite_all, [], []
 
     def pwrite_all(fd, view, offset):
         if fd in direct:
@@ -96,10 +96,11 @@ def _refusing(monkeypatch, tmp_path, after: int, code: int) -> list[int]:
         real(fd, view, offset)
 
     def open_output(path, size):
-        direct.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))  # direct or not, the writer takes it as direct
-        return direct_writes.DirectFile(path, size, direct[-1])
+        plain = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        direct.append(os.open(path, os.O_WRONLY))  # direct or not, the writer takes it as direct
+        return output_files.DirectFile(path, size, plain, direct[-1])
 
-    monkeypatch.setattr(direct_writes, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(output_files, "pwrite_all", pwrite_all)
     monkeypatch.setattr(safetensors_io, "open_output", open_output)
     return tried
 
@@ -128,7 +129,8 @@ def test_a_source_shortened_while_it_is_read_is_named(tmp_path, small_chunks):
     entries(tmp_path, set())
     pieces = SafetensorsFile(tmp_path / "source.safetensors").mapped("big")
     os.truncate(tmp_path / "source.safetensors", 1000)
-    out = direct_writes.DirectFile(str(tmp_path / "out"), 1 << 20, os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT))
+    out = output_files.DirectFile(str(tmp_path / "out"), 1 << 20, os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT),
+                                  os.open(tmp_path / "out", os.O_WRONLY))
     try:
         with pytest.raises(CorruptCheckpointError, match=f"{tmp_path / 'source.safetensors'}: ended .* bytes early"):
             for piece in pieces:
@@ -149,3 +151,33 @@ def test_a_source_replaced_since_it_was_mapped_is_written_from_the_mapping(tmp_p
     written = write_safetensors(tmp_path / "out.safetensors", pieces)
     assert written.digest == reference.digest
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_a_file_of_unknown_size_goes_direct_once_it_is_large(tmp_path, monkeypatch, small_chunks):
+    """A torch.save archive (its size known only at its end) is written through the page cache up to DIRECT_FROM
+    and direct after, where the filesystem takes it: the file and the digest taken as it was written are those
+    of the same archive written through the page cache."""
+    from converters.pickle_safety import save_torch
+    from interop import digests, hashed_writes, written_digests
+
+    state = {"w": torch.randn(300, 41), "step": 7, "nested": {"b": torch.arange(5000, dtype=torch.int64)}}
+    monkeypatch.setattr(output_files, "DIRECT_FROM", 1 << 40)
+    (tmp_path / "buffered").mkdir()
+    (tmp_path / "direct").mkdir()
+    save_torch(state, str(tmp_path / "buffered" / "state.pt"))  # (torch.save names the archive inside after the file)
+    monkeypatch.setattr(output_files, "DIRECT_FROM", 4 * output_files.CHUNK)
+    opened = []
+
+    def spy(path, size=None):
+        opened.append(output_files.open_output(path, size))
+        return opened[-1]
+
+    monkeypatch.setattr(hashed_writes, "open_output", spy)
+    with written_digests.digesting_as_written() as taken:
+        save_torch(state, str(tmp_path / "direct" / "state.pt"))
+        path = str(tmp_path / "direct" / "state.pt")
+        assert taken.digest(path) == digests.of_files([path])[path]
+    assert opened[-1].direct == takes_direct_io(tmp_path)
+    assert (tmp_path / "direct" / "state.pt").read_bytes() == (tmp_path / "buffered" / "state.pt").read_bytes()
+    back = torch.load(tmp_path / "direct" / "state.pt", weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["nested"]["b"], state["nested"]["b"]) and back["step"] == 7
