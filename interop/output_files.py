@@ -71,10 +71,14 @@ class BufferedFile:
         return self._pos
 
     def flush(self) -> None:
+        """What was written is in the file, and on its way to disk (a small file's whole: the commit's fsync of a
+        ds-universal checkpoint's 600 files then waits for what the disk has mostly done)."""
         self._f.flush()
+        start_writeback(self._f, self._dirty_from, self._pos - self._dirty_from)
+        self._dirty_from = self._pos
 
     def sync(self) -> None:
-        self._f.flush()
+        self.flush()
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
@@ -180,7 +184,7 @@ class DirectFile:
                     done = n - n % ALIGN
                     pwrite_all(self._direct_fd, view[:done], offset)
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:
+                    if exc.errno not in _NO_DIRECT:
                         raise
                     log.debug("%s: direct writes refused (%s); written through the page cache", self.path, exc.strerror)
                     self.direct, done = False, 0
@@ -293,14 +297,17 @@ def open_output(path: str, size: int | None = None) -> DirectFile | BufferedFile
 
 
 def _open_direct(path: str) -> int | None:
-    """``path`` opened again for direct writes, or None where its filesystem takes none (EINVAL: tmpfs, some
-    network filesystems)."""
+    """``path`` opened again for direct writes, or None where its filesystem takes none (tmpfs, some network and
+    FUSE filesystems)."""
     try:
         return os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _NO_DIRECT:
             raise
         return None
+
+
+_NO_DIRECT = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem or device that takes no direct I/O (or not this alignment)
 
 
 # --- writing a piece or a range -------------------------------------------------------------------------------

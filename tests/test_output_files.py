@@ -181,3 +181,40 @@ def test_a_file_of_unknown_size_goes_direct_once_it_is_large(tmp_path, monkeypat
     assert (tmp_path / "direct" / "state.pt").read_bytes() == (tmp_path / "buffered" / "state.pt").read_bytes()
     back = torch.load(tmp_path / "direct" / "state.pt", weights_only=True)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["nested"]["b"], state["nested"]["b"]) and back["step"] == 7
+
+
+def test_a_filesystem_without_direct_io_gets_the_page_cache(tmp_path, monkeypatch, small_chunks):
+    """Opening for direct I/O refused (EINVAL, as tmpfs before Linux 6.6 and some FUSE filesystems answer): a file of
+    known size is written through the page cache from the start, one of unknown size stays there past the mark;
+    the files are the same."""
+    from converters.pickle_safety import save_torch
+    from interop import hashed_writes
+
+    reference = write_safetensors(tmp_path / "reference.safetensors", entries(tmp_path, {"big"}))
+    state = {"w": torch.randn(300, 41), "b": torch.arange(5000, dtype=torch.int64)}
+    for d in ("one", "two"):
+        (tmp_path / d).mkdir()
+    save_torch(state, str(tmp_path / "one" / "state.pt"))
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    opened = []
+
+    def spy(path, size=None):
+        opened.append(output_files.open_output(path, size))
+        return opened[-1]
+
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(safetensors_io, "open_output", spy)
+    monkeypatch.setattr(hashed_writes, "open_output", spy)
+    written = write_safetensors(tmp_path / "out.safetensors", entries(tmp_path, {"big"}))
+    save_torch(state, str(tmp_path / "two" / "state.pt"))
+    assert isinstance(opened[0], output_files.BufferedFile) and isinstance(opened[1], output_files.GrowingFile)
+    assert not opened[1].direct and opened[1].tell() > output_files.DIRECT_FROM
+    assert written.digest == reference.digest
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert (tmp_path / "two" / "state.pt").read_bytes() == (tmp_path / "one" / "state.pt").read_bytes()
