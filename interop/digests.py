@@ -97,6 +97,8 @@ def hash_block(fd: int, index: int, block_bytes: int, algo: str = ALGO, buffer: 
     """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)
     a buffer (HASH_READ bytes, or ``buffer``'s length) at a time; fewer bytes only where the file ends first."""
     view = memoryview(buffer if buffer is not None else bytearray(min(HASH_READ, block_bytes)))
+    if not len(view) and block_bytes:
+        raise ValueError("hash_block needs a buffer of at least one byte")
     h = hasher(algo)
     start, done = index * block_bytes, 0
     while done < block_bytes:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from . import digests, written_digests
 from .errors import CorruptCheckpointError, OutputWriteError
-from .output_files import open_output
+from .output_files import closing, open_output
 from .tensors import LazyTensor, Piece, raw_bytes
 
 
@@ -118,14 +118,10 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
     the writer's own work on its bytes); once the block ends without error, its digest is recorded for the manifest
     (:func:`written_digests.record`). The caller flushes (or syncs) before the block ends."""
     hasher = digests.BlockHasher()
-    out = open_output(path)
-    try:
-        with Beside() as beside:
-            f = HashedFile(out, beside, hasher, path)
-            yield f
-            f.flush()  # the last bytes written, and handed to the hasher
-    finally:
-        out.close()
+    with closing(open_output(path), path) as out, Beside() as beside:
+        f = HashedFile(out, beside, hasher, path)
+        yield f
+        f.flush()  # the last bytes written, and handed to the hasher
     written_digests.record(path, hasher.digest())
 
 

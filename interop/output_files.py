@@ -25,14 +25,15 @@ import mmap
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .errors import CorruptCheckpointError, OutputWriteError
 from .tensors import Piece
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # offsets and buffer sizes: a multiple of any logical block size short of 8 KiB, and of the page
+ALIGN = max(4096, mmap.PAGESIZE)  # offsets and buffer sizes: a multiple of any logical block size short of 8 KiB, and of
+# the page (a direct write and a page-cache write never share one: on a 64 KiB-page kernel either could undo the other)
 CHUNK = 8 << 20  # one write (two of the virtio disk's largest requests here)
 IN_FLIGHT = 4  # writes at a time (40 MiB of buffers with the one being filled); 4 MiB x 3 took 5-10% longer here
 DIRECT_FROM = 64 << 20  # smaller files go through the page cache: too little to gain, and a reader soon after finds them there
@@ -45,8 +46,8 @@ class BufferedFile:
 
     direct = False
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, size: int | None = None):
+        self.path, self.size = path, size
         try:
             self._f = open(path, "wb")
         except OSError as exc:
@@ -79,6 +80,7 @@ class BufferedFile:
 
     def sync(self) -> None:
         self.flush()
+        _check_size(self.path, self._pos, self.size)
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
@@ -159,8 +161,8 @@ class DirectFile:
         if self._buffer is None:
             while self._pending and (len(self._pending) >= IN_FLIGHT or self._pending[0][0].done()):
                 future, buffer = self._pending.popleft()
-                self._spare.append(buffer)
                 future.result()
+                self._spare.append(buffer)  # (not one whose write failed or was interrupted: it goes when unreferenced)
             self._buffer = self._spare.pop() if self._spare else mmap.mmap(-1, CHUNK)
         return self._buffer
 
@@ -196,13 +198,12 @@ class DirectFile:
             self._submit()
         while self._pending:
             future, buffer = self._pending.popleft()
-            self._spare.append(buffer)
             future.result()
+            self._spare.append(buffer)
 
     def sync(self) -> None:
         self.flush()
-        if self.size is not None and self._offset != self.size:
-            raise OutputWriteError(self.path, f"was given {self._offset} bytes for its {self.size} (a writer's error)")
+        _check_size(self.path, self._offset, self.size)
         os.fsync(self._plain)
 
     def close(self) -> None:
@@ -242,10 +243,10 @@ class GrowingFile:
     def _grow(self, n: int) -> int:
         if not self._grown and self._file.tell() >= DIRECT_FROM:
             self._grown = True
+            self._file.flush()
             direct_fd = _open_direct(self.path)
             if direct_fd is not None:
                 start = self._file.tell()
-                self._file.flush()
                 try:
                     fd = os.open(self.path, os.O_RDWR)  # (the block's start is read back)
                 except BaseException:
@@ -278,21 +279,22 @@ def open_output(path: str, size: int | None = None) -> DirectFile | BufferedFile
     where it is not known, once it has grown past DIRECT_FROM: :class:`GrowingFile`) and the filesystem takes
     direct I/O, else through the page cache."""
     if not hasattr(os, "O_DIRECT") or (size is not None and size < DIRECT_FROM):
-        return BufferedFile(path)
+        return BufferedFile(path, size)
     if size is None:
         return GrowingFile(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     except OSError as exc:
         raise OutputWriteError.of(path, exc) from None
+    direct_fd = None
     try:
         direct_fd = _open_direct(path)
         if direct_fd is None:  # this filesystem takes no direct I/O: the kernel copies file to file
             os.close(fd)
-            return BufferedFile(path)
+            return BufferedFile(path, size)
         return DirectFile(path, size, fd, direct_fd)
     except BaseException:
-        os.close(fd)
+        _close_all([fd, *([direct_fd] if direct_fd is not None else [])])
         raise
 
 
@@ -372,8 +374,8 @@ def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int 
     try:
         while remaining:
             n = os.copy_file_range(source, fd, remaining, source_offset + done, offset + done)
-            if n == 0:
-                raise OSError(f"{path}: ended {remaining} bytes early")
+            if n == 0:  # the source was cut short since it was mapped (its mapping would fault)
+                raise CorruptCheckpointError(path, f"ended {remaining} bytes early (shortened while it was read)")
             done += n
             remaining -= n
     except OSError:
@@ -423,7 +425,8 @@ def _fallocate() -> Any:
     import ctypes
 
     try:
-        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = getattr(libc, "fallocate64", None) or libc.fallocate  # (64-bit offsets on a 32-bit build too)
     except (OSError, AttributeError):
         return None
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
@@ -431,5 +434,34 @@ def _fallocate() -> Any:
 
 
 def _close_all(fds: Iterable[int]) -> None:
+    """Close every one; the first error raised after."""
+    error = None
     for fd in fds:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _check_size(path: str, written: int, size: int | None) -> None:
+    """A file opened for ``size`` bytes holds that many (a preallocated one would look whole either way)."""
+    if size is not None and written != size:
+        raise OutputWriteError(path, f"was given {written} bytes for its {size} (a writer's error)")
+
+
+@contextlib.contextmanager
+def closing(out: "BufferedFile | DirectFile | GrowingFile", path: str) -> Iterator[Any]:
+    """``out`` closed when the block ends: a failure to close is the output's error where the block succeeded, and
+    does not hide the block's own error where it failed."""
+    try:
+        yield out
+    except BaseException:
+        with contextlib.suppress(OSError):
+            out.close()
+        raise
+    try:
+        out.close()
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None

@@ -23,7 +23,7 @@ from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
 from .digests import read_exactly
-from .output_files import open_output
+from .output_files import closing, open_output
 from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -157,33 +157,30 @@ def _write_safetensors(
     file_hash = digests.hasher()
     tensor_digests: dict[str, str] = {}
     head = header_bytes(entries, metadata)
-    out = open_output(path, len(head) + sum(e.spec.nbytes for e in entries))
-    try:
-        with ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool:
-            out.write(head)
-            file_hash.update(head)
-            total = len(head)
-            ahead = pool.submit(fetch_pieces, entries[0]) if entries else None
-            for i, entry in enumerate(entries):
-                pieces = ahead.result()  # fetched while the previous tensor was written
-                ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
-                data = [p.data for p in pieces]  # views: no copy of a contiguous tensor
-                pending = pool.submit(hash_pieces, data) if hashed else None
-                for piece in pieces:  # a mapped piece is read from its file; hashing reads its mapping meanwhile
-                    total += out.write_piece(piece)
-                if pending is not None:
-                    raw = pending.result()
-                    file_hash.update(raw)
-                    tensor_digests[entry.name] = digests.label(digests.ALGO, raw.hex())
-                for p in pieces:
-                    if p.release is not None:
-                        p.release()  # written and hashed: out of RSS, still in the page cache
-                del pieces, data
-                if on_tensor is not None:
-                    on_tensor(entry)
-            out.sync()
-    finally:
-        out.close()
+    with closing(open_output(path, len(head) + sum(e.spec.nbytes for e in entries)), path) as out, \
+            ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool:
+        out.write(head)
+        file_hash.update(head)
+        total = len(head)
+        ahead = pool.submit(fetch_pieces, entries[0]) if entries else None
+        for i, entry in enumerate(entries):
+            pieces = ahead.result()  # fetched while the previous tensor was written
+            ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
+            data = [p.data for p in pieces]  # views: no copy of a contiguous tensor
+            pending = pool.submit(hash_pieces, data) if hashed else None
+            for piece in pieces:  # a mapped piece is read from its file; hashing reads its mapping meanwhile
+                total += out.write_piece(piece)
+            if pending is not None:
+                raw = pending.result()
+                file_hash.update(raw)
+                tensor_digests[entry.name] = digests.label(digests.ALGO, raw.hex())
+            for p in pieces:
+                if p.release is not None:
+                    p.release()  # written and hashed: out of RSS, still in the page cache
+            del pieces, data
+            if on_tensor is not None:
+                on_tensor(entry)
+        out.sync()
     return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), digests.COMPOSITE) if hashed else "", tensor_digests)
 
 

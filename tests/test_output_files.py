@@ -101,6 +101,7 @@ def _refusing(monkeypatch, tmp_path, after: int, code: int) -> list[int]:
         return output_files.DirectFile(path, size, plain, direct[-1])
 
     monkeypatch.setattr(output_files, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(output_files, "IN_FLIGHT", 1)  # one write at a time: which one is refused is certain
     monkeypatch.setattr(safetensors_io, "open_output", open_output)
     return tried
 
@@ -123,20 +124,21 @@ def test_a_direct_write_that_fails_is_one_error_naming_the_file(tmp_path, monkey
         write_safetensors(tmp_path / "out", pieces)
 
 
-def test_a_source_shortened_while_it_is_read_is_named(tmp_path, small_chunks):
-    """A mapped source file cut short after its pieces were taken: their bytes are read from the file, which ends
-    early; the error names the source, not the output (the mapping itself is never touched: it would fault)."""
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_source_shortened_while_it_is_read_is_named(tmp_path, small_chunks, direct):
+    """A mapped source file cut short after its pieces were taken: their bytes are read (or copied in the kernel)
+    from the file, which ends early; the error names the source, not the output, and the mapping, which would
+    fault, is never touched."""
     entries(tmp_path, set())
     pieces = SafetensorsFile(tmp_path / "source.safetensors").mapped("big")
     os.truncate(tmp_path / "source.safetensors", 1000)
-    out = output_files.DirectFile(str(tmp_path / "out"), 1 << 20, os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT),
-                                  os.open(tmp_path / "out", os.O_WRONLY))
-    try:
-        with pytest.raises(CorruptCheckpointError, match=f"{tmp_path / 'source.safetensors'}: ended .* bytes early"):
+    path = str(tmp_path / "out")
+    out = (output_files.DirectFile(path, 1 << 20, os.open(path, os.O_WRONLY | os.O_CREAT), os.open(path, os.O_WRONLY))
+           if direct else output_files.BufferedFile(path))
+    with pytest.raises(CorruptCheckpointError, match=f"{tmp_path / 'source.safetensors'}: ended .* bytes early"):
+        with output_files.closing(out, path):
             for piece in pieces:
                 out.write_piece(piece)
-    finally:
-        out.close()
 
 
 def test_a_source_replaced_since_it_was_mapped_is_written_from_the_mapping(tmp_path, small_chunks):
@@ -218,3 +220,14 @@ def test_a_filesystem_without_direct_io_gets_the_page_cache(tmp_path, monkeypatc
     assert written.digest == reference.digest
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
     assert (tmp_path / "two" / "state.pt").read_bytes() == (tmp_path / "one" / "state.pt").read_bytes()
+
+
+@pytest.mark.parametrize("size", [100, 64 << 20])
+def test_a_file_given_fewer_bytes_than_its_size_is_refused(tmp_path, size):
+    """A writer that hands over fewer bytes than it opened the file for (a preallocated direct file would look
+    whole): refused at sync, naming the file, however it was written."""
+    path = str(tmp_path / "short")
+    with pytest.raises(OutputWriteError, match=f"{path}: was given 50 bytes for its {size}"):
+        with output_files.closing(output_files.open_output(path, size), path) as out:
+            out.write(b"x" * 50)
+            out.sync()
