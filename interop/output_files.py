@@ -391,6 +391,28 @@ def read_source(fd: int, view: memoryview, offset: int) -> int:
     return os.preadv(fd, [view], offset)
 
 
+def hash_piece(h: Any, piece: Piece, sources: dict[str, int], buffer: bytearray) -> None:
+    """Feed ``piece``'s bytes to the hash ``h``: read from its file a ``buffer`` at a time where it is a view of a
+    mapped file (the same bytes a writer reads there; no page faults, and a file cut short since it was mapped is
+    an error naming it, where its mapping would kill the process with SIGBUS), else from memory."""
+    fd = source_fd(piece, sources)
+    if fd is None:
+        h.update(piece.data)
+        return
+    path, offset, _ = piece.source
+    view, n, done = memoryview(buffer), piece.data.nbytes, 0
+    while done < n:
+        want = min(len(view), n - done)
+        try:
+            got = os.preadv(fd, [view[:want]], offset + done)
+        except OSError as exc:
+            raise CorruptCheckpointError(path, f"cannot be read at byte {offset + done}: {exc.strerror}") from None
+        if got == 0:
+            raise CorruptCheckpointError(path, f"ended {n - done} bytes early (shortened while it was read)")
+        h.update(view[:got])
+        done += got
+
+
 def source_fd(piece: Piece, sources: dict[str, int]) -> int | None:
     """The open file a mapped piece's bytes lie in, or None where it is not a mapped view or the file was replaced
     since it was mapped (the mapping's bytes are the ones hashed: they are written from memory)."""

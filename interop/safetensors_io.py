@@ -23,7 +23,7 @@ from .jsonio import read_json
 from .paths import inside
 from .lazy_import import torch
 from .digests import read_exactly
-from .output_files import closing, open_output
+from .output_files import closing, closing_fds, hash_piece, open_output
 from .tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -67,10 +67,20 @@ def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def hash_pieces(data: list[memoryview]) -> bytes:
+_HASH_BUFFER = threading.local()  # each hashing thread's read buffer, kept between tensors
+
+
+def hash_pieces(pieces: list[Piece]) -> bytes:
+    """The raw digest of the pieces' bytes in order (a mapped piece's read from its file: see
+    :func:`output_files.hash_piece`)."""
     h = digests.hasher()
-    for piece in data:
-        h.update(piece)
+    sources: dict[str, int] = {}
+    buffer = getattr(_HASH_BUFFER, "buffer", None)
+    if buffer is None:
+        buffer = _HASH_BUFFER.buffer = bytearray(digests.HASH_READ)
+    with closing_fds(sources):
+        for piece in pieces:
+            hash_piece(h, piece, sources, buffer)
     return h.digest()
 
 
@@ -166,9 +176,8 @@ def _write_safetensors(
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
-            data = [p.data for p in pieces]  # views: no copy of a contiguous tensor
-            pending = pool.submit(hash_pieces, data) if hashed else None
-            for piece in pieces:  # a mapped piece is read from its file; hashing reads its mapping meanwhile
+            pending = pool.submit(hash_pieces, pieces) if hashed else None
+            for piece in pieces:  # a mapped piece is read from its file, by the hashing too
                 total += out.write_piece(piece)
             if pending is not None:
                 raw = pending.result()
@@ -177,7 +186,7 @@ def _write_safetensors(
             for p in pieces:
                 if p.release is not None:
                     p.release()  # written and hashed: out of RSS, still in the page cache
-            del pieces, data
+            del pieces
             if on_tensor is not None:
                 on_tensor(entry)
         out.sync()

@@ -247,7 +247,7 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
                     start_writeback(fd, span.offset, span.length)
                     if spans_of[key] == 1:
                         if hashed:
-                            done[key] = digests.label(digests.ALGO, hash_pieces([p.data for p in pieces]).hex())
+                            done[key] = digests.label(digests.ALGO, hash_pieces(pieces).hex())
                         if on_tensor is not None:
                             on_tensor(entry)
                 finally:

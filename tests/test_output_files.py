@@ -231,3 +231,38 @@ def test_a_file_given_fewer_bytes_than_its_size_is_refused(tmp_path, size):
         with output_files.closing(output_files.open_output(path, size), path) as out:
             out.write(b"x" * 50)
             out.sync()
+
+
+SHORTENED_AND_HASHED = """
+import os, sys
+import torch
+from interop.errors import CorruptCheckpointError
+from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
+from interop.tensors import LazyTensor
+
+src, out = sys.argv[1], sys.argv[2]
+write_safetensors(src, [TensorEntry("big", LazyTensor.of(torch.randn(300, 512)).spec, lambda: torch.randn(300, 512))])
+stored = SafetensorsFile(src)
+mapped = stored.mapped("big")  # the file mapped now, then cut short: its mapping would fault past the cut
+os.truncate(src, 4096)
+try:
+    write_safetensors(out, [TensorEntry("big", stored.spec("big"), stored.lazy("big").load, lambda: mapped)], hashed=True)
+except CorruptCheckpointError as exc:
+    print(exc)
+"""
+
+
+def test_a_source_shortened_under_a_hashed_write_is_named_not_a_crash(tmp_path):
+    """A universal output hashes each tensor as it writes it: a mapped source's bytes are hashed from its file, so a
+    source cut short since it was mapped is one error naming it (hashing its mapping would kill the process with
+    SIGBUS). In a child process: were the mapping read, the signal would take the test run with it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import worker_env
+
+    src = str(tmp_path / "source.safetensors")
+    result = subprocess.run([sys.executable, "-c", SHORTENED_AND_HASHED, src, str(tmp_path / "out.safetensors")],
+                            env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.startswith(f"{src}: ended ") and "bytes early" in result.stdout, result.stdout
