@@ -94,21 +94,28 @@ HASH_READ = 1 << 20  # a block is read and hashed this much at a time: the bytes
 
 
 def hash_block(fd: int, index: int, block_bytes: int, algo: str = ALGO, buffer: bytearray | None = None) -> tuple[str, int]:
-    """(hex digest, bytes read) of block ``index`` of the open file ``fd``, read with pread (threads share ``fd``)
-    a buffer (HASH_READ bytes, or ``buffer``'s length) at a time; fewer bytes only where the file ends first."""
-    view = memoryview(buffer if buffer is not None else bytearray(min(HASH_READ, block_bytes)))
-    if not len(view) and block_bytes:
-        raise ValueError("hash_block needs a buffer of at least one byte")
+    """(hex digest, bytes read) of block ``index`` of the open file ``fd`` (:func:`hash_range`, into ``buffer`` or
+    one of HASH_READ bytes); fewer bytes only where the file ends first."""
     h = hasher(algo)
-    start, done = index * block_bytes, 0
-    while done < block_bytes:
-        want = min(len(view), block_bytes - done)
-        got = read_exactly(fd, view[:want], start + done)
+    view = memoryview(buffer if buffer is not None else bytearray(min(HASH_READ, block_bytes)))
+    got = hash_range(h, fd, index * block_bytes, block_bytes, view)
+    return h.hexdigest(), got
+
+
+def hash_range(h: Any, fd: int, offset: int, length: int, view: memoryview) -> int:
+    """Feed ``length`` bytes of the open file ``fd`` from ``offset`` to the hash ``h``, read with pread (threads
+    share ``fd``) ``view``'s length at a time; the bytes fed, fewer only where the file ends first."""
+    if not len(view) and length:
+        raise ValueError("hash_range needs a buffer of at least one byte")
+    done = 0
+    while done < length:
+        want = min(len(view), length - done)
+        got = read_exactly(fd, view[:want], offset + done)
         h.update(view[:got])
         done += got
         if got < want:
             break
-    return h.hexdigest(), done
+    return done
 
 
 class FileDigest(NamedTuple):

@@ -27,6 +27,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
+from . import digests
 from .errors import CorruptCheckpointError, OutputWriteError
 from .tensors import Piece
 
@@ -149,9 +150,9 @@ class DirectFile:
                 try:
                     got = read_source(fd, view[self._fill:self._fill + take], offset + done)
                 except OSError as exc:
-                    raise CorruptCheckpointError(path, f"cannot be read at byte {offset + done}: {exc.strerror}") from None
+                    raise _unreadable(path, offset + done, exc) from None
             if got == 0:
-                raise CorruptCheckpointError(path, f"ended {n - done} bytes early (shortened while it was read)")
+                raise _cut_short(path, n - done)
             self._filled(got)
             done += got
         return n
@@ -246,16 +247,12 @@ class GrowingFile:
             self._file.flush()
             direct_fd = _open_direct(self.path)
             if direct_fd is not None:
-                start = self._file.tell()
+                fds = [direct_fd]
                 try:
-                    fd = os.open(self.path, os.O_RDWR)  # (the block's start is read back)
+                    fds.append(os.open(self.path, os.O_RDWR))  # (the block's start is read back)
+                    direct = DirectFile(self.path, None, fds[1], direct_fd, self._file.tell())
                 except BaseException:
-                    os.close(direct_fd)
-                    raise
-                try:
-                    direct = DirectFile(self.path, None, fd, direct_fd, start)
-                except BaseException:
-                    _close_all([fd, direct_fd])
+                    _close_all(fds)
                     raise
                 buffered, self._file = self._file, direct
                 buffered.close()
@@ -340,11 +337,11 @@ def start_writeback(f, offset: int, length: int) -> None:
 
 @contextlib.contextmanager
 def closing_fds(fds: dict[str, int]):
+    """``fds`` (open source files by path) all closed when the block ends."""
     try:
         yield fds
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        _close_all(fds.values())
 
 
 def copy_range(f, piece: Piece, sources: dict[str, int]) -> int | None:
@@ -375,7 +372,7 @@ def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int 
         while remaining:
             n = os.copy_file_range(source, fd, remaining, source_offset + done, offset + done)
             if n == 0:  # the source was cut short since it was mapped (its mapping would fault)
-                raise CorruptCheckpointError(path, f"ended {remaining} bytes early (shortened while it was read)")
+                raise _cut_short(path, remaining)
             done += n
             remaining -= n
     except OSError:
@@ -400,17 +397,22 @@ def hash_piece(h: Any, piece: Piece, sources: dict[str, int], buffer: bytearray)
         h.update(piece.data)
         return
     path, offset, _ = piece.source
-    view, n, done = memoryview(buffer), piece.data.nbytes, 0
-    while done < n:
-        want = min(len(view), n - done)
-        try:
-            got = os.preadv(fd, [view[:want]], offset + done)
-        except OSError as exc:
-            raise CorruptCheckpointError(path, f"cannot be read at byte {offset + done}: {exc.strerror}") from None
-        if got == 0:
-            raise CorruptCheckpointError(path, f"ended {n - done} bytes early (shortened while it was read)")
-        h.update(view[:got])
-        done += got
+    n = piece.data.nbytes
+    try:
+        got = digests.hash_range(h, fd, offset, n, memoryview(buffer))
+    except OSError as exc:
+        raise _unreadable(path, offset, exc) from None
+    if got < n:
+        raise _cut_short(path, n - got)
+
+
+def _unreadable(path: str, offset: int, exc: OSError) -> CorruptCheckpointError:
+    return CorruptCheckpointError(path, f"cannot be read from byte {offset}: {exc.strerror}")
+
+
+def _cut_short(path: str, missing: int) -> CorruptCheckpointError:
+    """A mapped source that ends before the bytes it was mapped with (cut short since)."""
+    return CorruptCheckpointError(path, f"ended {missing} bytes early (shortened while it was read)")
 
 
 def source_fd(piece: Piece, sources: dict[str, int]) -> int | None:
