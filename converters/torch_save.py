@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from interop.tensors import Piece
+from interop.hashed_writes import SourceBytes
 
 try:  # ISA-L: the same CRC-32 as zlib's, at several times its speed
     from isal.isal_zlib import crc32
@@ -62,18 +62,28 @@ class ArchiveWriter:
         self.entries: list[_Entry] = []
 
     def _write(self, data: Any) -> int:
-        """``data``'s bytes at the end: bytes-like, or a :class:`Piece` (a file with ``write_piece`` copies a mapped
-        one file to file)."""
-        if isinstance(data, Piece):
-            n = data.data.nbytes
-            if n:
-                self.f.write_piece(data) if hasattr(self.f, "write_piece") else self.f.write(data.data)
-        else:
-            n = memoryview(data).nbytes
-            if n:
-                self.f.write(data)
+        """``data``'s bytes (bytes-like) at the end."""
+        n = memoryview(data).nbytes
+        if n:
+            self.f.write(data)
         self.pos += n
         return n
+
+    def _write_source(self, chunk: SourceBytes, entry: _Entry) -> None:
+        """A mapped source's bytes at the end, their CRC taken where they lie once read: a :class:`HashedFile`
+        reads them from the source's file and feeds ``chunk.check`` there; a plain file gets them from memory."""
+        def seen(run: memoryview) -> None:
+            entry.crc = crc32(run, entry.crc)
+
+        if hasattr(self.f, "write_piece"):
+            n = self.f.write_piece(chunk.piece, chunk.check, seen)
+        else:
+            data = chunk.piece.bytes_view
+            seen(data)
+            n = self.f.write(data) if data.nbytes else 0
+            if chunk.check is not None:
+                chunk.check.update(data)
+        self.pos += n
 
     def _zip64(self, size: int, offset: int) -> list[int]:
         """miniz's ZIP64 local fields: the size (and a compressed size of 0) from 4 GiB, the header's offset from 4 GiB."""
@@ -92,9 +102,12 @@ class ArchiveWriter:
         self._start = self.pos
 
     def data(self, chunk: Any) -> None:
-        """More of the current record's bytes (bytes-like, or a :class:`Piece`)."""
+        """More of the current record's bytes (bytes-like, or a mapped source's: :class:`SourceBytes`)."""
         entry = self.entries[-1]
-        entry.crc = crc32(chunk.data if isinstance(chunk, Piece) else chunk, entry.crc)
+        if isinstance(chunk, SourceBytes):
+            self._write_source(chunk, entry)
+            return
+        entry.crc = crc32(chunk, entry.crc)
         self._write(chunk)
 
     def end(self) -> None:

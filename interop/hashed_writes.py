@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, NamedTuple
 
 from . import digests, written_digests
 from .errors import CorruptCheckpointError, OutputWriteError
@@ -26,13 +26,16 @@ class Beside:
         self._pending: deque = deque()
         self._bytes, self._limit = 0, limit
 
-    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> None:
-        self._pending.append((self._pool.submit(fn, *args), nbytes))
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> Future:
+        """Run ``fn(*args)`` on the thread after what was handed over before; its future."""
+        future = self._pool.submit(fn, *args)
+        self._pending.append((future, nbytes))
         self._bytes += nbytes
         while self._pending and (self._pending[0][0].done() or self._bytes > self._limit):
-            future, n = self._pending.popleft()
+            done, n = self._pending.popleft()
             self._bytes -= n
-            future.result()
+            done.result()
+        return future
 
     def __enter__(self) -> "Beside":
         return self
@@ -50,7 +53,8 @@ class HashedFile:
     """The output file ``path``, open for writing as ``out`` (an :mod:`interop.output_files` file: direct once it is
     large, else through the page cache), whose written bytes are also fed, in order, to ``hasher`` (a
     :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`) are
-    read from its file, not through the mapping. The caller must not change a buffer after writing it. A failed
+    read from its file, not through the mapping, and hashed where the write takes them (the output file holds that
+    buffer until they are). The caller must not change a buffer after writing it. A failed
     write or sync is an :class:`OutputWriteError` naming the file (and only these: a source's read failing is not
     the output's).
 
@@ -70,12 +74,20 @@ class HashedFile:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(data, n)
 
-    def write_piece(self, piece: Piece) -> int:
+    def write_piece(self, piece: Piece, also: Any = None, seen: Callable[[memoryview], None] | None = None) -> int:
+        """``piece``'s bytes, fed to this file's hasher and to ``also`` (a source's digest check) where they lie as
+        they are written; ``seen`` (the caller's, on this thread: a CRC) is handed each run of them first."""
+        self._hash_batch()
+
+        def fed(run: memoryview) -> Future:
+            if seen is not None:
+                seen(run)
+            return self.beside.submit(_update, self._hasher, also, run, nbytes=len(run))
+
         try:
-            n = self._out.write_piece(piece)
+            return self._out.write_piece(piece, fed)
         except OSError as exc:
             raise OutputWriteError.of(self.path, exc) from None
-        return self._written(piece.data, n)
 
     def _written(self, data: Any, n: int) -> int:
         if n < self.SMALL:
@@ -112,6 +124,12 @@ class HashedFile:
             raise OutputWriteError.of(self.path, exc) from None
 
 
+def _update(hasher: Any, also: Any, data: memoryview) -> None:
+    hasher.update(data)
+    if also is not None:
+        also.update(data)
+
+
 @contextlib.contextmanager
 def hashed_output(path: str) -> Iterator[HashedFile]:
     """``path`` opened for writing as a :class:`HashedFile` with its own :class:`Beside` thread (``.beside``, for
@@ -126,13 +144,25 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
 
 
 # --- a LazyTensor's bytes, streamed ---------------------------------------------------------------------------
+class SourceBytes(NamedTuple):
+    """A run of a tensor's bytes in a mapped source, to be read from its file (:meth:`HashedFile.write_piece`) and
+    fed to ``check`` (the hash of the source's digest check, or None) as written."""
+
+    piece: Piece
+    check: Any
+
+
 def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
     """A tensor's bytes in order: its parts' one after another where it has parts (each one index of its leading
     dimensions, or a block of its rows; and theirs where they have parts: a layer of a stack made of runs of its
-    sources' rows); each part's (or its own) as views of a mapped source where it has them, their digest checked
-    beside the writes (the mapped pages let go once checked), else the loaded tensor's (``load`` checks the
-    digest). The next part is fetched on ``ahead`` (one thread) while this one is written: reading, hashing and
-    fusing overlap the writes."""
+    sources' rows); each part's (or its own) as :class:`SourceBytes` where it is in mapped sources, their digest
+    checked on ``beside`` once written (the writer feeds the check), else the loaded tensor's bytes (``load``
+    checks the digest). The next part is fetched on ``ahead`` (one thread) while this one is written: reading,
+    hashing and fusing overlap the writes.
+
+    Why the writer feeds the check: it reads the bytes from the source's file into its buffer, and the hashes take
+    them there, in the core's cache, with no second read, no page faults, and no SIGBUS from a source cut short
+    since it was mapped (an error naming it instead)."""
     parts = _leaves(lazy)
     pending = ahead.submit(_fetch, parts[0]) if parts else None
     for i, part in enumerate(parts):
@@ -143,9 +173,7 @@ def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
             continue
         h = digests.hasher() if part.digest is not None else None
         for p in fetched:
-            if h is not None:
-                beside.submit(h.update, p.data, nbytes=p.data.nbytes)
-            yield p  # a view of a mapped file: the writer reads it from the file
+            yield SourceBytes(p, h)
         beside.submit(_checked, part, h, fetched)
 
 

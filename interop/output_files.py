@@ -24,14 +24,16 @@ import logging
 import mmap
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterable, Iterator
 
 from . import digests
 from .errors import CorruptCheckpointError, OutputWriteError
 from .tensors import Piece
 
 log = logging.getLogger(__name__)
+
+Seen = Callable[[memoryview], "Future | None"]  # handed a run of a piece's bytes as written (see DirectFile.write_piece)
 
 ALIGN = max(4096, mmap.PAGESIZE)  # offsets and buffer sizes: a multiple of any logical block size short of 8 KiB, and of
 # the page (a direct write and a page-cache write never share one: on a 64 KiB-page kernel either could undo the other)
@@ -59,8 +61,17 @@ class BufferedFile:
     def write(self, data: Any) -> int:
         return self._advance(self._f.write(data))
 
-    def write_piece(self, piece: Piece) -> int:
-        return self._advance(write_piece(self._f, piece, self._sources))
+    def write_piece(self, piece: Piece, seen: Seen | None = None) -> int:
+        """``piece``'s bytes: copied file to file in the kernel where it is a view of a mapped file; with ``seen``
+        (which is handed the bytes as written), read from its file a MiB at a time into fresh buffers and written
+        from them."""
+        if seen is None:
+            return self._advance(write_piece(self._f, piece, self._sources))
+        n = 0
+        for view in read_piece(piece, self._sources):
+            n += self._f.write(view)
+            seen(view)
+        return self._advance(n)
 
     def _advance(self, n: int) -> int:
         self._pos += n
@@ -97,7 +108,11 @@ class DirectFile:
     where the size is not known, as many as are written. ``write`` and ``write_piece`` copy into the buffer being
     filled; a full buffer is written on a thread while the next fills. ``flush`` writes what was handed over (at
     the end: what follows it cannot go direct), ``sync`` flushes and fsyncs; an error of a write on a thread is
-    raised there or at the next buffer taken. Open it with :func:`open_output`."""
+    raised there or at the next buffer taken. Open it with :func:`open_output`.
+
+    ``write_piece``'s ``seen`` is handed each run of the piece's bytes where it lies in a buffer, and may return a
+    future: the buffer is not filled again until that is done (work on the bytes beside the writes, a digest, reads
+    them where the write reads them, with no copy and no other read)."""
 
     def __init__(self, path: str, size: int | None, fd: int, direct_fd: int | None, start: int = 0):
         self.path, self.size = path, size
@@ -105,7 +120,8 @@ class DirectFile:
         self._direct_fd = direct_fd
         self.direct = direct_fd is not None
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="direct-writes")
-        self._pending: deque[tuple[Future, mmap.mmap]] = deque()
+        self._pending: deque[tuple[Future, mmap.mmap, list[Future]]] = deque()  # a write, its buffer, what holds it
+        self._holds: list[Future] = []  # what holds the buffer being filled (see ``write_piece``)
         self._spare: list[mmap.mmap] = []
         self._buffer: mmap.mmap | None = None
         self._offset = start - start % ALIGN  # where the buffer being filled goes in the file: a block's start
@@ -135,34 +151,58 @@ class DirectFile:
                 done += take
         return n
 
-    def write_piece(self, piece: Piece) -> int:
+    def write_piece(self, piece: Piece, seen: Seen | None = None) -> int:
         """``piece``'s bytes: read from its file where it is a view of a mapped file (no page faults, no copy
-        under the GIL), else copied from memory."""
+        under the GIL), else copied from memory; each run of them handed to ``seen`` where it lies."""
         fd = source_fd(piece, self._sources)
         if fd is None:
-            return self.write(piece.data)
+            if seen is None:
+                return self.write(piece.data)
+            return self._write_seen(piece.bytes_view, seen)
         path, offset, _ = piece.source
         n, done = piece.data.nbytes, 0
         while done < n:
             buffer = self._take()
             take = min(CHUNK - self._fill, n - done)
             with memoryview(buffer) as view:
+                run = view[self._fill:self._fill + take]
                 try:
-                    got = read_source(fd, view[self._fill:self._fill + take], offset + done)
+                    got = read_source(fd, run, offset + done)
                 except OSError as exc:
                     raise _unreadable(path, offset + done, exc) from None
-            if got == 0:
-                raise _cut_short(path, n - done)
+                if got == 0:
+                    raise _cut_short(path, n - done)
+                if seen is not None:
+                    self._hold(seen(run[:got]))
             self._filled(got)
             done += got
         return n
 
+    def _write_seen(self, flat: memoryview, seen: Seen) -> int:
+        """Bytes from memory, each run handed to ``seen`` where it lies in a buffer."""
+        done = 0
+        while done < flat.nbytes:
+            buffer = self._take()
+            take = min(CHUNK - self._fill, flat.nbytes - done)
+            with memoryview(buffer) as view:
+                run = view[self._fill:self._fill + take]
+                run[:] = flat[done:done + take]
+                self._hold(seen(run))
+            self._filled(take)
+            done += take
+        return done
+
+    def _hold(self, future: Future | None) -> None:
+        if future is not None:
+            self._holds.append(future)
+
     def _take(self) -> mmap.mmap:
         """The buffer being filled; a fresh one (or one whose write has finished) when there is none."""
         if self._buffer is None:
-            while self._pending and (len(self._pending) >= IN_FLIGHT or self._pending[0][0].done()):
-                future, buffer = self._pending.popleft()
+            while self._pending and (len(self._pending) >= IN_FLIGHT or _all_done(self._pending[0])):
+                future, buffer, holds = self._pending.popleft()
                 future.result()
+                wait(holds)  # (their errors are their owner's to raise)
                 self._spare.append(buffer)  # (not one whose write failed or was interrupted: it goes when unreferenced)
             self._buffer = self._spare.pop() if self._spare else mmap.mmap(-1, CHUNK)
         return self._buffer
@@ -174,8 +214,8 @@ class DirectFile:
 
     def _submit(self) -> None:
         buffer, n, offset = self._buffer, self._fill, self._offset
-        self._pending.append((self._pool.submit(self._write_out, buffer, n, offset), buffer))
-        self._buffer, self._fill, self._offset = None, 0, offset + n
+        self._pending.append((self._pool.submit(self._write_out, buffer, n, offset), buffer, self._holds))
+        self._buffer, self._fill, self._offset, self._holds = None, 0, offset + n, []
 
     def _write_out(self, buffer: mmap.mmap, n: int, offset: int) -> None:
         """One buffer's ``n`` bytes at ``offset``: the whole blocks direct, a last partial block (or everything,
@@ -198,8 +238,9 @@ class DirectFile:
         if self._fill:
             self._submit()
         while self._pending:
-            future, buffer = self._pending.popleft()
+            future, buffer, holds = self._pending.popleft()
             future.result()
+            wait(holds)
             self._spare.append(buffer)
 
     def sync(self) -> None:
@@ -211,7 +252,7 @@ class DirectFile:
         try:
             self._pool.shutdown(wait=True, cancel_futures=True)
         finally:
-            for buffer in (*self._spare, *(b for _, b in self._pending), *([self._buffer] if self._buffer is not None else [])):
+            for buffer in (*self._spare, *(b for _, b, _ in self._pending), *([self._buffer] if self._buffer is not None else [])):
                 try:
                     buffer.close()
                 except BufferError:  # a view of it lives on in a failed write's traceback: the buffer goes with that
@@ -238,8 +279,8 @@ class GrowingFile:
     def write(self, data: Any) -> int:
         return self._grow(self._file.write(data))
 
-    def write_piece(self, piece: Piece) -> int:
-        return self._grow(self._file.write_piece(piece))
+    def write_piece(self, piece: Piece, seen: Seen | None = None) -> int:
+        return self._grow(self._file.write_piece(piece, seen))
 
     def _grow(self, n: int) -> int:
         if not self._grown and self._file.tell() >= DIRECT_FROM:
@@ -293,6 +334,11 @@ def open_output(path: str, size: int | None = None) -> DirectFile | BufferedFile
     except BaseException:
         _close_all([fd, *([direct_fd] if direct_fd is not None else [])])
         raise
+
+
+def _all_done(pending: tuple[Future, Any, list[Future]]) -> bool:
+    """A buffer's write is done and nothing holds it."""
+    return pending[0].done() and all(f.done() for f in pending[2])
 
 
 def _open_direct(path: str) -> int | None:
@@ -383,9 +429,32 @@ def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int 
 
 
 def read_source(fd: int, view: memoryview, offset: int) -> int:
-    """Some of a mapped piece's bytes read from its file into a direct write's buffer (not through the mapping:
-    no page faults, and the GIL is let go); the bytes read, 0 where the file ends."""
+    """Some of a mapped piece's bytes read from its file into a write's buffer (not through the mapping: no page
+    faults, and the GIL is let go); the bytes read, 0 where the file ends."""
     return os.preadv(fd, [view], offset)
+
+
+def read_piece(piece: Piece, sources: dict[str, int], size: int = digests.HASH_READ) -> Iterator[memoryview]:
+    """``piece``'s bytes in order: read from its file ``size`` bytes at a time into fresh buffers where it is a view
+    of a mapped file (a file cut short since it was mapped is an error naming it), else its memory."""
+    fd = source_fd(piece, sources)
+    if fd is None:
+        yield piece.bytes_view
+        return
+    path, offset, _ = piece.source
+    n, done = piece.data.nbytes, 0
+    while done < n:
+        view, got = memoryview(bytearray(min(size, n - done))), 0
+        while got < len(view):
+            try:
+                more = read_source(fd, view[got:], offset + done + got)
+            except OSError as exc:
+                raise _unreadable(path, offset + done + got, exc) from None
+            if more == 0:
+                raise _cut_short(path, n - done - got)
+            got += more
+        done += got
+        yield view
 
 
 def hash_piece(h: Any, piece: Piece, sources: dict[str, int], buffer: bytearray) -> None:

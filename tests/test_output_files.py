@@ -3,6 +3,7 @@ cache, whichever way each buffer went; a failed write or a shortened source is o
 
 import errno
 import os
+import zipfile
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from interop import output_files, safetensors_io
 from interop.errors import CorruptCheckpointError, OutputWriteError
 from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from interop.tensors import LazyTensor
+from tests.conftest import flip_byte
 
 
 def takes_direct_io(directory) -> bool:
@@ -155,14 +157,33 @@ def test_a_source_replaced_since_it_was_mapped_is_written_from_the_mapping(tmp_p
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
+def mapped_with_digests(tmp_path, named: dict[str, torch.Tensor]) -> dict[str, LazyTensor]:
+    """Tensors stored in a safetensors file, as mapped LazyTensors with their digests recorded (a universal source's)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from interop import digests
+    from interop.tensors import raw_bytes
+
+    save_file(named, str(tmp_path / "mapped.safetensors"))
+    stored = SafetensorsFile(tmp_path / "mapped.safetensors")
+    return {k: dataclasses.replace(stored.lazy(k), digest=digests.of_bytes(raw_bytes(t))) for k, t in named.items()}
+
+
 def test_a_file_of_unknown_size_goes_direct_once_it_is_large(tmp_path, monkeypatch, small_chunks):
     """A torch.save archive (its size known only at its end) is written through the page cache up to DIRECT_FROM
     and direct after, where the filesystem takes it: the file and the digest taken as it was written are those
-    of the same archive written through the page cache."""
+    of the same archive written through the page cache. A mapped source's tensor (spanning buffers) is read from
+    its file into the buffers, and its CRC, the file's digest and the source's digest check all take it there."""
     from converters.pickle_safety import save_torch
     from interop import digests, hashed_writes, written_digests
 
-    state = {"w": torch.randn(300, 41), "step": 7, "nested": {"b": torch.arange(5000, dtype=torch.int64)}}
+    g = torch.Generator().manual_seed(1)
+    named = {"m": torch.randn(200, 67, generator=g), "tail": torch.randn(3, generator=g)}
+    mapped = mapped_with_digests(tmp_path, named)
+    state = {"w": torch.randn(300, 41), "step": 7, "nested": {"b": torch.arange(5000, dtype=torch.int64)}, "m": mapped["m"],
+             "again": mapped["m"], "tail": mapped["tail"]}
     monkeypatch.setattr(output_files, "DIRECT_FROM", 1 << 40)
     (tmp_path / "buffered").mkdir()
     (tmp_path / "direct").mkdir()
@@ -183,6 +204,12 @@ def test_a_file_of_unknown_size_goes_direct_once_it_is_large(tmp_path, monkeypat
     assert (tmp_path / "direct" / "state.pt").read_bytes() == (tmp_path / "buffered" / "state.pt").read_bytes()
     back = torch.load(tmp_path / "direct" / "state.pt", weights_only=True)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["nested"]["b"], state["nested"]["b"]) and back["step"] == 7
+    assert torch.equal(back["m"], named["m"]) and torch.equal(back["again"], named["m"]) and torch.equal(back["tail"], named["tail"])
+    with zipfile.ZipFile(tmp_path / "direct" / "state.pt") as archive:
+        assert archive.testzip() is None  # every record's CRC (the mapped tensor's taken from the buffers it was read into)
+    flip_byte(str(tmp_path / "mapped.safetensors"), -100)  # a byte of "m", after its digest was recorded
+    with pytest.raises(CorruptCheckpointError, match="mapped.safetensors:m: .*differ from the digest"):
+        save_torch(state, str(tmp_path / "direct" / "again.pt"))
 
 
 def test_a_filesystem_without_direct_io_gets_the_page_cache(tmp_path, monkeypatch, small_chunks):
@@ -263,6 +290,52 @@ def test_a_source_shortened_under_a_hashed_write_is_named_not_a_crash(tmp_path):
 
     src = str(tmp_path / "source.safetensors")
     result = subprocess.run([sys.executable, "-c", SHORTENED_AND_HASHED, src, str(tmp_path / "out.safetensors")],
+                            env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.startswith(f"{src}: ended ") and "bytes early" in result.stdout, result.stdout
+
+
+SHORTENED_UNDER_TORCH_SAVE = """
+import os, sys, dataclasses
+import torch
+from safetensors.torch import save_file
+from converters.dcp import write_dcp
+from converters.pickle_safety import save_torch
+from interop import digests, output_files
+from interop.errors import CorruptCheckpointError
+from interop.safetensors_io import SafetensorsFile
+from interop.tensors import raw_bytes
+
+src, out, writer, direct = sys.argv[1:5]
+if direct == "direct":
+    output_files.DIRECT_FROM, output_files.CHUNK = 0, 3 * output_files.ALIGN
+w = torch.randn(300, 512)
+save_file({"w": w}, src)
+stored = SafetensorsFile(src)
+lazy = dataclasses.replace(stored.lazy("w"), digest=digests.of_bytes(raw_bytes(w)))
+stored.mapped("w")  # the file mapped now, then cut short: its mapping would fault past the cut
+os.truncate(src, 4096)
+try:
+    save_torch({"w": lazy}, out) if writer == "torch.save" else write_dcp({"w": lazy}, out)
+except CorruptCheckpointError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "dcp"])
+@pytest.mark.parametrize("direct", ["direct", "buffered"])
+def test_a_source_shortened_under_a_torch_save_write_is_named_not_a_crash(tmp_path, writer, direct):
+    """The torch.save writers (DeepSpeed, Megatron, DCP, ds-universal targets) read a mapped source's bytes from its
+    file into the buffer they write from, and take the CRC and the source's and the output's digests there: a
+    source cut short since it was mapped is one error naming it. The CRC and the hashes read the mapping before,
+    and the process died of SIGBUS (in a child process here: the signal would take the test run with it)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import worker_env
+
+    src = str(tmp_path / "source.safetensors")
+    result = subprocess.run([sys.executable, "-c", SHORTENED_UNDER_TORCH_SAVE, src, str(tmp_path / "out"), writer, direct],
                             env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.startswith(f"{src}: ended ") and "bytes early" in result.stdout, result.stdout
