@@ -71,19 +71,18 @@ class ArchiveWriter:
 
     def _write_source(self, chunk: SourceBytes, entry: _Entry) -> None:
         """A mapped source's bytes at the end, their CRC taken where they lie once read: a :class:`HashedFile`
-        reads them from the source's file and feeds ``chunk.check`` there; a plain file gets them from memory."""
-        def seen(run: memoryview) -> None:
+        reads them from the source's file and feeds ``chunk.check`` there; another file gets them from memory."""
+        def crc(run: memoryview) -> None:
             entry.crc = crc32(run, entry.crc)
 
-        if hasattr(self.f, "write_piece"):
-            n = self.f.write_piece(chunk.piece, chunk.check, seen)
-        else:
-            data = chunk.piece.bytes_view
-            seen(data)
-            n = self.f.write(data) if data.nbytes else 0
-            if chunk.check is not None:
-                chunk.check.update(data)
-        self.pos += n
+        if hasattr(self.f, "write_source"):
+            self.pos += self.f.write_source(chunk.piece, chunk.check, crc)
+            return
+        data = chunk.piece.bytes_view
+        crc(data)
+        if chunk.check is not None:
+            chunk.check.update(data)
+        self._write(data)
 
     def _zip64(self, size: int, offset: int) -> list[int]:
         """miniz's ZIP64 local fields: the size (and a compressed size of 0) from 4 GiB, the header's offset from 4 GiB."""
@@ -248,7 +247,8 @@ class _Standins:
     """The LazyTensor leaves of an object being saved, each pickled as a stand-in tensor of its shape and dtype, so
     torch's own pickling names its storage and places its record exactly as for the real tensor (the file is
     torch.save's of the loaded object); the record's bytes are then the LazyTensor's, streamed
-    (:func:`hashed_writes.tensor_bytes`: mapped source bytes copied file to file, their digests checked beside).
+    (:func:`hashed_writes.tensor_bytes`: a mapped source's bytes read from its file into the write's buffer, their
+    CRC and digests taken there).
 
     Why a stand-in tensor: torch's pickling reduces a tensor to a storage it keys by identity, and only a real
     storage passes its checks. ``torch.empty`` reserves the address space and never touches it, so a stand-in of

@@ -27,14 +27,15 @@ class Beside:
         self._bytes, self._limit = 0, limit
 
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> Future:
-        """Run ``fn(*args)`` on the thread after what was handed over before; its future."""
-        future = self._pool.submit(fn, *args)
-        self._pending.append((future, nbytes))
-        self._bytes += nbytes
-        while self._pending and (self._pending[0][0].done() or self._bytes > self._limit):
+        """Run ``fn(*args)`` on the thread after what was handed over before; its future. An earlier task's error
+        is raised here before this one is handed over (so a future returned is always the caller's to hold)."""
+        while self._pending and (self._pending[0][0].done() or self._bytes + nbytes > self._limit):
             done, n = self._pending.popleft()
             self._bytes -= n
             done.result()
+        future = self._pool.submit(fn, *args)
+        self._pending.append((future, nbytes))
+        self._bytes += nbytes
         return future
 
     def __enter__(self) -> "Beside":
@@ -52,7 +53,7 @@ class Beside:
 class HashedFile:
     """The output file ``path``, open for writing as ``out`` (an :mod:`interop.output_files` file: direct once it is
     large, else through the page cache), whose written bytes are also fed, in order, to ``hasher`` (a
-    :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_piece`) are
+    :class:`digests.BlockHasher`) on the :class:`Beside` thread. A mapped source's bytes (:meth:`write_source`) are
     read from its file, not through the mapping, and hashed where the write takes them (the output file holds that
     buffer until they are). The caller must not change a buffer after writing it. A failed
     write or sync is an :class:`OutputWriteError` naming the file (and only these: a source's read failing is not
@@ -74,15 +75,16 @@ class HashedFile:
             raise OutputWriteError.of(self.path, exc) from None
         return self._written(data, n)
 
-    def write_piece(self, piece: Piece, also: Any = None, seen: Callable[[memoryview], None] | None = None) -> int:
-        """``piece``'s bytes, fed to this file's hasher and to ``also`` (a source's digest check) where they lie as
-        they are written; ``seen`` (the caller's, on this thread: a CRC) is handed each run of them first."""
+    def write_source(self, piece: Piece, check: Any = None, each_run: Callable[[memoryview], None] | None = None) -> int:
+        """``piece``'s bytes (a mapped source's: read from its file), fed to this file's hasher and to ``check`` (the
+        source's digest check) where they lie as they are written; ``each_run`` (the caller's, on this thread: a
+        CRC) is handed each run of them first."""
         self._hash_batch()
 
         def fed(run: memoryview) -> Future:
-            if seen is not None:
-                seen(run)
-            return self.beside.submit(_update, self._hasher, also, run, nbytes=len(run))
+            if each_run is not None:
+                each_run(run)
+            return self.beside.submit(_update, self._hasher, check, run, nbytes=len(run))
 
         try:
             return self._out.write_piece(piece, fed)
@@ -145,8 +147,9 @@ def hashed_output(path: str) -> Iterator[HashedFile]:
 
 # --- a LazyTensor's bytes, streamed ---------------------------------------------------------------------------
 class SourceBytes(NamedTuple):
-    """A run of a tensor's bytes in a mapped source, to be read from its file (:meth:`HashedFile.write_piece`) and
-    fed to ``check`` (the hash of the source's digest check, or None) as written."""
+    """A run of a tensor's bytes in a mapped source, to be read from its file (:meth:`HashedFile.write_source`) and
+    fed to ``check`` (the hash of the source's digest check, or None) as written: a consumer that does not feed it
+    gets a digest error for bytes it did not check."""
 
     piece: Piece
     check: Any

@@ -11,8 +11,9 @@ threads, several writes in flight, into a file allocated at its final size where
 extending direct writes one at a time).
 
 Where direct I/O is not to be had (tmpfs, some network filesystems) a file of known size is written by
-:class:`BufferedFile` (mapped pieces copied file to file in the kernel, ``copy_file_range``); where the device
-refuses a direct write, the same buffers go through the page cache. The bytes are the same whichever way they went.
+:class:`BufferedFile` (mapped pieces copied file to file in the kernel, ``copy_file_range``, unless the writer must
+see their bytes); where the device refuses a direct write, the same buffers go through the page cache. The bytes
+are the same whichever way they went.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ WRITEBACK = 64 << 20  # a buffered file starts writing back every this many byte
 
 
 class BufferedFile:
-    """An output file written through the page cache: mapped pieces copied file to file in the kernel, writeback
-    started as it goes."""
+    """An output file written through the page cache: mapped pieces copied file to file in the kernel (or read into
+    a few buffers and written from them, where the writer hashes them: ``seen``), writeback started as it goes."""
 
     direct = False
 
@@ -57,6 +58,7 @@ class BufferedFile:
             raise OutputWriteError.of(path, exc) from None
         self._sources: dict[str, int] = {}
         self._pos = self._dirty_from = 0
+        self._read: deque[tuple[bytearray, Future | None]] = deque()  # buffers a source was read into, what holds each
 
     def write(self, data: Any) -> int:
         return self._advance(self._f.write(data))
@@ -67,11 +69,32 @@ class BufferedFile:
         from them."""
         if seen is None:
             return self._advance(write_piece(self._f, piece, self._sources))
-        n = 0
-        for view in read_piece(piece, self._sources):
-            n += self._f.write(view)
-            seen(view)
+        fd = source_fd(piece, self._sources)
+        if fd is None:
+            data = piece.bytes_view
+            self._f.write(data)
+            seen(data)
+            return self._advance(data.nbytes)
+        path, offset, _ = piece.source
+        n, done = piece.data.nbytes, 0
+        while done < n:
+            buffer = self._read_buffer()
+            with memoryview(buffer) as view:
+                run = view[:min(len(buffer), n - done)]
+                _read_run(fd, run, path, offset + done, n - done)
+                self._f.write(run)
+                self._read.append((buffer, seen(run)))
+            done += len(run)
         return self._advance(n)
+
+    def _read_buffer(self) -> bytearray:
+        """A buffer to read a source's bytes into: the oldest once nothing holds it, else a new one (three at most)."""
+        if self._read and (len(self._read) >= 3 or self._read[0][1] is None or self._read[0][1].done()):
+            buffer, held = self._read.popleft()
+            if held is not None:
+                wait([held])
+            return buffer
+        return bytearray(digests.HASH_READ)
 
     def _advance(self, n: int) -> int:
         self._pos += n
@@ -139,14 +162,19 @@ class DirectFile:
     def tell(self) -> int:
         return self._offset + self._fill
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, seen: Seen | None = None) -> int:
+        """``data``'s bytes copied into the buffers (each run handed to ``seen`` where it lies)."""
         with memoryview(data) as view:
             flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
             n, done = flat.nbytes, 0
             while done < n:
                 buffer = self._take()
                 take = min(CHUNK - self._fill, n - done)
-                buffer[self._fill:self._fill + take] = flat[done:done + take]
+                with memoryview(buffer) as into:
+                    run = into[self._fill:self._fill + take]
+                    run[:] = flat[done:done + take]
+                    if seen is not None:
+                        self._hold(seen(run))
                 self._filled(take)
                 done += take
         return n
@@ -156,9 +184,7 @@ class DirectFile:
         under the GIL), else copied from memory; each run of them handed to ``seen`` where it lies."""
         fd = source_fd(piece, self._sources)
         if fd is None:
-            if seen is None:
-                return self.write(piece.data)
-            return self._write_seen(piece.bytes_view, seen)
+            return self.write(piece.data, seen)
         path, offset, _ = piece.source
         n, done = piece.data.nbytes, 0
         while done < n:
@@ -166,31 +192,12 @@ class DirectFile:
             take = min(CHUNK - self._fill, n - done)
             with memoryview(buffer) as view:
                 run = view[self._fill:self._fill + take]
-                try:
-                    got = read_source(fd, run, offset + done)
-                except OSError as exc:
-                    raise _unreadable(path, offset + done, exc) from None
-                if got == 0:
-                    raise _cut_short(path, n - done)
+                _read_run(fd, run, path, offset + done, n - done)
                 if seen is not None:
-                    self._hold(seen(run[:got]))
-            self._filled(got)
-            done += got
-        return n
-
-    def _write_seen(self, flat: memoryview, seen: Seen) -> int:
-        """Bytes from memory, each run handed to ``seen`` where it lies in a buffer."""
-        done = 0
-        while done < flat.nbytes:
-            buffer = self._take()
-            take = min(CHUNK - self._fill, flat.nbytes - done)
-            with memoryview(buffer) as view:
-                run = view[self._fill:self._fill + take]
-                run[:] = flat[done:done + take]
-                self._hold(seen(run))
+                    self._hold(seen(run))
             self._filled(take)
             done += take
-        return done
+        return n
 
     def _hold(self, future: Future | None) -> None:
         if future is not None:
@@ -429,32 +436,20 @@ def copy_at(fd: int, offset: int, piece: Piece, sources: dict[str, int]) -> int 
 
 
 def read_source(fd: int, view: memoryview, offset: int) -> int:
-    """Some of a mapped piece's bytes read from its file into a write's buffer (not through the mapping: no page
-    faults, and the GIL is let go); the bytes read, 0 where the file ends."""
-    return os.preadv(fd, [view], offset)
+    """A mapped piece's bytes read from its file into a write's buffer (not through the mapping: no page faults,
+    and the GIL is let go); the bytes read, fewer than asked only where the file ends."""
+    return digests.read_exactly(fd, view, offset)
 
 
-def read_piece(piece: Piece, sources: dict[str, int], size: int = digests.HASH_READ) -> Iterator[memoryview]:
-    """``piece``'s bytes in order: read from its file ``size`` bytes at a time into fresh buffers where it is a view
-    of a mapped file (a file cut short since it was mapped is an error naming it), else its memory."""
-    fd = source_fd(piece, sources)
-    if fd is None:
-        yield piece.bytes_view
-        return
-    path, offset, _ = piece.source
-    n, done = piece.data.nbytes, 0
-    while done < n:
-        view, got = memoryview(bytearray(min(size, n - done))), 0
-        while got < len(view):
-            try:
-                more = read_source(fd, view[got:], offset + done + got)
-            except OSError as exc:
-                raise _unreadable(path, offset + done + got, exc) from None
-            if more == 0:
-                raise _cut_short(path, n - done - got)
-            got += more
-        done += got
-        yield view
+def _read_run(fd: int, run: memoryview, path: str, offset: int, left: int) -> None:
+    """Fill ``run`` with a mapped piece's bytes from its file at ``offset`` (``left`` of the piece's bytes to come):
+    a file that ends first was cut short since it was mapped, one error naming it."""
+    try:
+        got = read_source(fd, run, offset)
+    except OSError as exc:
+        raise _unreadable(path, offset, exc) from None
+    if got < len(run):
+        raise _cut_short(path, left - got)
 
 
 def hash_piece(h: Any, piece: Piece, sources: dict[str, int], buffer: bytearray) -> None:

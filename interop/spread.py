@@ -269,15 +269,18 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
 
 
 def _hash_range(path: str, offset: int, length: int) -> str:
+    """The digest of bytes ``offset:offset+length`` of an output file, read back (a tensor other processes wrote some of)."""
     h = digests.hasher()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while length:
-            chunk = f.read(min(length, 8 << 20))
-            if not chunk:
-                raise OutputWriteError(path, "ended early while hashing what was written")
-            h.update(chunk)
-            length -= len(chunk)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = digests.hash_range(h, fd, offset, length, memoryview(bytearray(digests.HASH_READ)))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
+    if got < length:
+        raise OutputWriteError(path, "ended early while hashing what was written")
     return digests.label(digests.ALGO, h.hexdigest())
 
 

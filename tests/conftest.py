@@ -98,7 +98,7 @@ def by_blocks(checkpoint, block_bytes: int) -> list[str]:
 def copied(monkeypatch) -> list[int]:
     """The bytes writers took from mapped sources' files rather than from the mappings or loaded tensors, one count
     per call: copied file to file in the kernel (``os.copy_file_range``, through the page cache) or read into a
-    direct write's buffer (``output_files.read_source``)."""
+    write's buffer (``output_files.read_source``)."""
     from interop import output_files
 
     counts: list[int] = []
@@ -117,6 +117,23 @@ def copied(monkeypatch) -> list[int]:
     monkeypatch.setattr(os, "copy_file_range", counting)
     monkeypatch.setattr(output_files, "read_source", reading)
     return counts
+
+
+def as_written(chunks) -> list[tuple[bytes, bool]]:
+    """What a writer takes from ``hashed_writes.tensor_bytes``, each chunk's bytes and whether they are a mapped
+    source's (read from its file), fed to their digest check as a writer feeds it, before the generator goes on."""
+    from interop.hashed_writes import SourceBytes
+
+    out = []
+    for c in chunks:
+        if isinstance(c, SourceBytes):
+            data = bytes(c.piece.data)
+            if c.check is not None:
+                c.check.update(data)
+            out.append((data, c.piece.source is not None))
+        else:
+            out.append((bytes(c), False))
+    return out
 
 
 def flip_byte(path, at: int) -> None:

@@ -18,7 +18,7 @@ from converters.hf import read_hf, write_hf
 from converters.megatron import load_megatron_file, read_megatron, write_megatron
 from converters.pickle_safety import numpy_allowlist
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnsafePickleError
-from tests.conftest import ROOT, worker_env
+from tests.conftest import ROOT, as_written, worker_env
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
@@ -687,7 +687,7 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
     from converters.megatron_map import megatron_pieces, rules
     from converters.megatron_pieces import RankPieces
     from interop.hashed_writes import Beside, tensor_bytes
-    from interop.tensors import Piece, raw_bytes
+    from interop.tensors import raw_bytes
 
     make(MODELS[kind]()).save_pretrained(tmp_path / "hf")
     ckpt = read_hf(str(tmp_path / "hf"))
@@ -705,11 +705,10 @@ def test_each_ranks_piece_streams_the_sources_rows_and_equals_the_split(tmp_path
                 for t, piece in enumerate(pieces):
                     want = expected[t].to(dtype)
                     assert piece.spec.shape == tuple(want.shape) and torch.equal(piece.load(), want), (rule.megatron, t)
-                    chunks = list(tensor_bytes(piece, beside, ahead))
-                    assert b"".join(bytes(c.data if isinstance(c, Piece) else c) for c in chunks) == bytes(raw_bytes(want))
-                    copied = [isinstance(c, Piece) and c.source is not None for c in chunks]
-                    # every byte copied from a source's file but the vocabulary's padding (zeros here)
-                    mapped = any(copied) and all(ok or not any(bytes(c)) for c, ok in zip(chunks, copied))
+                    chunks = as_written(tensor_bytes(piece, beside, ahead))
+                    assert b"".join(data for data, _ in chunks) == bytes(raw_bytes(want))
+                    # every byte read from a source's file but the vocabulary's padding (zeros here)
+                    mapped = any(ok for _, ok in chunks) and all(ok or not any(data) for data, ok in chunks)
                     (streamed if mapped else built).add((rule.megatron, dtype))
                     if piece.parts is not None:
                         cut.add((rule.megatron, dtype))  # made run by run, not built whole

@@ -264,7 +264,8 @@ def test_an_experts_stack_fused_for_an_engine_streams_from_each_stored_expert(tm
 
     from interop.errors import CorruptCheckpointError
     from interop.hashed_writes import Beside, tensor_bytes
-    from interop.tensors import Piece, raw_bytes
+    from interop.tensors import raw_bytes
+    from tests.conftest import as_written
 
     _, hf = architectures.saved(tmp_path, "mixtral")
     uni = tmp_path / "universal"
@@ -275,16 +276,16 @@ def test_an_experts_stack_fused_for_an_engine_streams_from_each_stored_expert(tm
     with Beside() as beside, ThreadPoolExecutor(1) as ahead:
         for name, t in fused.items():
             whole = t.load()
-            chunks = list(tensor_bytes(t, beside, ahead))
-            assert all(isinstance(c, Piece) and c.source is not None for c in chunks), name
-            assert b"".join(bytes(c.data) for c in chunks) == bytes(raw_bytes(whole)), name
+            chunks = as_written(tensor_bytes(t, beside, ahead))
+            assert all(from_source for _, from_source in chunks), name
+            assert b"".join(data for data, _ in chunks) == bytes(raw_bytes(whole)), name
             n = t.spec.numel
             cut = t.flat_slice(n // 3, n - 5)  # across experts, as a ZeRO rank's partition cuts it
             assert torch.equal(cut.load(), whole.reshape(-1)[n // 3 : n - 5]), name
-            assert all(isinstance(c, Piece) and c.source is not None for c in tensor_bytes(cut, beside, ahead)), name
+            assert all(from_source for _, from_source in as_written(tensor_bytes(cut, beside, ahead))), name
     stored = next(iter(fused.values())).parts()[0]
     path, offset, _ = stored.mapped_pieces()[0].source
     flip_byte(path, offset + 3)  # one expert's byte changed: its digest, not the fused tensor's, refuses it
     again = in_module_names(registry.read(str(uni))[1]).model[next(iter(fused))]
     with pytest.raises(CorruptCheckpointError, match="differ from the digest"), Beside() as beside, ThreadPoolExecutor(1) as ahead:
-        list(tensor_bytes(again, beside, ahead))
+        as_written(tensor_bytes(again, beside, ahead))
