@@ -20,8 +20,8 @@ if __name__ == "__main__":  # python -m converters.cli: the source's digests sta
     check_ahead(sys.argv[1:])
 
 from interop import __version__, ranged
-from .models.config_arg import load_config_arg
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
+from interop.lazy_import import LazyModule
 from interop.errors import ConfigurationError, ConversionError, InteropError, UnknownFormatError, one_line
 from interop.locking import exclusive
 from interop.logs import quiet_libraries
@@ -33,11 +33,12 @@ from interop.spread import leads, together
 from interop.universal import parse_size
 
 from . import registry
-from .diff import diff_checkpoints, expert_differences
 from . import deepspeed_moe
-from . import workers
 from .models import adapters as adapter_models
 from .models import experts
+
+# imported when a command uses them (see registry: start-up is a tenth of a 1 GiB conversion)
+config_arg, diff, workers = (LazyModule(f"converters.{m}") for m in ("models.config_arg", "diff", "workers"))
 
 log = logging.getLogger("interop.cli")
 
@@ -94,7 +95,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
         extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters", "adapter_config", "base_model")},
-        config=load_config_arg(args.config) if getattr(args, "config", None) else None,
+        config=config_arg.load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
 
@@ -321,7 +322,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     options = _options(args)
     fa, a = registry.read(args.a, options)
     fb, b = registry.read(args.b, options)
-    report = diff_checkpoints(
+    report = diff.diff_checkpoints(
         a, b, args.atol, progress=lambda items, **kw: _iter_progress(items, **kw), model_only=args.model_only
     )
     sides = {"only_a": f"A ({args.a})", "only_b": f"B ({args.b})"}
@@ -348,7 +349,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(f"{'=' if e.status == 'exact' else '~'} {e.key}: {e.status}" + (f" (max |a-b| {e.max_abs:.3g})" if e.status == "close" else ""))
     # which experts each side holds can differ only where names or shapes do (asking transformers about the
     # model's experts costs its import, which a diff of equal layouts never pays)
-    moe = expert_differences(a, b) if any(e.status in ("only_a", "only_b", "shape") for e in report.entries) else []
+    moe = diff.expert_differences(a, b) if any(e.status in ("only_a", "only_b", "shape") for e in report.entries) else []
     for line in moe:
         print(f"! experts: {line}")
     both = len(report.entries) - report.count("only_a") - report.count("only_b")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from interop.dtypes import dtype_from_name
+from interop.lazy_import import LazyModule
 from interop.errors import ConfigurationError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from interop.logical import LogicalCheckpoint
 from interop.commit import resolve_checkpoint_dir
@@ -16,12 +17,12 @@ from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from .models.config_arg import apply_config
-from . import accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist
-from . import deepspeed_moe
-from .models import experts
-from .models.adapters import has_peft_names, in_peft_names, read_as_adapter
-from .models import facts as model_facts
+# The converter modules, imported when first used: a conversion imports its source's reader, its target's writer
+# and the detectors tried before its source's, not every format's (start-up is a tenth of a 1 GiB conversion).
+accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist, deepspeed_moe = (
+    LazyModule(f"converters.{m}") for m in ("accelerate", "dcp", "deepspeed", "ds_universal", "hf", "hf_trainer", "interop_ckpt",
+                                       "interop_dcp", "megatron", "megatron_dist", "deepspeed_moe"))
+experts, adapters, model_facts, config_arg = (LazyModule(f"converters.models.{m}") for m in ("experts", "adapters", "facts", "config_arg"))
 
 
 @dataclass
@@ -130,9 +131,7 @@ def _no_adapters(name: str, write):
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
         if ckpt.adapter is not None:
-            from .models.adapters import summary
-
-            raise ConfigurationError(f"{name} has no place for peft adapters ({summary(ckpt.adapter)}), and its loaders would not "
+            raise ConfigurationError(f"{name} has no place for peft adapters ({adapters.summary(ckpt.adapter)}), and its loaders would not "
                                      f"take the peft model's names: interop convert SRC DST --to peft writes the adapters apart, "
                                      f"--to {name} --merge-adapters the base model with them merged in")
         write(ckpt, dst, o)
@@ -158,7 +157,7 @@ def _stored_naming(read):
 
     def wrapped(path: str, o: Options) -> LogicalCheckpoint:
         ckpt = read(path, o)
-        if has_peft_names(ckpt):  # a peft model's: read as base + adapter (registry.read), then renamed
+        if adapters.has_peft_names(ckpt):  # a peft model's: read as base + adapter (registry.read), then renamed
             return ckpt
         return model_facts.in_stored_names(ckpt, o.config)
     return wrapped
@@ -169,7 +168,7 @@ def _module_naming(write):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        write(in_peft_names(model_facts.in_module_names(ckpt)), dst, o)
+        write(adapters.in_peft_names(model_facts.in_module_names(ckpt)), dst, o)
     return wrapped
 
 
@@ -199,7 +198,7 @@ register(
     Format(
         "interop",
         "checkpoint saved by an interop trainer (single process or DDP)",
-        interop_ckpt.is_interop_checkpoint,
+        lambda p: interop_ckpt.is_interop_checkpoint(p),
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
         module_names=True,  # the trainer's model component is the module's state dict (a MoE's fused experts)
         holds_adapters=True,
@@ -209,7 +208,7 @@ register(
     Format(
         "interop-dcp",
         "checkpoint of the interop Megatron-style trainer (DTensor TP x pipelining): model and optimizer as DCP, any layout",
-        interop_dcp.is_interop_dcp,
+        lambda p: interop_dcp.is_interop_dcp(p),
         lambda p, o: interop_dcp.read_interop_dcp(p, o.verify_digests),
         lambda c, d, o: interop_dcp.write_interop_dcp(c, d, o.overwrite),
         loads_with='python -m trainers.megatron --resume {dst}',
@@ -256,7 +255,7 @@ register(
     Format(
         "deepspeed",
         "DeepSpeed ZeRO-1/2/3 checkpoint (DeepSpeed's own, accelerate's, or an interop DeepSpeed trainer's)",
-        deepspeed.is_deepspeed_checkpoint,
+        lambda p: deepspeed.is_deepspeed_checkpoint(p),
         lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests, o.config),
         _write_deepspeed,
         loads_with="engine.load_checkpoint('{dst}')",
@@ -273,7 +272,7 @@ register(
     Format(
         "ds-universal",
         "DeepSpeed universal checkpoint (ds_to_universal's layout; load_universal loads it on any stage and world size)",
-        ds_universal.is_ds_universal,
+        lambda p: ds_universal.is_ds_universal(p),
         lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle, o.verify_digests),
         _write_ds_universal,
         loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
@@ -291,7 +290,7 @@ register(
     Format(
         "accelerate",
         "Accelerate save_state directory, DDP (model.safetensors + optimizer.bin) or FSDP2 (DCP directories)",
-        accelerate.is_accelerate_checkpoint,
+        lambda p: accelerate.is_accelerate_checkpoint(p),
         lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests, o.config),
         _write_accelerate,
         loads_with="accelerator.load_state('{dst}')",
@@ -324,7 +323,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
     Format(
         "megatron-dist",
         "Megatron torch_dist checkpoint (metadata.json, common.pt, DCP data with stacked layers); loads at any TP x PP",
-        megatron_dist.is_megatron_dist,
+        lambda p: megatron_dist.is_megatron_dist(p),
         lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle, o.verify_digests),
         _write_megatron_dist,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist (--use-distributed-optimizer exactly when converted with it)',
@@ -335,7 +334,7 @@ register(
     Format(
         "dcp",
         "torch.distributed.checkpoint directory (.metadata + .distcp files), e.g. torchtitan's or dcp.save's",
-        dcp.is_dcp_dir,
+        lambda p: dcp.is_dcp_dir(p),
         lambda p, o: dcp.read_dcp_checkpoint(p, o.verify_digests),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
         loads_with="torch.distributed.checkpoint.load(state_dict, checkpoint_id='{dst}')",
@@ -359,7 +358,7 @@ register(
     Format(
         "megatron",
         "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt)",
-        megatron.is_megatron_legacy,
+        lambda p: megatron.is_megatron_legacy(p),
         lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests, o.config),
         _write_megatron,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch (--use-distributed-optimizer exactly when converted with it)',
@@ -367,8 +366,6 @@ register(
     )
 )
 def _write_peft(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-    from .models import adapters
-
     if ckpt.adapter is None:
         raise ConfigurationError("--to peft: the source holds no peft adapters")
     adapters.write_peft(ckpt, dst, o.overwrite)
@@ -390,7 +387,7 @@ register(  # before "hf": a Trainer checkpoint directory is also a model directo
     Format(
         "hf-trainer",
         "transformers Trainer checkpoint (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json)",
-        hf_trainer.is_hf_trainer_checkpoint,
+        lambda p: hf_trainer.is_hf_trainer_checkpoint(p),
         lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests, o.extra.get("base_model")),
         lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
         loads_with="Trainer(...).train(resume_from_checkpoint='{dst}')",
@@ -401,7 +398,7 @@ register(
     Format(
         "hf",
         "Hugging Face model directory (config.json + safetensors or pytorch_model.bin)",
-        hf.is_hf_dir,
+        lambda p: hf.is_hf_dir(p),
         lambda p, o: hf.read_hf(p, o.trust_pickle),
         lambda c, d, o: hf.write_hf(with_dtype(c, o.extra.get("dtype")), d, o.overwrite, o.max_shard_size, o.progress, o.spread),
         spreads=True,
@@ -460,8 +457,8 @@ def read(path: str, options: Options | None = None, as_format: str | None = None
         raise UnknownFormatError(path, f"format {fmt.name!r} can be written but not read")
     ckpt = fmt.read(path, options)
     if options.config is not None:
-        apply_config(ckpt, options.config, path)
-    return fmt, read_as_adapter(ckpt, path, options.extra.get("adapter_config"))
+        config_arg.apply_config(ckpt, options.config, path)
+    return fmt, adapters.read_as_adapter(ckpt, path, options.extra.get("adapter_config"))
 
 
 # Files the converters read only through readers that check each byte range they use against the manifest
