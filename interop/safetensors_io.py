@@ -13,7 +13,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from . import digests
 from .dtypes import name_of_st_code, st_code
@@ -158,39 +158,46 @@ def _write_safetensors(
     hashed: bool = True,
 ) -> WrittenFile:
     """Write ``entries`` to ``path``, fsync before returning. Two tensors are in memory at a time: the next
-    is fetched on a worker thread while this one is written and, with ``hashed``, hashed (file and tensor,
-    for a manifest) on another; copying, hashing and writing all release the GIL."""
+    is fetched on a worker thread while this one is written. With ``hashed`` (file and tensor digests, for a
+    manifest) each tensor is hashed on another thread where the output file has its bytes (a mapped source's read
+    from its file into the write's buffer: no second read, no page faults), the buffer held until it is; copying,
+    hashing and writing all release the GIL."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from .hashed_writes import Beside
 
     entries = list(entries)
     path = os.fspath(path)
-    file_hash = digests.hasher()
-    tensor_digests: dict[str, str] = {}
+    raw_digests: list[Any] = []  # each tensor's raw digest, a future of the hashing thread
     head = header_bytes(entries, metadata)
     with closing(open_output(path, len(head) + sum(e.spec.nbytes for e in entries)), path) as out, \
-            ThreadPoolExecutor(2, thread_name_prefix="safetensors") as pool:
+            ThreadPoolExecutor(1, thread_name_prefix="safetensors") as pool, Beside() as beside:
         out.write(head)
-        file_hash.update(head)
         total = len(head)
         ahead = pool.submit(fetch_pieces, entries[0]) if entries else None
         for i, entry in enumerate(entries):
             pieces = ahead.result()  # fetched while the previous tensor was written
             ahead = pool.submit(fetch_pieces, entries[i + 1]) if i + 1 < len(entries) else None
-            pending = pool.submit(hash_pieces, pieces) if hashed else None
-            for piece in pieces:  # a mapped piece is read from its file, by the hashing too
-                total += out.write_piece(piece)
-            if pending is not None:
-                raw = pending.result()
-                file_hash.update(raw)
-                tensor_digests[entry.name] = digests.label(digests.ALGO, raw.hex())
+            seen = None
+            if hashed:
+                h = digests.hasher()
+                seen = lambda run, h=h: beside.submit(h.update, run, nbytes=len(run))  # noqa: E731
+            for piece in pieces:
+                total += out.write_piece(piece, seen)
+            if hashed:
+                raw_digests.append(beside.submit(h.digest))
             for p in pieces:
                 if p.release is not None:
-                    p.release()  # written and hashed: out of RSS, still in the page cache
+                    p.release()  # written: out of RSS, still in the page cache
             del pieces
             if on_tensor is not None:
                 on_tensor(entry)
         out.sync()
-    return WrittenFile(path, total, digests.label(digests.ALGO, file_hash.hexdigest(), digests.COMPOSITE) if hashed else "", tensor_digests)
+    if not hashed:
+        return WrittenFile(path, total, "", {})
+    raws = [d.result() for d in raw_digests]
+    tensor_digests = {e.name: digests.label(digests.ALGO, raw.hex()) for e, raw in zip(entries, raws)}
+    return WrittenFile(path, total, composite_of(head, list(tensor_digests.values())), tensor_digests)
 
 
 def release_range(mapping, lo: int, hi: int) -> None:

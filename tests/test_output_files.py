@@ -76,6 +76,35 @@ def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_pa
     assert all(torch.equal(loaded[n], t) for n, t in tensors().items())
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_hashed_write_reads_each_source_byte_once(tmp_path, monkeypatch, direct):
+    """A universal output's tensor digests are taken where the output file has the bytes (in its buffers), so a
+    mapped source's bytes are read from their file once, for the write and the hash both (twice before: the hash
+    read them again); the digests are those of the file written, read back."""
+    source = str(tmp_path / "source.safetensors")
+    pieces = entries(tmp_path, {"big", "half", "ints"})
+    mapped = sum(tensors()[n].nbytes for n in ("big", "half", "ints"))
+    if direct:
+        monkeypatch.setattr(output_files, "DIRECT_FROM", 0)
+        monkeypatch.setattr(output_files, "CHUNK", 3 * output_files.ALIGN)
+    else:
+        monkeypatch.setattr(output_files, "DIRECT_FROM", 1 << 40)
+    read_from_source = []
+    preadv, copy_file_range = os.preadv, os.copy_file_range
+
+    def of_source(fd: int, n: int) -> int:
+        if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(source):
+            read_from_source.append(n)
+        return n
+
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: of_source(fd, preadv(fd, buffers, offset)))
+    monkeypatch.setattr(os, "copy_file_range", lambda src, dst, count, *a: of_source(src, copy_file_range(src, dst, count, *a)))
+    written = write_safetensors(tmp_path / "out.safetensors", pieces, hashed=True)
+    monkeypatch.undo()
+    assert sum(read_from_source) == mapped
+    assert (written.digest, written.tensor_digests) == safetensors_io.safetensors_digests(tmp_path / "out.safetensors")
+
+
 def test_a_small_file_goes_through_the_page_cache(tmp_path):
     """Below DIRECT_FROM a file gains nothing from direct I/O, and whoever reads it next finds it in memory."""
     out = output_files.open_output(str(tmp_path / "small"), output_files.DIRECT_FROM - 1)
