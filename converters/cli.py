@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (InteropError, OSError) as exc:
-        if os.environ.get("RANK", "0") == "0" or not workers.joined:  # one line from a group: its lead's
+        joined = getattr(sys.modules.get("converters.workers"), "joined", False)  # (not imported here, in an error)
+        if os.environ.get("RANK", "0") == "0" or not joined:  # one line from a group: its lead's
             print(f"interop {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

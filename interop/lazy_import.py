@@ -13,7 +13,8 @@ from typing import Any
 
 
 class LazyModule:
-    """Stands for the module ``name``: each attribute is the module's, the module imported at the first."""
+    """Stands for the module ``name``: each attribute is the module's, the module imported at the first. (Patch
+    the module itself, not this stand-in: an attribute set here would hide the module's from then on.)"""
 
     def __init__(self, name: str):
         self._name = name

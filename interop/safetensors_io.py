@@ -187,8 +187,8 @@ def _write_safetensors(
             if hashed:
                 raw_digests.append(beside.submit(h.digest))
             for p in pieces:
-                if p.release is not None:
-                    p.release()  # written: out of RSS, still in the page cache
+                if p.release is not None:  # written (and hashed: after its hash on that thread): out of RSS, still in the page cache
+                    beside.submit(p.release) if hashed else p.release()
             del pieces
             if on_tensor is not None:
                 on_tensor(entry)
