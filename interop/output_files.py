@@ -207,12 +207,17 @@ class DirectFile:
         """The buffer being filled; a fresh one (or one whose write has finished) when there is none."""
         if self._buffer is None:
             while self._pending and (len(self._pending) >= IN_FLIGHT or _all_done(self._pending[0])):
-                future, buffer, holds = self._pending.popleft()
-                future.result()
-                wait(holds)  # (their errors are their owner's to raise)
-                self._spare.append(buffer)  # (not one whose write failed or was interrupted: it goes when unreferenced)
+                self._recycle()
             self._buffer = self._spare.pop() if self._spare else mmap.mmap(-1, CHUNK)
         return self._buffer
+
+    def _recycle(self) -> None:
+        """The oldest write waited for, and its buffer a spare once nothing holds it (the holds' errors are their
+        owner's to raise; a buffer whose write failed or was interrupted goes when unreferenced)."""
+        future, buffer, holds = self._pending.popleft()
+        future.result()
+        wait(holds)
+        self._spare.append(buffer)
 
     def _filled(self, n: int) -> None:
         self._fill += n
@@ -245,10 +250,7 @@ class DirectFile:
         if self._fill:
             self._submit()
         while self._pending:
-            future, buffer, holds = self._pending.popleft()
-            future.result()
-            wait(holds)
-            self._spare.append(buffer)
+            self._recycle()
 
     def sync(self) -> None:
         self.flush()

@@ -186,9 +186,11 @@ def _write_safetensors(
                 total += out.write_piece(piece, seen)
             if hashed:
                 raw_digests.append(beside.submit(h.digest))
-            for p in pieces:
-                if p.release is not None:  # written (and hashed: after its hash on that thread): out of RSS, still in the page cache
-                    beside.submit(p.release) if hashed else p.release()
+            for p in pieces:  # written (and hashed: after its hash, on that thread): out of RSS, still in the page cache
+                if p.release is not None and hashed:
+                    beside.submit(p.release)
+                elif p.release is not None:
+                    p.release()
             del pieces
             if on_tensor is not None:
                 on_tensor(entry)
