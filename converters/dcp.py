@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 from interop.lazy_import import torch
 
 from interop import ranged
+from interop.background import on_staging_thread
 from interop.hashed_writes import Beside, tensor_bytes
 from interop.dtypes import is_dtype_name
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
@@ -527,7 +528,7 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
     from torch.distributed.checkpoint.state_dict_saver import save as blocking_save  # not dcp.save: a caller may have patched it
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                           use_non_blocking_copy=False))
-    held = [stager.stage(state)]
+    held = [on_staging_thread(stager.stage, state)]  # its memory apart from the training thread's (see there)
     storage_writer = storage_writer or dcp.FileSystemWriter(directory)
 
     def write() -> None:
