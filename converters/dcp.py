@@ -516,19 +516,26 @@ def save_dcp(state: dict[str, Any], directory: str) -> None:
 
 
 def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any = None, storage_writer: Any = None,
-              planner: Any = None) -> Callable[[], None]:
+              planner: Any = None, live: Iterable[Any] = ()) -> Callable[[], None]:
     """DCP's asynchronous save split where a commit thread needs it: the state is staged now (DCP's own stager: a copy
     in CPU memory that later training steps cannot change) and the returned writer runs ``dcp.save`` of the copy over
     ``process_group``. Writers run one after another on one thread, so several staged saves of one checkpoint
     (accelerate saves model and optimizer apart) never issue collectives side by side, as separate ``async_save``
-    threads would on one group."""
+    threads would on one group.
+
+    ``live``: the tensors later training steps change (a model's parameters, buffers and gradients, its optimizer's
+    state). A host tensor of ``state`` that shares storage with none of them is already a copy that nothing else
+    reaches (a state dict taken with ``cpu_offload`` from a model on an accelerator: accelerate's FSDP2 saves) and is
+    kept as it is rather than copied again, which cost its size again in memory and a host copy in the blocking part.
+    With no ``live``, every tensor is copied."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint.state_dict_saver import save as blocking_save  # not dcp.save: a caller may have patched it
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))
-    held = [on_staging_thread(stager.stage, state)]  # its memory apart from the training thread's (see there)
+    import torch.distributed.checkpoint as dcp
+
+    stager = StateDictStager(pin_memory=False, share_memory=False)
+    memo = {id(t): t for t in _unshared_host_tensors(state, live)} if live else {}
+    held = [on_staging_thread(stager.deepcopy_with_tensor_offload, state, memo)]  # apart from training's memory (see there)
     storage_writer = storage_writer or dcp.FileSystemWriter(directory)
 
     def write() -> None:
@@ -540,6 +547,28 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
             stager.close()
 
     return write
+
+
+def _unshared_host_tensors(state: Any, live: Iterable[Any]) -> list[Any]:
+    """The tensors of ``state`` that lie in host memory and share no storage with a host tensor of ``live`` (a
+    DTensor by its local shard)."""
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    taken = {local(t).untyped_storage().data_ptr() for t in live if local(t).device.type == "cpu"}
+    hosted = [t for t in tensor_leaves(state) if local(t).device.type == "cpu"]
+    return [t for t in hosted if local(t).untyped_storage().data_ptr() not in taken | {0}]
+
+
+def tensor_leaves(node: Any) -> list[Any]:
+    """Every tensor in the nested dicts, lists and tuples of ``node``, in order."""
+    if isinstance(node, torch.Tensor):
+        return [node]
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, (list, tuple)):
+        return [t for v in node for t in tensor_leaves(v)]
+    return []
 
 
 def write_dcp(

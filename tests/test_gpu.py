@@ -1,6 +1,6 @@
 """The trainers on a GPU, as a user starts them there: NCCL process group, model and optimizer state on the device,
-saves staged from device memory. CI has no GPU, so these skip there (and say why); the benchmarks ran the same
-trainers on an H100 (README, "Saves that do not stall the run")."""
+saves staged from device memory. CI has no GPU, so these skip there (and say why); they passed on an H200 (the
+staging thread's commit), where the benchmarks ran the same trainers (README, "Saves that do not stall the run")."""
 
 from __future__ import annotations
 

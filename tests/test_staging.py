@@ -76,3 +76,45 @@ def test_staged_copies_lie_outside_the_training_threads_arena():
     assert out.returncode == 0, out.stderr[-2000:]
     grown, thread = out.stdout.split()
     assert int(grown) < 8 and thread == "MainThread", out.stdout
+
+
+def test_a_staged_dcp_save_copies_what_training_changes_and_keeps_host_copies_nothing_else_reaches(tmp_path, monkeypatch):
+    """converters.dcp.stage_dcp with ``live``: a host tensor sharing storage with a live one (a parameter, Adam's step,
+    a view of either) is copied; one that is already a copy of its own (a ``cpu_offload`` state dict of a model on an
+    accelerator) is kept as it is, not copied a second time. What is written is the state at the save either way."""
+    import torch.distributed.checkpoint as dcp
+
+    from converters.dcp import stage_dcp
+
+    weight, step = torch.arange(6.0), torch.tensor(3.0)
+    offloaded = weight.clone() * 2  # already a copy: nothing but this state reaches it
+    state = {"model": {"w": weight, "w_view": weight[2:], "moved": offloaded}, "optim": {"state": {"w": {"step": step}}}}
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    written, save = [], saver.save
+    monkeypatch.setattr(saver, "save", lambda staged, **kw: (written.append(staged["model"]["moved"].data_ptr()), save(staged, **kw)))
+    kept = []
+    for live, directory in (([weight, step], tmp_path / "live"), ((), tmp_path / "all")):
+        write = stage_dcp(state, str(directory), live=live)
+        kept.append(write)
+    weight.add_(100)  # later steps change the live tensors in place; the offloaded copy is left alone
+    step.add_(1)
+    for write in kept:
+        write()
+    assert written[0] == offloaded.data_ptr() != written[1]  # kept with ``live``; copied without
+    for directory in ("live", "all"):
+        back = {"model": {"w": torch.zeros(6), "w_view": torch.zeros(4), "moved": torch.zeros(6)},
+                "optim": {"state": {"w": {"step": torch.tensor(0.0)}}}}
+        dcp.load(back, checkpoint_id=str(tmp_path / directory), no_dist=True)
+        assert back["model"]["w"].tolist() == list(range(6)) and back["model"]["w_view"].tolist() == [2.0, 3.0, 4.0, 5.0]
+        assert back["model"]["moved"].tolist() == [2.0 * i for i in range(6)] and float(back["optim"]["state"]["w"]["step"]) == 3.0
+
+
+def test_stage_dcp_keeps_the_unshared_host_tensors_only():
+    from converters.dcp import _unshared_host_tensors
+
+    weight, step = torch.arange(6.0), torch.tensor(3.0)
+    offloaded = weight.clone()
+    state = {"a": [weight, weight[1:], (offloaded,)], "b": {"step": step, "n": 1}, "empty": torch.empty(0)}
+    assert [t is offloaded for t in _unshared_host_tensors(state, [weight, step])] == [True]
+    assert len(_unshared_host_tensors(state, [])) == 4  # nothing live: every host tensor with storage

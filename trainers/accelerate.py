@@ -38,7 +38,7 @@ from .base import flag, BaseTrainer, TrainerConfig, configure_logging, param_gro
 from .base import parse_config as base_parse_config
 from .comm_hooks import register_compression
 from .staging import deferred_writes, run_all
-from .state import OptimizerStateful
+from .state import OptimizerStateful, live_tensors
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class AccelerateState:
         blocking_dcp_save = dcp.save
 
         def staged_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, **_):
-            writers.append(dcp_format.stage_dcp(state_dict, checkpoint_id, group, storage_writer=storage_writer, planner=planner))
+            writers.append(dcp_format.stage_dcp(state_dict, checkpoint_id, group, storage_writer=storage_writer, planner=planner,
+                                                live=live_tensors(self.trainer.model, self.trainer.optimizer)))
 
         def writes(obj, f, save_on_each_node: bool = False, **_) -> bool:
             process = PartialState()  # the process accelerate's save writes from

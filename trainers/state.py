@@ -7,10 +7,18 @@ from importlib.resources import files
 from typing import Any
 
 import torch
+from converters.dcp import tensor_leaves
 from interop.errors import ConfigurationError
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 VOCAB_SIZE = 256  # byte-level tokens: no tokenizer download needed
+
+
+def live_tensors(model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
+    """What training steps change in place: the model's parameters, their gradients and its buffers, and every
+    tensor of the optimizer's state (Adam's ``step`` is one, on the host even when the model is not)."""
+    params = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    return params + list(model.buffers()) + tensor_leaves(list(optimizer.state.values()))
 
 
 class OptimizerStateful:
