@@ -23,7 +23,7 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from interop.lazy_import import torch
 
@@ -516,25 +516,26 @@ def save_dcp(state: dict[str, Any], directory: str) -> None:
 
 
 def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any = None, storage_writer: Any = None,
-              planner: Any = None, live: Iterable[Any] = ()) -> Callable[[], None]:
+              planner: Any = None, live: Sequence[Any] | None = None) -> Callable[[], None]:
     """DCP's asynchronous save split where a commit thread needs it: the state is staged now (DCP's own stager: a copy
     in CPU memory that later training steps cannot change) and the returned writer runs ``dcp.save`` of the copy over
     ``process_group``. Writers run one after another on one thread, so several staged saves of one checkpoint
     (accelerate saves model and optimizer apart) never issue collectives side by side, as separate ``async_save``
     threads would on one group.
 
-    ``live``: the tensors later training steps change (a model's parameters, buffers and gradients, its optimizer's
-    state). A host tensor of ``state`` that shares storage with none of them is already a copy that nothing else
-    reaches (a state dict taken with ``cpu_offload`` from a model on an accelerator: accelerate's FSDP2 saves) and is
-    kept as it is rather than copied again, which cost its size again in memory and a host copy in the blocking part.
-    With no ``live``, every tensor is copied."""
+    ``live``: every tensor later training steps change in place (``trainers.state.live_tensors``: a model's
+    parameters, gradients and buffers, its optimizer's state and parameter groups). A host tensor of ``state`` that
+    shares storage with none of them is already a copy that nothing else reaches (a state dict taken with
+    ``cpu_offload`` from a model on an accelerator: accelerate's FSDP2 saves) and is kept as it is rather than copied
+    again, which cost its size again in memory and a host copy in the blocking part. With no ``live``, every tensor
+    is copied."""
     import torch.distributed as dist
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint.state_dict_saver import save as blocking_save  # not dcp.save: a caller may have patched it
     import torch.distributed.checkpoint as dcp
 
     stager = StateDictStager(pin_memory=False, share_memory=False)
-    memo = {id(t): t for t in _unshared_host_tensors(state, live)} if live else {}
+    memo = {id(t): t for t in _unshared_host_tensors(state, live)} if live is not None else {}
     held = [on_staging_thread(stager.deepcopy_with_tensor_offload, state, memo)]  # apart from training's memory (see there)
     storage_writer = storage_writer or dcp.FileSystemWriter(directory)
 
@@ -549,15 +550,24 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
     return write
 
 
-def _unshared_host_tensors(state: Any, live: Iterable[Any]) -> list[Any]:
+def _unshared_host_tensors(state: Any, live: Sequence[Any]) -> list[Any]:
     """The tensors of ``state`` that lie in host memory and share no storage with a host tensor of ``live`` (a
-    DTensor by its local shard)."""
-    def local(t: Any) -> Any:
-        return t.to_local() if hasattr(t, "to_local") else t
+    DTensor by its local shard). A tensor whose storage cannot be told (a wrapper subclass other than DTensor) is
+    never among them: it is copied."""
+    taken = {_host_storage(t) for t in live} - {None}
+    return [t for t in tensor_leaves(state) if _host_storage(t) not in taken | {None}]
 
-    taken = {local(t).untyped_storage().data_ptr() for t in live if local(t).device.type == "cpu"}
-    hosted = [t for t in tensor_leaves(state) if local(t).device.type == "cpu"]
-    return [t for t in hosted if local(t).untyped_storage().data_ptr() not in taken | {0}]
+
+def _host_storage(t: Any) -> int | None:
+    """Where the storage of ``t`` (a DTensor's local shard) lies in host memory; None on a device, for an empty
+    storage, or where a tensor subclass has none to tell."""
+    try:
+        shard = t.to_local() if hasattr(t, "to_local") else t
+        if shard.device.type != "cpu":
+            return None
+        return shard.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def tensor_leaves(node: Any) -> list[Any]:

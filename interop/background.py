@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 from typing import Any, Callable
 
@@ -123,7 +124,21 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
             from concurrent.futures import ThreadPoolExecutor
 
             _staging_thread = ThreadPoolExecutor(1, thread_name_prefix="interop-staging")
-    return _staging_thread.submit(run).result()
+        try:
+            future = _staging_thread.submit(run)
+        except RuntimeError:  # the interpreter is shutting down: no new threads, the copy is made here
+            return run()
+    return future.result()
+
+
+def _forget_staging_thread() -> None:
+    """In a forked child: the parent's staging thread is not there, so the first staged copy starts one anew."""
+    global _staging_thread, _staging_lock
+    _staging_thread, _staging_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_staging_thread)
 
 
 def staged(state: Any) -> Any:

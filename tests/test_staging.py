@@ -34,7 +34,9 @@ def test_deferred_writes_stage_the_saving_threads_calls_only():
 
 
 ARENAS = r"""
-import ctypes, re, threading, torch
+import ctypes, re, sys, torch
+import torch.distributed.checkpoint.state_dict_saver as saver
+from converters.dcp import stage_dcp
 from interop.background import staged
 
 libc = ctypes.CDLL("libc.so.6")
@@ -54,28 +56,62 @@ def main_arena() -> int:
 
 
 libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 1 MiB tensors from an arena, as once glibc's threshold has grown
-state = {i: torch.full((1 << 18,), float(i)) for i in range(64)}  # 64 MiB in the main arena
+state = {str(i): torch.full((1 << 18,), float(i)) for i in range(64)}  # 64 MiB in the main arena
 before = main_arena()
 copy = staged(state)
-grown = main_arena() - before
+grown = [main_arena() - before]
 assert all(torch.equal(copy[i], state[i]) and copy[i].data_ptr() != state[i].data_ptr() for i in state)
-print(grown >> 20, threading.current_thread().name)
+written = []
+saver.save = lambda staged_state, **kw: written.append(staged_state)
+before = main_arena()
+stage_dcp(state, sys.argv[1])()  # DCP's stager on the staging thread too
+grown.append(main_arena() - before)
+assert len(written) == 1 and all(torch.equal(written[0][i], state[i]) and written[0][i].data_ptr() != state[i].data_ptr() for i in state)
+print(*(g >> 20 for g in grown))
 """
 
 
-def test_staged_copies_lie_outside_the_training_threads_arena():
-    """A staged copy is made on the staging thread, so it lies in glibc arena of its own: freeing it later on the
-    commit thread never holds the lock of the arena the training thread allocates from (a 0.12 s GPU step stalled
-    0.4 s when it did). On the main arena the copy would grow it by 64 MiB; here it grows by none of it."""
+def test_staged_copies_lie_outside_the_training_threads_arena(tmp_path):
+    """A staged copy (ours, and DCP's stager's in a staged DCP save) is made on the staging thread, so it lies in a
+    glibc arena of its own: freeing it later on the commit thread never holds the lock of the arena the training
+    thread allocates from (a 0.12 s GPU step stalled 0.4 s when it did). On the main arena each copy would grow it
+    by 64 MiB; here neither grows it by any of that."""
     import subprocess
     import sys
 
     from .conftest import worker_env
 
-    out = subprocess.run([sys.executable, "-c", ARENAS], env=worker_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", ARENAS, str(tmp_path / "dcp")], env=worker_env(), capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    grown, thread = out.stdout.split()
-    assert int(grown) < 8 and thread == "MainThread", out.stdout
+    assert [int(g) < 8 for g in out.stdout.split()] == [True, True], out.stdout
+
+
+FORKED = r"""
+import os, signal, torch
+from interop.background import staged
+
+staged({"w": torch.ones(4)})  # the parent's staging thread runs
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)  # a child waiting on the parent's thread would hang: SIGALRM ends it instead
+    copy = staged({"w": torch.ones(4)})
+    os._exit(0 if torch.equal(copy["w"], torch.ones(4)) else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_stages_on_a_thread_of_its_own():
+    """A child forked after a staged save has no staging thread (threads do not survive fork): its first staged copy
+    starts one rather than waiting for ever on the parent's."""
+    import subprocess
+    import sys
+
+    from .conftest import worker_env
+
+    out = subprocess.run([sys.executable, "-c", FORKED], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["0"], out.stdout + out.stderr[-2000:]
 
 
 def test_a_staged_dcp_save_copies_what_training_changes_and_keeps_host_copies_nothing_else_reaches(tmp_path, monkeypatch):
@@ -94,7 +130,7 @@ def test_a_staged_dcp_save_copies_what_training_changes_and_keeps_host_copies_no
     written, save = [], saver.save
     monkeypatch.setattr(saver, "save", lambda staged, **kw: (written.append(staged["model"]["moved"].data_ptr()), save(staged, **kw)))
     kept = []
-    for live, directory in (([weight, step], tmp_path / "live"), ((), tmp_path / "all")):
+    for live, directory in (([weight, step], tmp_path / "live"), (None, tmp_path / "all")):
         write = stage_dcp(state, str(directory), live=live)
         kept.append(write)
     weight.add_(100)  # later steps change the live tensors in place; the offloaded copy is left alone
@@ -111,10 +147,36 @@ def test_a_staged_dcp_save_copies_what_training_changes_and_keeps_host_copies_no
 
 
 def test_stage_dcp_keeps_the_unshared_host_tensors_only():
+    from torch.testing._internal.two_tensor import TwoTensor
+
     from converters.dcp import _unshared_host_tensors
 
     weight, step = torch.arange(6.0), torch.tensor(3.0)
     offloaded = weight.clone()
-    state = {"a": [weight, weight[1:], (offloaded,)], "b": {"step": step, "n": 1}, "empty": torch.empty(0)}
-    assert [t is offloaded for t in _unshared_host_tensors(state, [weight, step])] == [True]
+    wrapped = TwoTensor(torch.zeros(2), torch.zeros(2))  # a subclass with no storage of its own to compare: copied
+    state = {"a": [weight, weight[1:], (offloaded,)], "b": {"step": step, "n": 1}, "empty": torch.empty(0), "w": wrapped}
+    assert [t is offloaded for t in _unshared_host_tensors(state, [weight, step, wrapped])] == [True]
     assert len(_unshared_host_tensors(state, [])) == 4  # nothing live: every host tensor with storage
+
+
+def test_a_host_models_offloaded_state_dicts_are_all_live():
+    """On the host, ``cpu_offload`` state dicts (what accelerate hands DCP) are the live tensors themselves: every
+    one of them, a tensor learning rate in the parameter groups and Adam's step too, is found live, so a staged
+    save copies them all; their clones are all kept."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from converters.dcp import _unshared_host_tensors, tensor_leaves
+    from trainers.state import live_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions(cpu_offload=True)
+    state = {"model": get_model_state_dict(model, options=options), "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+    live = live_tensors(model, optimizer)
+    leaves = tensor_leaves(state)
+    assert any(t is optimizer.param_groups[0]["lr"] for t in leaves)
+    assert _unshared_host_tensors(state, live) == []
+    clones = [t.clone() for t in leaves]
+    assert len(_unshared_host_tensors(clones, live)) == len(leaves)

@@ -16,9 +16,11 @@ VOCAB_SIZE = 256  # byte-level tokens: no tokenizer download needed
 
 def live_tensors(model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
     """What training steps change in place: the model's parameters, their gradients and its buffers, and every
-    tensor of the optimizer's state (Adam's ``step`` is one, on the host even when the model is not)."""
+    tensor of the optimizer's state (Adam's ``step`` is one, on the host even when the model is not) and of its
+    parameter groups (a tensor learning rate, which schedulers fill in place)."""
     params = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    return params + list(model.buffers()) + tensor_leaves(list(optimizer.state.values()))
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return params + list(model.buffers()) + tensor_leaves([list(optimizer.state.values()), groups])
 
 
 class OptimizerStateful:
