@@ -554,8 +554,8 @@ def _unshared_host_tensors(state: Any, live: Sequence[Any]) -> list[Any]:
     """The tensors of ``state`` that lie in host memory and share no storage with a host tensor of ``live`` (a
     DTensor by its local shard). A tensor whose storage cannot be told (a wrapper subclass other than DTensor) is
     never among them: it is copied."""
-    taken = {_host_storage(t) for t in live} - {None}
-    return [t for t in tensor_leaves(state) if _host_storage(t) not in taken | {None}]
+    taken = {_host_storage(t) for t in live} | {None}
+    return [t for t in tensor_leaves(state) if _host_storage(t) not in taken]
 
 
 def _host_storage(t: Any) -> int | None:

@@ -83,10 +83,11 @@ class AccelerateState:
 
         writers: list[Callable[[], None]] = []
         blocking_dcp_save = dcp.save
+        live = live_tensors(self.trainer.model, self.trainer.optimizer)  # for each of the DCP saves below
 
         def staged_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, **_):
             writers.append(dcp_format.stage_dcp(state_dict, checkpoint_id, group, storage_writer=storage_writer, planner=planner,
-                                                live=live_tensors(self.trainer.model, self.trainer.optimizer)))
+                                                live=live))
 
         def writes(obj, f, save_on_each_node: bool = False, **_) -> bool:
             process = PartialState()  # the process accelerate's save writes from
