@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import locking
-from .background import PendingCommit, commit_collective, staged
+from .background import PendingCommit, commit_collective, on_staging_thread, staged
 from .commit import STAGING_SUFFIX, fsync_path, fsync_tree, prune, publish, resolve_checkpoint_dir, write_latest, write_manifest
 from .dist import Collective, agree, default_collective, runtime_topology
 from .errors import ComponentError, CorruptCheckpointError, LoadFailedError, ReplicationError, SaveFailedError, TopologyError
@@ -211,7 +211,9 @@ class CheckpointManager:
                 target = os.path.normpath(os.path.join(staging, native_base(comp)))
                 stage_native = getattr(comp.stateful, "stage_native", None) if stage else None
                 if stage_native is not None:  # its writer may use the commit's process group (a staged DCP save)
-                    writers.append(stage_native(target, getattr(self._commit_group, "group", None)))
+                    # the engine's whole staged save on the staging thread: host memory it allocates itself (accelerate
+                    # FSDP2's cpu_offload state dicts, on a GPU the copy that is written) lies apart from training's too
+                    writers.append(on_staging_thread(stage_native, target, getattr(self._commit_group, "group", None)))
                 else:
                     if stage:
                         log.info("component %r has no staged save: the engine writes its files before the save returns; "

@@ -12,6 +12,7 @@ and gets the file's and every tensor's digest together.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -124,12 +125,34 @@ class FileDigest(NamedTuple):
     block_bytes: int | None = None
 
 
+_LIMIT = threading.local()
+
+
+@contextlib.contextmanager
+def threads_at_most(n: int):
+    """Within it, digests taken on this thread use at most ``n`` threads (a background commit's: see
+    ``interop.background.BACKGROUND_DIGEST_THREADS``)."""
+    before = getattr(_LIMIT, "n", None)
+    _LIMIT.n = n
+    try:
+        yield
+    finally:
+        _LIMIT.n = before
+
+
+def default_threads() -> int:
+    """Every core, or fewer where :func:`threads_at_most` says so for this thread."""
+    cores = os.cpu_count() or 1
+    limit = getattr(_LIMIT, "n", None)
+    return min(cores, limit) if limit else cores
+
+
 def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
              blocked: bool | None = None, block_bytes: int | None = None) -> dict[str, FileDigest]:
     """Each file's digest: a file of one block or less gets a plain digest, a larger one its blocks' digests and
     the digest of them (``blocked`` True or False: every file one way, as a record being checked says; ``block_bytes``:
-    the record's block size, else BLOCK_BYTES). Every block of every file is one task on ``threads`` threads, so
-    one large file is hashed on every core."""
+    the record's block size, else BLOCK_BYTES). Every block of every file is one task on ``threads`` threads
+    (:func:`default_threads`: every core), so one large file is hashed on every core."""
     from concurrent.futures import ThreadPoolExecutor
 
     block_bytes = block_bytes or BLOCK_BYTES
@@ -151,12 +174,13 @@ def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
         return digest
 
     tasks = [(p, i) for p in large for i in range(block_count(sizes[p], block_bytes))]
+    threads = threads or default_threads()
     try:
-        if (threads or os.cpu_count() or 1) == 1:  # on the caller's thread: no pool to start for a small file
+        if threads == 1:  # on the caller's thread: no pool to start for a small file
             plain = [of_file(p, algo) for p in small]
             hashed = [block(t) for t in tasks]
         else:
-            with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            with ThreadPoolExecutor(threads) as pool:
                 plain = list(pool.map(lambda p: of_file(p, algo), small))
                 hashed = list(pool.map(block, tasks))
         out.update(zip(small, (FileDigest(d) for d in plain)))
