@@ -109,7 +109,6 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
 
     import torch.distributed as dist
 
-    from interop.background import release_freed_memory
     from trainers.base import shutdown
 
     trainer = _bench_trainer(trainer_cls, cfg, hidden, layers)
@@ -139,7 +138,6 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             trainer.checkpoints.wait()
             if future is not None:
                 future.result()
-                release_freed_memory()  # as our commit does: staged copies freed on DCP's threads stay in their arenas
             os.sync()
             dist.barrier()
             durable = time.perf_counter() - start
@@ -175,7 +173,6 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             trainer.checkpoints.wait()
             if future is not None:
                 future.result()
-                release_freed_memory()  # as our commit does: staged copies freed on DCP's threads stay in their arenas
             if writer is not None:
                 writer.wait()
                 os.remove(path)

@@ -607,6 +607,7 @@ def write_dcp(
         return node
 
     skeleton = meta(state)
+    meta = None  # it named itself: a reference cycle that kept every LazyTensor until the garbage collector ran
     written: list[LazyTensor] = []
 
     class _LazyPlanner(DefaultSavePlanner):

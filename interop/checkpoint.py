@@ -194,7 +194,7 @@ class CheckpointManager:
                     writer()
                 except Exception as exc:  # noqa: BLE001
                     failed = failed or describe_error(exc)
-            pieces.clear()  # written: the staged copies go (release_freed_memory returns them once the commit ends)
+            pieces.clear()  # written: the staged copies go (their memory stays for the next save's: see on_staging_thread)
             writers.clear()
             return failed, records
 

@@ -81,7 +81,10 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             "only tensors, numpy arrays, containers and Python scalars can be saved without pickle"
         )
 
-    return enc(state, []), tensors
+    try:
+        return enc(state, []), tensors
+    finally:
+        enc = None  # it named itself: a reference cycle that kept every tensor until the garbage collector ran
 
 
 def decode(skeleton: Any, tensor: Callable[[str], Any]) -> Any:
@@ -116,7 +119,10 @@ def decode(skeleton: Any, tensor: Callable[[str], Any]) -> Any:
             return dtype_from_name(obj["__dtype__"])
         return {k: dec(v) for k, v in obj.items()}
 
-    return dec(skeleton)
+    try:
+        return dec(skeleton)
+    finally:
+        dec = None  # it named itself: a reference cycle that kept every loaded tensor until the garbage collector ran
 
 
 def _hashable(key: Any) -> Any:

@@ -105,5 +105,8 @@ def state_fingerprint(state: Any) -> dict[str, str]:
             for k, v in node.items():
                 walk(v, join(path, k))
 
-    walk(skeleton, "")
+    try:
+        walk(skeleton, "")
+    finally:
+        walk = None  # it named itself: a reference cycle that kept the state's host copies until the garbage collector ran
     return prints
