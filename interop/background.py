@@ -44,8 +44,9 @@ class PendingCommit:
 
     def wait(self) -> Any:
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        error, self._error = self._error, None  # raised once: kept, it and its traceback (through _run's frame, this
+        if error is not None:                   # object) were a cycle holding the failed save's state until gc ran
+            raise error
         return self._result
 
 
@@ -82,6 +83,7 @@ def commit_collective(collective: Collective) -> Collective:
 
 _staging_thread: Any = None  # one ThreadPoolExecutor worker for the process, started by the first staged save
 _staging_lock = threading.Lock()
+_staging = threading.local()  # .active: this thread runs a staged copy or save (the staging thread; inline at exit)
 
 
 def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
@@ -97,10 +99,10 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
 
     Freed memory is not handed back (no ``malloc_trim``): glibc keeps it in this one thread's arena for the next
     save's copy, so the process holds about a copy's worth between saves and no more (tested), as DCP's cached
-    staging does. Trimmed after each commit, every next copy faulted all its pages in again: 0.31 s instead of
+    staging does (tensors above glibc's mmap threshold, 32 MiB at most, are unmapped when freed and mapped anew). Trimmed after each commit, every next copy faulted all its pages in again: 0.31 s instead of
     0.09 s to stage 512 MiB on the CPU, as would any host copy an engine's own save makes (in the main arena)."""
     global _staging_thread
-    if threading.current_thread().name.startswith("interop-staging"):
+    if getattr(_staging, "active", False):  # a staged save's own staged copies (the engine's writers): made here
         return copy_state(*args)
     import sys
 
@@ -109,14 +111,19 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
     def run() -> Any:
-        with contextlib.ExitStack() as scope:
-            if torch is not None:
-                scope.enter_context(torch.no_grad())
-            if cuda:
-                torch.cuda.set_device(device)
-                scope.enter_context(torch.cuda.stream(stream))
-            return copy_state(*args)
+        _staging.active = True
+        try:
+            with contextlib.ExitStack() as scope:
+                if torch is not None:
+                    scope.enter_context(torch.no_grad())
+                if cuda:
+                    torch.cuda.set_device(device)
+                    scope.enter_context(torch.cuda.stream(stream))
+                return copy_state(*args)
+        finally:
+            _staging.active = False
 
+    future = None
     with _staging_lock:
         if _staging_thread is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -124,9 +131,40 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
             _staging_thread = ThreadPoolExecutor(1, thread_name_prefix="interop-staging")
         try:
             future = _staging_thread.submit(run)
-        except RuntimeError:  # the interpreter is shutting down: no new threads, the copy is made here
-            return run()
-    return future.result()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            pass
+    if future is None:  # the copy is made here, the lock released: the engine's writers stage through it again
+        return run()
+    try:
+        return _outcome(future)
+    finally:
+        future = None  # what it raised holds this frame (see _outcome)
+
+
+
+def _outcome(future: Any) -> Any:
+    """The staged work's result, or what it raised. An interrupt while waiting (Ctrl-C) is raised only once the work
+    is done: an engine's save on the staging thread holds its patches (a replaced checkpoint engine, a patched
+    ``dcp.save``) and issues collectives until it returns, and a save made from the interrupt's handler meanwhile
+    would stage into the first one's lists or interleave its collectives."""
+    interrupt = error = value = None
+    while True:
+        try:
+            value = future.result()
+        except BaseException as exc:  # noqa: BLE001 - an interrupt is raised after the work, its error as it is
+            if not future.done():
+                interrupt = interrupt or exc
+                continue
+            error = exc
+        break
+    try:
+        if interrupt is not None:
+            raise interrupt
+        if error is not None:
+            raise error
+        return value
+    finally:  # raised, the error's traceback holds this frame: no reference left here to it, or to the future,
+        interrupt = error = value = future = None  # which holds it (a cycle that kept what the work had staged)
 
 
 def _forget_staging_thread() -> None:

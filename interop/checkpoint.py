@@ -231,6 +231,8 @@ class CheckpointManager:
                 try:
                     self.agree(error, what=what, collective=collective)
                 except SaveFailedError:
+                    pieces.clear()  # nothing is written: the staged copies go now, not with this error's traceback
+                    writers.clear()
                     if collective.rank == 0:
                         shutil.rmtree(staging, ignore_errors=True)
                     raise

@@ -132,6 +132,8 @@ _LIMIT = threading.local()
 def threads_at_most(n: int):
     """Within it, digests taken on this thread use at most ``n`` threads (a background commit's: see
     ``interop.background.BACKGROUND_DIGEST_THREADS``)."""
+    if n < 1:
+        raise ValueError(f"threads_at_most({n}): at least one thread hashes")
     before = getattr(_LIMIT, "n", None)
     _LIMIT.n = n
     try:
