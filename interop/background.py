@@ -99,8 +99,9 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
 
     Freed memory is not handed back (no ``malloc_trim``): glibc keeps it in this one thread's arena for the next
     save's copy, so the process holds about a copy's worth between saves and no more (tested), as DCP's cached
-    staging does (tensors above glibc's mmap threshold, 32 MiB at most, are unmapped when freed and mapped anew). Trimmed after each commit, every next copy faulted all its pages in again: 0.31 s instead of
-    0.09 s to stage 512 MiB on the CPU, as would any host copy an engine's own save makes (in the main arena)."""
+    staging does (tensors above glibc's mmap threshold, 32 MiB at most, are unmapped when freed and mapped anew).
+    Trimmed after each commit, every next copy faulted all its pages in again: 0.31 s instead of 0.09 s to stage
+    512 MiB on the CPU, as would any host copy an engine's own save makes (in the main arena)."""
     global _staging_thread
     if getattr(_staging, "active", False):  # a staged save's own staged copies (the engine's writers): made here
         return copy_state(*args)
@@ -139,7 +140,6 @@ def on_staging_thread(copy_state: Callable[..., Any], *args: Any) -> Any:
         return _outcome(future)
     finally:
         future = None  # what it raised holds this frame (see _outcome)
-
 
 
 def _outcome(future: Any) -> Any:
