@@ -3,8 +3,8 @@
     python benchmarks/run.py [--workdir DIR] [--repeat 3]      # about 12 min on 2 cores the first time
 
 Runs benchmarks/hf_roundtrip.py, deepspeed_zero3.py, accelerate_fsdp2.py and megatron_legacy.py (each trains
-or builds its ~250M-parameter checkpoint once under --workdir and reuses it), and deepspeed_zero3.py again on a
-260M-parameter Mixtral (8 experts; rows marked [MoE]), then prints their rows together:
+or builds its ~250M-parameter checkpoint once under --workdir and reuses it), host_side_step.py, and
+deepspeed_zero3.py again on a 260M-parameter Mixtral (8 experts; rows marked [MoE]), then prints their rows together:
 wall time until the output is on disk and peak RSS of each step in its own process, and for each interop row
 the speed-up and RSS ratio against the engine's tool on the same files.
 """
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import accelerate_fsdp2  # noqa: E402
 import deepspeed_zero3  # noqa: E402
 import hf_roundtrip  # noqa: E402
+import host_side_step  # noqa: E402
 import megatron_legacy  # noqa: E402
 from measure import REPO, print_table, workdir  # noqa: E402
 
@@ -49,6 +50,9 @@ def main() -> None:
     for name, module, layers in ENGINES:
         add(module.collect(argparse.Namespace(hidden=args.hidden, layers=layers, repeat=args.repeat,
                                               workdir=os.path.join(work, name), train=None)), name)
+    # a GPU step's host side (a launch-bound loop on the training thread) beside each background save: what a save
+    # takes from a thread that launches kernels, which a CPU training step, competing for the cores, cannot show
+    add(host_side_step.collect(argparse.Namespace(hidden=args.hidden, layers=17, repeat=args.repeat, workdir=os.path.join(work, "host"))), "host")
     # a MoE model (Mixtral, 8 experts of 2 per token, 260M parameters) through ZeRO-3: the experts fused in the
     # engine's files, one tensor per expert in universal and Hugging Face files
     os.environ[hf_roundtrip.EXPERTS_ENV] = "8"

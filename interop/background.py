@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from .digests import threads_at_most
+from .digests import beside_training
 from .dist import Collective, LocalCollective, TorchCollective
 
 
@@ -34,7 +34,7 @@ class PendingCommit:
     def _run(self, work: Callable[[], Any]) -> None:
         _yield_to_training()
         try:
-            with threads_at_most(BACKGROUND_DIGEST_THREADS):
+            with beside_training(BACKGROUND_DIGEST_THREADS, BACKGROUND_DIGEST_READ):
                 self._result = work()
         except BaseException as exc:  # noqa: BLE001 - raised again by wait(), on the thread that awaits it
             self._error = exc
@@ -51,12 +51,18 @@ class PendingCommit:
 
 
 BACKGROUND_NICENESS = 10
-# A background commit digests its files on this many threads, not on every core. Each hashing thread takes the GIL
-# back after every read and hash (interop.digests.HASH_READ), and each time the training thread, which launches a
-# step's kernels from Python, may wait for it. On an H200 (16 cores), an FSDP2 step beside an --async-save's commit
-# took 1.145x a step alone with 16 hashing threads, 1.091x with 4 and 1.074x with 2 (DCP's async_save 1.143x in the
-# same run); the commit took as long (8.6-9.5 s with 2, 8.2-10.4 s with 16): 2 threads keep up with the disk.
+# A background commit's digests share the GIL with the training thread, which launches a step's kernels from Python:
+# each hashing thread takes the GIL back after every read and hash, and each time the training thread may wait for
+# it. So they take fewer threads and larger reads than a conversion's (every core, interop.digests.HASH_READ).
+# Threads: on an H200 (16 cores), an FSDP2 step beside an --async-save's commit took 1.145x a step alone with 16
+# hashing threads, 1.091x with 4 and 1.074x with 2 (DCP's async_save 1.143x in the same run); the commit took as
+# long (8.6-9.5 s with 2, 8.2-10.4 s with 16): 2 threads keep up with the disk.
 BACKGROUND_DIGEST_THREADS = 2
+# Reads: on the 2-core CPU machine, a launch-bound loop (tiny ops on one thread, as a GPU step's host side) beside one
+# thread digesting 4 GiB from the page cache ran 1.25x slower than alone with 1 MiB reads, 1.13-1.15x with 2 MiB,
+# 1.06-1.11x with 4 MiB, 1.03-1.05x with 8 MiB and 1.04-1.06x with 16 MiB; the digest took as long with 8 MiB as
+# with 1 MiB (with 16 MiB, 20% longer).
+BACKGROUND_DIGEST_READ = 8 << 20
 
 
 def _yield_to_training() -> None:

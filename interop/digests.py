@@ -129,24 +129,31 @@ _LIMIT = threading.local()
 
 
 @contextlib.contextmanager
-def threads_at_most(n: int):
-    """Within it, digests taken on this thread use at most ``n`` threads (a background commit's: see
-    ``interop.background.BACKGROUND_DIGEST_THREADS``)."""
-    if n < 1:
-        raise ValueError(f"threads_at_most({n}): at least one thread hashes")
-    before = getattr(_LIMIT, "n", None)
-    _LIMIT.n = n
+def beside_training(threads: int, read_bytes: int):
+    """Within it, digests taken on this thread use at most ``threads`` threads, each reading and hashing
+    ``read_bytes`` at a time (a background commit's: see ``interop.background``): a training thread shares the GIL
+    with them, and each thread takes it back once per read."""
+    if threads < 1 or read_bytes < 1:
+        raise ValueError(f"beside_training({threads}, {read_bytes}): at least one thread reads at least one byte")
+    before = getattr(_LIMIT, "pace", None)
+    _LIMIT.pace = (threads, read_bytes)
     try:
         yield
     finally:
-        _LIMIT.n = before
+        _LIMIT.pace = before
 
 
 def default_threads() -> int:
-    """Every core, or fewer where :func:`threads_at_most` says so for this thread."""
+    """Every core, or fewer where :func:`beside_training` says so for this thread."""
     cores = os.cpu_count() or 1
-    limit = getattr(_LIMIT, "n", None)
-    return min(cores, limit) if limit else cores
+    pace = getattr(_LIMIT, "pace", None)
+    return min(cores, pace[0]) if pace else cores
+
+
+def read_size() -> int:
+    """How much a digest reads and hashes at a time on this thread: HASH_READ, or what :func:`beside_training` says."""
+    pace = getattr(_LIMIT, "pace", None)
+    return pace[1] if pace else HASH_READ
 
 
 def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
@@ -165,11 +172,12 @@ def of_files(paths: list[str], algo: str = ALGO, threads: int | None = None,
     small = [p for p in paths if p not in chosen]
     fds = {p: os.open(p, os.O_RDONLY) for p in large}
     local = threading.local()
+    read = min(read_size(), block_bytes)  # the caller's: the pool's threads have none of its thread-locals
 
     def block(task: tuple[str, int]) -> str:
         path, index = task
         if getattr(local, "buffer", None) is None:
-            local.buffer = bytearray(min(HASH_READ, block_bytes))
+            local.buffer = bytearray(read)
         digest, got = hash_block(fds[path], index, block_bytes, algo, local.buffer)
         if got != min(block_bytes, sizes[path] - index * block_bytes):
             raise CorruptCheckpointError(path, f"changed size while it was hashed (block {index} read {got} bytes)")

@@ -1,33 +1,52 @@
-"""interop.background: a background commit's digests take few threads, so the training thread keeps the GIL."""
+"""interop.background: a background commit's digests take few threads and large reads, so the training thread keeps the GIL."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
 from interop import background, digests
 
 
-def test_a_background_commit_digests_on_few_threads_and_a_foreground_one_on_every_core(tmp_path, monkeypatch):
+def test_a_background_commit_digests_on_few_threads_in_large_reads_and_a_foreground_one_on_every_core(tmp_path, monkeypatch):
+    """Each hashing thread takes the GIL back once per read, and the training thread may wait each time: a background
+    commit's digest takes fewer threads and larger reads than a conversion's, and the same digest."""
     path = tmp_path / "shard.bin"
-    path.write_bytes(bytes(range(256)) * (8 << 12))  # 8 blocks of 1 MiB
+    path.write_bytes(bytes(range(256)) * (32 << 12))  # 4 blocks of 8 MiB
     used: set[int] = set()
-    hash_block = digests.hash_block
+    reads: set[int] = set()
+    hash_block, hash_range = digests.hash_block, digests.hash_range
 
     def spread(*args, **kwargs):
         used.add(threading.get_ident())
         time.sleep(0.05)  # every pool thread gets a block
         return hash_block(*args, **kwargs)
 
+    def read(h, fd, offset, length, view):
+        reads.add(len(view))
+        return hash_range(h, fd, offset, length, view)
+
     monkeypatch.setattr(digests.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(digests, "hash_block", spread)
-    foreground = digests.of_files([str(path)], block_bytes=1 << 20)[str(path)]
-    assert len(used) > background.BACKGROUND_DIGEST_THREADS
+    monkeypatch.setattr(digests, "hash_range", read)
+    foreground = digests.of_files([str(path)], block_bytes=8 << 20)[str(path)]
+    assert len(used) > background.BACKGROUND_DIGEST_THREADS and reads == {digests.HASH_READ}
     used.clear()
-    commit = background.PendingCommit(lambda: digests.of_files([str(path)], block_bytes=1 << 20)[str(path)], "test")
-    assert commit.wait() == foreground  # the same digest, on fewer threads
+    reads.clear()
+    commit = background.PendingCommit(lambda: digests.of_files([str(path)], block_bytes=8 << 20)[str(path)], "test")
+    assert commit.wait() == foreground  # the same digest, on fewer threads, in larger reads
     assert 1 <= len(used) <= background.BACKGROUND_DIGEST_THREADS
-    assert digests.default_threads() == 8  # the limit was the commit thread's alone
+    assert reads == {background.BACKGROUND_DIGEST_READ} and background.BACKGROUND_DIGEST_READ > digests.HASH_READ
+    assert digests.default_threads() == 8 and digests.read_size() == digests.HASH_READ  # the commit thread's alone
+
+
+def test_beside_training_refuses_no_threads_or_no_bytes():
+    for threads, read in ((0, 1 << 20), (2, 0)):
+        with pytest.raises(ValueError, match="at least one thread reads at least one byte"):
+            with digests.beside_training(threads, read):
+                pass
 
 
 def test_a_staged_copy_goes_when_it_is_dropped_not_when_the_garbage_collector_runs():
@@ -132,7 +151,6 @@ def test_a_failed_staged_save_keeps_nothing_it_staged(tmp_path):
     import gc
     import weakref
 
-    import pytest
     import torch
 
     from interop.checkpoint import CheckpointManager

@@ -1,0 +1,134 @@
+"""A GPU step's host side beside a background save, on a CPU: what a save's background work takes from a training
+thread that launches kernels from Python, measured without a GPU.
+
+    python benchmarks/host_side_step.py [--hidden 1024 --layers 17] [--repeat 3]     # about 2 min on 2 cores
+
+One process trains one step of the benchmark's Llama (257M parameters at the defaults) with Accelerate FSDP2
+through the interop trainer. Then, in place of training steps, the training thread runs a launch-bound loop: tiny
+tensor ops on one torch thread, each a Python call that holds the GIL as a kernel launch does, while the save's
+background work runs beside it: our trainer's --async-save commit, torch DCP's own ``async_save`` of the model and
+optimizer, and ``dd`` writing as many bytes (the floor: no Python at all). A CPU training step would compete with
+a save for this machine's cores; on a GPU the step has the host's cores to itself and competes for the GIL, which
+this loop measures. Each row is the loop's mean time over every loop that ran while the work did, and its ratio
+to the loop alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_bench  # noqa: E402
+from measure import REPO, Section, print_table, tree_bytes, workdir  # noqa: E402
+
+OPS = 100_000  # tensor ops per loop (about 2 us each here): a loop takes about as long as a GPU step of a small model
+ALONE = "host-side step: launch-bound loop, nothing beside it"
+BESIDE = {  # in this order: dd writes as many bytes as the --async-save before it
+    "interop-async": "host-side step beside an --async-save's commit (interop)",
+    "dcp-async": "host-side step beside torch DCP async_save's write",
+    "dd": "host-side step beside dd writing a save's bytes (floor)",
+}
+
+
+def launch_bound_loop(x, w) -> float:
+    start = time.perf_counter()
+    for _ in range(OPS // 2):
+        x.mul_(w).add_(1.0)
+    return time.perf_counter() - start
+
+
+def run(args) -> None:
+    """Under torchrun, one process: the loop alone and beside each kind of background work, ``repeat`` times each;
+    the means written to ``args.saves`` as JSON."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
+    from trainers.base import shutdown
+
+    torch.set_num_threads(1)
+    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    trainer = engine_bench._bench_trainer(AccelerateTrainer, cfg, args.hidden, args.layers)
+    trainer.train()
+    group = dist.new_group(backend="gloo")  # DCP's, on its own thread
+    x, w = torch.zeros(64), torch.ones(64)
+    for _ in range(20):  # warm-up
+        launch_bound_loop(x, w)
+    loops: dict[str, list[float]] = {"alone": [], **{k: [] for k in BESIDE}}
+    written = 0
+    for i in range(args.repeat):
+        for kind in loops:
+            os.sync()
+            target = os.path.join(args.train, f"{kind}-{i}")
+            done = None
+            if kind == "alone":
+                left = [10]
+                busy = lambda: (left.__setitem__(0, left[0] - 1), left[0] > 0)[1]  # noqa: E731
+            elif kind == "dd":
+                writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, written >> 24)}",
+                                           "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                busy = lambda: writer.poll() is None  # noqa: E731
+            elif kind == "dcp-async":
+                future = engine_bench.dcp_async_save(trainer, target, group)
+                busy, done = (lambda: not future.done()), future.result
+            else:
+                trainer.cfg.async_save = True
+                target = trainer.save(wait=False)
+                busy, done = trainer.checkpoints.running, trainer.checkpoints.wait
+            times = [launch_bound_loop(x, w)]
+            while busy():
+                times.append(launch_bound_loop(x, w))
+            if done is not None:
+                done()
+            if kind == "interop-async":
+                written = tree_bytes(target)
+            loops[kind].extend(times)
+            if os.path.isdir(target):
+                shutil.rmtree(target, ignore_errors=True)
+            elif os.path.exists(target):
+                os.remove(target)
+    with open(args.saves, "w") as f:
+        json.dump({"loops": {k: statistics.mean(v) for k, v in loops.items()}, "counts": {k: len(v) for k, v in loops.items()},
+                   "written": written}, f)
+    shutdown()
+
+
+def collect(args) -> Section:
+    import json
+
+    work = workdir(args.workdir, "interop-bench-host-")
+    result, run_dir = os.path.join(work, "host_side_step.json"), os.path.join(work, "run")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run's own checkpoints: each run trains its step afresh
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                    "--master_port=29538", os.path.abspath(__file__), "--train", run_dir, "--saves", result,
+                    "--hidden", str(args.hidden), "--layers", str(args.layers), "--repeat", str(args.repeat)],
+                   check=True, env={**os.environ, "PYTHONPATH": REPO})
+    with open(result) as f:
+        found = json.load(f)
+    rows = [(ALONE, (found["loops"]["alone"], 0))] + [(name, (found["loops"][kind], 0)) for kind, name in BESIDE.items()]
+    print(f"loops timed: {found['counts']}; the --async-save writes {found['written'] / 2**30:.2f} GiB")
+    return Section(rows, {name: ALONE for name in BESIDE.values()}, {"run": run_dir}, work)
+
+
+def main() -> None:
+    p = engine_bench.parser(__doc__)
+    args = p.parse_args()
+    if args.train and args.saves:
+        run(args)
+        return
+    section = collect(args)
+    print_table(section.rows, section.reference)
+    for out in section.outputs.values():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", REPO)
+    main()
