@@ -76,6 +76,36 @@ def test_a_file_written_direct_is_the_file_written_through_the_page_cache(tmp_pa
     assert all(torch.equal(loaded[n], t) for n, t in tensors().items())
 
 
+def test_a_large_copy_into_the_write_buffers_lets_the_gil_go(tmp_path, monkeypatch):
+    """A background commit copies a staged state into the write buffers beside a training thread: each copy of
+    UNLOCKED_COPY or more goes through ctypes.memmove, which releases the GIL (a slice assignment holds it), and the
+    file is byte for byte the one written without it; a read-only source is copied as a slice."""
+    monkeypatch.setattr(output_files, "DIRECT_FROM", 0)
+    monkeypatch.setattr(output_files, "CHUNK", 3 * output_files.ALIGN)
+    monkeypatch.setattr(output_files, "UNLOCKED_COPY", 1 << 40)  # every copy a slice assignment
+    reference = write_safetensors(tmp_path / "slices.safetensors", entries(tmp_path, set()), {"format": "pt"})
+    monkeypatch.setattr(output_files, "UNLOCKED_COPY", 4096)
+    unlocked, memmove = [], output_files.ctypes.memmove
+
+    def counted(dst, src, n):
+        unlocked.append(n)
+        return memmove(dst, src, n)
+
+    monkeypatch.setattr(output_files.ctypes, "memmove", counted)
+    written = write_safetensors(tmp_path / "unlocked.safetensors", entries(tmp_path, set()), {"format": "pt"})
+    assert unlocked and min(unlocked) >= 4096 and max(unlocked) <= 3 * output_files.ALIGN
+    assert (tmp_path / "unlocked.safetensors").read_bytes() == (tmp_path / "slices.safetensors").read_bytes()
+    assert written.digest == reference.digest
+    into, source = bytearray(8192), bytes(range(256)) * 32
+    unlocked.clear()
+    output_files.copy_into(memoryview(into), memoryview(source))  # read-only: no address to hand memmove
+    assert into == source and not unlocked
+    output_files.copy_into(memoryview(into), memoryview(bytearray(source[::-1])))
+    assert into == source[::-1] and unlocked == [8192]
+    with pytest.raises(ValueError, match="8192 bytes to fill from 4096"):
+        output_files.copy_into(memoryview(into), memoryview(bytearray(4096)))
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_hashed_write_reads_each_source_byte_once(tmp_path, monkeypatch, direct):
     """A universal output's tensor digests are taken where the output file has the bytes (in its buffers), so a
