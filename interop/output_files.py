@@ -60,11 +60,13 @@ def copy_into(dst: memoryview, src: memoryview) -> None:
         return
     if len(dst) != n:
         raise ValueError(f"copy_into: {len(dst)} bytes to fill from {n}")
-    into = (ctypes.c_char * n).from_buffer(dst)
+    # each buffer's first byte as a c_char (one type: an array type per length would be cached for good, one per
+    # size a conversion copies), held while memmove runs
+    into, start = ctypes.c_char.from_buffer(dst), ctypes.c_char.from_buffer(src)
     try:
-        ctypes.memmove(into, (ctypes.c_char * n).from_buffer(src), n)
+        ctypes.memmove(ctypes.addressof(into), ctypes.addressof(start), n)
     finally:
-        into = None  # the buffer export ends here, not when the collector finds it
+        into = start = None  # the buffer exports end here, not when the collector finds them
 
 
 class BufferedFile:
