@@ -1,13 +1,14 @@
 """A GPU step's host side beside a background save, on a CPU: what a save's background work takes from a training
 thread that launches kernels from Python, measured without a GPU.
 
-    python benchmarks/host_side_step.py [--hidden 1024 --layers 17] [--repeat 3]     # about 2 min on 2 cores
+    python benchmarks/host_side_step.py [--hidden 1024 --layers 17] [--repeat 3]     # about 3 min on 2 cores
 
 One process trains one step of the benchmark's Llama (257M parameters at the defaults) with Accelerate FSDP2
-through the interop trainer. Then, in place of training steps, the training thread runs a launch-bound loop: tiny
-tensor ops on one torch thread, each a Python call that holds the GIL as a kernel launch does, while the save's
-background work runs beside it: our trainer's --async-save commit, torch DCP's own ``async_save`` of the model and
-optimizer, and ``dd`` writing as many bytes (the floor: no Python at all). A CPU training step would compete with
+through the interop trainer, then another with DeepSpeed ZeRO-3. Then, in place of training steps, the training
+thread runs a launch-bound loop: tiny tensor ops on one torch thread, each a Python call that holds the GIL as a
+kernel launch does, while the save's background work runs beside it: our trainer's --async-save commit, torch
+DCP's own ``async_save`` of the model and optimizer (FSDP2; DeepSpeed has none), and ``dd`` writing as many bytes
+(the floor: no Python at all). A CPU training step would compete with
 a save for this machine's cores; on a GPU the step has the host's cores to itself and competes for the GIL, which
 this loop measures. Each row is the loop's mean time over every loop that ran while the work did, and its ratio
 to the loop alone.
@@ -15,6 +16,7 @@ to the loop alone.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -33,6 +35,23 @@ BESIDE = {  # in this order: dd writes as many bytes as the --async-save before 
     "dcp-async": "host-side step beside torch DCP async_save's write",
     "dd": "host-side step beside dd writing a save's bytes (floor)",
 }
+# each engine's trainer in a process of its own: (tag in the rows, environment, kinds of background work)
+ENGINES = {
+    "fsdp2": ("FSDP2", {}, tuple(BESIDE)),
+    "zero3": ("ZeRO-3", {"DS_ACCELERATOR": "cpu"}, ("interop-async", "dd")),  # DeepSpeed has no async save of its own
+}
+
+
+def _trainer(engine: str, args):
+    if engine == "zero3":
+        from trainers.deepspeed import DeepSpeedTrainer, DeepSpeedTrainerConfig
+
+        cfg = DeepSpeedTrainerConfig(zero_stage=3, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+        return engine_bench._bench_trainer(DeepSpeedTrainer, cfg, args.hidden, args.layers)
+    from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
+
+    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
+    return engine_bench._bench_trainer(AccelerateTrainer, cfg, args.hidden, args.layers)
 
 
 def launch_bound_loop(x, w) -> float:
@@ -50,18 +69,16 @@ def run(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainers.accelerate import AccelerateTrainer, AccelerateTrainerConfig
     from trainers.base import shutdown
 
     torch.set_num_threads(1)
-    cfg = AccelerateTrainerConfig(fsdp=True, steps=1, batch_size=2, seq_len=16, output_dir=args.train, keep_last=None)
-    trainer = engine_bench._bench_trainer(AccelerateTrainer, cfg, args.hidden, args.layers)
+    trainer = _trainer(args.engine, args)
     trainer.train()
     group = dist.new_group(backend="gloo")  # DCP's, on its own thread
     x, w = torch.zeros(64), torch.ones(64)
     for _ in range(20):  # warm-up
         launch_bound_loop(x, w)
-    loops: dict[str, list[float]] = {"alone": [], **{k: [] for k in BESIDE}}
+    loops: dict[str, list[float]] = {"alone": [], **{k: [] for k in ENGINES[args.engine][2]}}
     written = 0
     for i in range(args.repeat):
         for kind in loops:
@@ -104,21 +121,28 @@ def collect(args) -> Section:
     import json
 
     work = workdir(args.workdir, "interop-bench-host-")
-    result, run_dir = os.path.join(work, "host_side_step.json"), os.path.join(work, "run")
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run's own checkpoints: each run trains its step afresh
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-                    "--master_port=29538", os.path.abspath(__file__), "--train", run_dir, "--saves", result,
-                    "--hidden", str(args.hidden), "--layers", str(args.layers), "--repeat", str(args.repeat)],
-                   check=True, env={**os.environ, "PYTHONPATH": REPO})
-    with open(result) as f:
-        found = json.load(f)
-    rows = [(ALONE, (found["loops"]["alone"], 0))] + [(name, (found["loops"][kind], 0)) for kind, name in BESIDE.items()]
-    print(f"loops timed: {found['counts']}; the --async-save writes {found['written'] / 2**30:.2f} GiB")
-    return Section(rows, {name: ALONE for name in BESIDE.values()}, {"run": run_dir}, work)
+    rows, reference, run_dir = [], {}, os.path.join(work, "run")
+    for engine, (tag, env, kinds) in ENGINES.items():
+        result = os.path.join(work, f"host_side_step_{engine}.json")
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run's own checkpoints: each run trains its step afresh
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                        "--master_port=29538", os.path.abspath(__file__), "--train", run_dir, "--saves", result, "--engine", engine,
+                        "--hidden", str(args.hidden), "--layers", str(args.layers), "--repeat", str(args.repeat)],
+                       check=True, env={**os.environ, **env, "PYTHONPATH": REPO})
+        with open(result) as f:
+            found = json.load(f)
+        alone = f"{ALONE} [{tag}]"
+        rows.append((alone, (found["loops"]["alone"], 0)))
+        for kind in kinds:
+            rows.append((f"{BESIDE[kind]} [{tag}]", (found["loops"][kind], 0)))
+            reference[f"{BESIDE[kind]} [{tag}]"] = alone
+        print(f"{tag}: loops timed {found['counts']}; the --async-save writes {found['written'] / 2**30:.2f} GiB")
+    return Section(rows, reference, {"run": run_dir}, work)
 
 
 def main() -> None:
     p = engine_bench.parser(__doc__)
+    p.add_argument("--engine", choices=sorted(ENGINES), default="fsdp2", help=argparse.SUPPRESS)  # a process's own trainer
     args = p.parse_args()
     if args.train and args.saves:
         run(args)
