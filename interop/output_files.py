@@ -49,17 +49,19 @@ UNLOCKED_COPY = 256 << 10  # a copy this large or larger lets the GIL go (see co
 
 
 def copy_into(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` (both flat, of bytes), with the GIL let go for a large copy: ``ctypes.memmove`` releases it,
-    where a slice assignment copies holding it. A background commit writes a staged state through these buffers
-    beside a training thread that launches kernels from Python: holding the GIL for each 8 MiB buffer's copy made a
-    launch-bound loop beside a 1 GiB commit 1.8-2.5x slower. A read-only source (no address ctypes may take) is
-    copied as a slice."""
-    n = len(src)
-    if n < UNLOCKED_COPY or src.readonly:
+    """``dst[:] = src``, with the GIL let go for a large copy: ``ctypes.memmove`` releases it, where a slice
+    assignment copies holding it. A background commit writes a staged state through these buffers beside a training
+    thread that launches kernels from Python: holding the GIL for each 8 MiB buffer's copy made a launch-bound loop
+    beside a 1 GiB commit 1.8-2.5x slower. Only contiguous views of bytes are moved so (a read-only source has no
+    address ctypes may take; a strided one or one of wider items is not one run of bytes): the rest is copied as a
+    slice."""
+    n = src.nbytes
+    if (n < UNLOCKED_COPY or src.readonly or not (src.c_contiguous and dst.c_contiguous)
+            or src.format != "B" or dst.format != "B"):
         dst[:] = src
         return
-    if len(dst) != n:
-        raise ValueError(f"copy_into: {len(dst)} bytes to fill from {n}")
+    if dst.nbytes != n:
+        raise ValueError(f"copy_into: {dst.nbytes} bytes to fill from {n}")
     # each buffer's first byte as a c_char (one type: an array type per length would be cached for good, one per
     # size a conversion copies), held while memmove runs
     into, start = ctypes.c_char.from_buffer(dst), ctypes.c_char.from_buffer(src)
@@ -119,7 +121,7 @@ class BufferedFile:
             if held is not None:
                 wait([held])
             return buffer
-        return bytearray(digests.HASH_READ)
+        return bytearray(digests.read_size())
 
     def _advance(self, n: int) -> int:
         self._pos += n

@@ -104,6 +104,16 @@ def test_a_large_copy_into_the_write_buffers_lets_the_gil_go(tmp_path, monkeypat
     assert into == source[::-1] and unlocked == [8192]
     with pytest.raises(ValueError, match="8192 bytes to fill from 4096"):
         output_files.copy_into(memoryview(into), memoryview(bytearray(4096)))
+    unlocked.clear()
+    strided = bytearray(range(256)) * 64  # every other byte of it: no single run for memmove
+    output_files.copy_into(memoryview(into), memoryview(strided)[::2])
+    assert into == strided[::2] and not unlocked
+    words = bytearray(8192)  # as 4-byte items: a copy of items, not of their count in bytes
+    output_files.copy_into(memoryview(words).cast("I"), memoryview(bytearray(source)).cast("I"))
+    assert words == source and not unlocked
+    source_buffer = bytearray(source[::-1])
+    output_files.copy_into(memoryview(into), memoryview(source_buffer))
+    source_buffer.append(0)  # no export outlives the copy: the source can be resized
 
 
 @pytest.mark.parametrize("direct", [True, False])
