@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from hf_roundtrip import EXPERTS_ENV, describe, model_config
-from measure import Section, measure, print_table, tree_bytes, workdir  # noqa: F401  (Section: the engine scripts')
+from measure import Section, dd_writing, measure, print_table, tree_bytes, workdir  # noqa: F401  (Section: the engine scripts')
 
 
 BATCH_SIZE, SEQ_LEN = 2, 16  # the save timings' training steps, unless --batch-size / --seq-len say otherwise
@@ -158,8 +158,7 @@ def time_saves(trainer_cls, cfg, hidden: int, layers: int, engine_save, repeat: 
             busy = lambda: False  # noqa: E731
             if kind == "during-dd":  # the floor: only the bytes written (no copy, no digest, no commit)
                 path = os.path.join(cfg.output_dir, f"dd-{trainer.rank}.bin")
-                writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={max(1, share >> 24)}",
-                                           "conv=fsync", "status=none"])
+                writer = subprocess.Popen(dd_writing(path, share))
                 busy = lambda: writer.poll() is None  # noqa: E731
             elif kind == "during-async-save":
                 trainer.cfg.async_save = True

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_bench  # noqa: E402
-from measure import REPO, Section, print_table, tree_bytes, workdir  # noqa: E402
+from measure import REPO, Section, dd_writing, print_table, tree_bytes, workdir  # noqa: E402
 
 OPS = 100_000  # tensor ops per loop (about 2 us each here): a loop takes about as long as a GPU step of a small model
 ALONE = "host-side step: launch-bound loop, nothing beside it"
@@ -89,8 +89,7 @@ def run(args) -> None:
                 left = [10]
                 busy = lambda: (left.__setitem__(0, left[0] - 1), left[0] > 0)[1]  # noqa: E731
             elif kind == "dd":
-                writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, written >> 24)}",
-                                           "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                writer = subprocess.Popen(dd_writing(target, written))
                 busy = lambda: writer.poll() is None  # noqa: E731
             elif kind == "dcp-async":
                 future = engine_bench.dcp_async_save(trainer, target, group)

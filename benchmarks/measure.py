@@ -90,12 +90,18 @@ def _compile_once() -> None:
         _COMPILED = True
 
 
+def dd_writing(target: str, nbytes: int) -> list[str]:
+    """The command for dd writing ``nbytes`` of zeros to ``target`` (in 16 MiB blocks) and fsyncing it: the floor
+    under any writer of that many bytes."""
+    return ["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, nbytes >> 24)}", "conv=fsync", "status=none"]
+
+
 def _disk_floor(nbytes: int, directory: str) -> float:
     """What writing ``nbytes`` to ``directory`` and fsyncing costs with no work at all (dd): the floor under any
     conversion that writes that much there."""
     target = os.path.join(directory, "disk-floor.bin")
     try:
-        return _timed(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, nbytes >> 24)}", "conv=fsync", "status=none"])[0]
+        return _timed(dd_writing(target, nbytes))[0]
     finally:
         if os.path.exists(target):
             os.remove(target)
