@@ -385,6 +385,15 @@ class DCPReader:
                 return rows.reshape(-1)[start * width : (start + sizes[0]) * width].reshape(sizes)
         return None
 
+    def start_checks(self, key: str) -> None:
+        """Start checking the bytes of ``key``'s chunks against the manifest now, on the checking threads (hashing
+        releases the GIL), for the reader to plan meanwhile: the tensor a writer asks for first then waits for no
+        hashing. Nothing for a file checked whole, or no checkpoint's."""
+        for c in self._chunks.get(key, []):
+            check = ranged.registered(os.path.join(self.directory, c.file))
+            if check is not None:
+                check.start(c.offset, c.offset + c.length)
+
     # the bytes
     def _chunk(self, key: str, chunk: _Chunk) -> Any:
         """A chunk of ``key`` as read (a stand-in, or torch's), the tensor its metadata says it is."""

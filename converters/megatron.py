@@ -16,6 +16,7 @@ and a tensor's TP pieces are read and merged when a writer asks for it. The pick
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -329,15 +330,20 @@ def _gather_rows(plan: RowPlan, whole: dict[int, Piece], row_bytes: int) -> memo
     return out.reshape(-1).data
 
 
-def _mapped_rows(pieces: list[Callable[[], Any]], plan: RowPlan, dtype: str,
+def _mapped_rows(pieces: list[Callable[[], Any]], plans: Callable[[], list[RowPlan] | None], i: int, dtype: str,
                  piece_shape: tuple[int, ...]) -> Callable[[], list | None]:
-    """LazyTensor.mapped_pieces from a row plan: each run a view of its TP piece's file, or, where the runs are short
-    (a column split's rows), their bytes gathered in one buffer; None where a piece is not a contiguous stand-in of
-    the tensor's dtype and the pieces' shape (the tensor is then loaded, checked and merged with torch)."""
+    """LazyTensor.mapped_pieces from the ``i``-th of a rule's row plans: each run a view of its TP piece's file, or,
+    where the runs are short (a column split's rows), their bytes gathered in one buffer; None where the rule has no
+    row plan or a piece is not a contiguous stand-in of the tensor's dtype and the pieces' shape (the tensor is then
+    loaded, checked and merged with torch)."""
     width = math.prod(piece_shape[1:])
     row_bytes = width * itemsize(dtype)
 
     def mapped() -> list | None:
+        planned = plans()
+        if planned is None:
+            return None
+        plan = planned[i]
         stored = {}
         used = sorted(set((plan.ids // plan.rows).tolist())) if plan.ids.size else []
         for t in used:
@@ -377,17 +383,17 @@ def hf_tensors(
             full = full[: arch.vocab]
         return rule.unfuse(full), loaded
 
+    viewed, tiled = (tiles.pieces, tiles.dim) if tiles is not None else (pieces, None)
     if tiles is not None:
-        viewed, piece_shape = tiles.pieces, tiles.shape
-        runs = row_runs(rule, arch, piece_shape, len(viewed), shapes, tiled=tiles.dim)
-    else:
-        viewed = pieces
-        runs = row_runs(rule, arch, piece_shape, len(pieces), shapes) if piece_shape else None
+        piece_shape = tiles.shape
+    # worked out when a writer first asks for a tensor's bytes, on its thread: a target that never does (an export
+    # leaves the optimizer's state) plans nothing, and a reader hands its checkpoint over without planning each row
+    plans = functools.cache(lambda: row_runs(rule, arch, piece_shape, len(viewed), shapes, tiled=tiled)) if piece_shape else None
     out = {}
     for i, (name, shape) in enumerate(zip(rule.hf, shapes)):
         out[name] = LazyTensor(
             TensorSpec(shape, dtype), lambda i=i: cache.get((rule.megatron, tag), build)[i], f"{where}:{rule.megatron}",
-            mapped_pieces=_mapped_rows(viewed, runs[i], dtype, piece_shape) if runs else None,
+            mapped_pieces=_mapped_rows(viewed, plans, i, dtype, piece_shape) if plans else None,
         )
     return out
 

@@ -206,6 +206,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
         masters = {r.megatron: optim_key(r, master_key) for r in all_rules}
         has_master = all(k in stored for k in masters.values())
+        # the first weight is what a writer asks for first (every target leads with the model): its bytes are hashed
+        # while the rest is planned (numpy's import and the row plans), not after
+        reader.start_checks(masters[all_rules[0].megatron] if has_master else names[all_rules[0].megatron])
         for rule in all_rules:
             model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
         master_keys = {MASTER, DIST_MASTER} if sharding_type == FULLY_RESHARDABLE else {MASTER}

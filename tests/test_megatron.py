@@ -334,6 +334,40 @@ def test_optimizer_state_round_trips_through_megatron_dist(tmp_path, trained):
     assert back.optimizer.scalars["step"]["model.norm.weight"]["value"] == 2
 
 
+def test_a_megatron_dist_export_plans_only_what_it_writes_and_checks_its_first_weight_while_planning(tmp_path, trained, monkeypatch):
+    """Reading torch_dist plans no rows (each tensor's row plan is made when a writer first asks for its bytes): an
+    export to Hugging Face plans the model's tensors once each and none of the optimizer's. The first weight's
+    blocks are already being checked against the manifest when the read returns, the rest only as they are used."""
+    from converters import megatron, registry
+    from converters.dcp import DCPReader
+    from converters.megatron_map import rules
+    from interop import ranged
+    from tests.conftest import by_blocks
+
+    _, src = registry.read(trained)
+    registry.writer("megatron-dist").write(src, str(tmp_path / "dist"), registry.Options(extra={"tp": 2}))
+    iteration = tmp_path / "dist" / "iter_0000002"
+    blocked = by_blocks(iteration, 4096)
+    assert "__0_0.distcp" in blocked  # (the one data file: many blocks)
+    planned = []
+    real = megatron.row_runs
+    monkeypatch.setattr(megatron, "row_runs", lambda rule, *a, **k: planned.append(rule.megatron) or real(rule, *a, **k))
+    _, ckpt = registry.read(str(tmp_path / "dist"))
+    assert planned == [] and ckpt.optimizer is not None
+    check = ranged.registered(str(iteration / "__0_0.distcp"))
+    reader = DCPReader(str(iteration))
+    first = "embedding.word_embeddings.weight"  # (an fp32 run: the weights are the model's, no master copy)
+    spans = [(c.offset, c.offset + c.length) for c in reader._chunks[first]]
+    first_blocks = {i for lo, hi in spans for i in range(lo // 4096, (hi - 1) // 4096 + 1)}
+    assert set(check._checks) == first_blocks  # started by the read, nothing else yet
+    registry.writer("hf").write(ckpt, str(tmp_path / "hf"), registry.Options())
+    arch = megatron.MegatronArch.from_args(vars(megatron.load_megatron_file(str(iteration / "common.pt"))["args"]), "", grouped_gemm=True)
+    assert sorted(planned) == sorted(r.megatron for r in rules(arch)), "each model tensor planned once, no optimizer state"
+    back = read_hf(str(tmp_path / "hf"))
+    for name, t in src.model.items():
+        assert torch.equal(back.model[name].load(), t.load()), name
+
+
 @pytest.mark.parametrize("target", [("deepspeed", "--zero-stage", "2", "--world-size", "2"),
                                     ("deepspeed", "--zero-stage", "3", "--world-size", "4"), ("ds-universal",)],
                          ids=["zero2", "zero3", "ds-universal"])
