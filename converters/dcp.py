@@ -545,16 +545,16 @@ def stage_dcp(state: dict[str, Any], directory: str | None, process_group: Any =
 
     stager = StateDictStager(pin_memory=False, share_memory=False)
     memo = {id(t): t for t in _unshared_host_tensors(state, live)} if live is not None else {}
-    held = [on_staging_thread(stager.deepcopy_with_tensor_offload, state, memo)]  # apart from training's memory (see there)
+    try:
+        held = [on_staging_thread(stager.deepcopy_with_tensor_offload, state, memo)]  # apart from training's memory (see there)
+    finally:  # its cache (of every copy, for a next stage() we never make) is held by a cycle through the stager itself:
+        stager.close()  # cleared now, the copies go with the staged state, even when it is dropped unwritten
     storage_writer = storage_writer or dcp.FileSystemWriter(directory)
 
     def write() -> None:
-        try:
-            with _single_process_quiet():
-                blocking_save(held.pop(), storage_writer=storage_writer, planner=planner, process_group=process_group,
-                              no_dist=not dist.is_initialized())
-        finally:
-            stager.close()
+        with _single_process_quiet():
+            blocking_save(held.pop(), storage_writer=storage_writer, planner=planner, process_group=process_group,
+                          no_dist=not dist.is_initialized())
 
     return write
 

@@ -185,6 +185,33 @@ def test_a_staged_dcp_save_copies_what_training_changes_and_keeps_host_copies_no
         assert back["model"]["moved"].tolist() == [2.0 * i for i in range(6)] and float(back["optim"]["state"]["w"]["step"]) == 3.0
 
 
+def test_a_staged_dcp_save_that_is_never_written_frees_its_copies_at_once(tmp_path, monkeypatch):
+    """A staged DCP save dropped unwritten (the ranks agreed the save failed) frees its staged copies when its writer
+    goes, without waiting for the garbage collector: DCP's stager refers to itself, and its cache held every copy."""
+    import gc
+    import weakref
+
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    from converters.dcp import stage_dcp
+
+    copies = []
+    real = StateDictStager._stage_untyped_storage
+    monkeypatch.setattr(StateDictStager, "_stage_untyped_storage",
+                        lambda self, storage, **kw: (lambda out: copies.append(weakref.ref(out)) or out)(real(self, storage, **kw)))
+    state = {"model": {"w": torch.arange(6.0)}, "optim": {"state": {"w": {"step": torch.tensor(3.0)}}}}
+    gc.collect()
+    gc.disable()
+    try:
+        write = stage_dcp(state, str(tmp_path / "never"))
+        assert len(copies) == 2 and all(ref() is not None for ref in copies)
+        del write
+        assert [ref() for ref in copies] == [None, None]
+    finally:
+        gc.enable()
+    assert not (tmp_path / "never").exists()
+
+
 def test_stage_dcp_keeps_the_unshared_host_tensors_only():
     from torch.testing._internal.two_tensor import TwoTensor
 
