@@ -11,7 +11,9 @@ DCP's own ``async_save`` of the model and optimizer (FSDP2; DeepSpeed has none),
 (the floor: no Python at all). A CPU training step would compete with
 a save for this machine's cores; on a GPU the step has the host's cores to itself and competes for the GIL, which
 this loop measures. Each row is the loop's mean time over every loop that ran while the work did (the last one,
-which most likely outlasted it, left out), and its ratio to the loop alone.
+which most likely outlasted it, left out), and its ratio to the loop alone: ten loops with nothing beside them
+before each kind of work, in every repeat, the median of those windows' means (one window slowed by writeback left
+over from the work before it, or anything else on the machine, would otherwise move every ratio).
 """
 
 from __future__ import annotations
@@ -78,17 +80,16 @@ def run(args) -> None:
     x, w = torch.zeros(64), torch.ones(64)
     for _ in range(20):  # warm-up
         launch_bound_loop(x, w)
-    loops: dict[str, list[float]] = {"alone": [], **{k: [] for k in ENGINES[args.engine][2]}}
+    loops: dict[str, list[float]] = {k: [] for k in ENGINES[args.engine][2]}
+    alone: list[float] = []  # each window's mean
     written = 0
     for i in range(args.repeat):
         for kind in loops:
             os.sync()
+            alone.append(statistics.mean(launch_bound_loop(x, w) for _ in range(10)))
             target = os.path.join(args.train, f"{kind}-{i}")
             done = None
-            if kind == "alone":
-                left = [10]
-                busy = lambda: (left.__setitem__(0, left[0] - 1), left[0] > 0)[1]  # noqa: E731
-            elif kind == "dd":
+            if kind == "dd":
                 writer = subprocess.Popen(dd_writing(target, written))
                 busy = lambda: writer.poll() is None  # noqa: E731
             elif kind == "dcp-async":
@@ -101,7 +102,7 @@ def run(args) -> None:
             times = [launch_bound_loop(x, w)]
             while busy():
                 times.append(launch_bound_loop(x, w))
-            if kind != "alone" and len(times) > 2:
+            if len(times) > 2:
                 times.pop()  # it began while the work ran and most likely ended after: partly a loop alone
             if done is not None:
                 done()
@@ -113,8 +114,8 @@ def run(args) -> None:
             elif os.path.exists(target):
                 os.remove(target)
     with open(args.saves, "w") as f:
-        json.dump({"loops": {k: statistics.mean(v) for k, v in loops.items()}, "counts": {k: len(v) for k, v in loops.items()},
-                   "written": written}, f)
+        json.dump({"loops": {"alone": statistics.median(alone), **{k: statistics.mean(v) for k, v in loops.items()}},
+                   "counts": {"alone": 10 * len(alone), **{k: len(v) for k, v in loops.items()}}, "written": written}, f)
     shutdown()
 
 
