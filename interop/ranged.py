@@ -17,7 +17,7 @@ import logging
 import os
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 from . import digests
 from .errors import CorruptCheckpointError
@@ -69,9 +69,15 @@ class RangeCheck:
     def _start(self, index: int) -> Future:
         with self._lock:
             future = self._checks.get(index)
-            if future is None:
+            if future is None or future.cancelled():  # (cancelled unstarted by ``clear``: a reader still holding it asks again)
                 future = self._checks[index] = _pool().submit(self._check_block, index)
             return future
+
+    def cancel_pending(self) -> None:
+        """Drop the block checks not yet begun: hashed ahead (``start``, a next block) for a use that never came."""
+        with self._lock:
+            for future in self._checks.values():
+                future.cancel()
 
     def check(self, lo: int, hi: int, inode: int | None = None, ahead: bool = True) -> None:
         """Return once bytes ``lo .. hi`` of the file (as the reader opened it: ``inode``) match the manifest;
@@ -85,11 +91,16 @@ class RangeCheck:
         if hi == lo:
             return
         first, last = lo // self.block, (hi - 1) // self.block
-        futures = [self._start(i) for i in range(first, last + 1)]
+        futures = {i: self._start(i) for i in range(first, last + 1)}
         for i in range(last + 1, min(last + 1 + AHEAD, len(self.record.blocks))) if ahead else ():
             self._start(i)
-        for future in futures:
-            future.result()
+        for i, future in futures.items():
+            while True:
+                try:
+                    future.result()
+                    break
+                except CancelledError:  # dropped unstarted by ``clear`` meanwhile: this reader still needs it
+                    future = self._start(i)
 
     def start(self, lo: int, hi: int) -> None:
         """Start checking the blocks of bytes ``lo .. hi`` now, on the threads, for a ``check`` of them to come (a
@@ -177,9 +188,14 @@ def check_whole(path: str) -> None:
 
 
 def clear() -> None:
-    """Forget every registration and the spare block buffers (the end of a command)."""
+    """Forget every registration and the spare block buffers (the end of a command), and drop the block checks not
+    yet begun: a command that never read what was hashed ahead (``interop inspect`` of a checkpoint whose reader
+    starts its first weight's check) does not wait at exit for gigabytes to be hashed for nothing."""
     with _REGISTRY_LOCK:
+        checks = list(_REGISTERED.values())
         _REGISTERED.clear()
+    for check in checks:
+        check.cancel_pending()
     while True:
         try:
             _BUFFERS.get_nowait()

@@ -294,6 +294,41 @@ def test_a_look_at_a_files_index_hashes_only_its_blocks_and_a_tensors_read_hashe
         ranged.clear()
 
 
+def test_the_end_of_a_command_drops_block_checks_not_yet_begun_and_a_reader_still_gets_its_bytes_checked(tmp_path, monkeypatch):
+    """Blocks hashed ahead for a use that never comes (a reader's first weight, started while it plans, under a
+    command that only inspects) are dropped unstarted by ``ranged.clear`` at the end of the command, not hashed
+    before the process may exit; a reader that still holds the check has each block it asks for checked anew."""
+    import threading
+
+    from interop import digests, ranged
+    from interop.manifest import FileRecord
+
+    path, block = tmp_path / "data.bin", 1024
+    path.write_bytes(os.urandom(16 * block))
+    found = digests.of_files([str(path)], blocked=True, block_bytes=block)[str(path)]
+    check = ranged.defer(str(path), FileRecord(16 * block, found.digest, blocks=found.blocks, block_bytes=block))
+    hashed = []
+    real = ranged.RangeCheck._check_block
+    monkeypatch.setattr(ranged.RangeCheck, "_check_block", lambda self, i: (hashed.append(i), real(self, i))[1])
+    gate = threading.Event()
+    held = [ranged._pool().submit(gate.wait) for _ in range(ranged._pool()._max_workers)]  # every checking thread busy
+    try:
+        check.start(0, 16 * block)
+        ranged.clear()
+    finally:
+        gate.set()
+    for f in held:
+        f.result(timeout=60)
+    assert all(f.cancelled() for f in check._checks.values()) and hashed == []
+    data = bytearray(path.read_bytes())
+    data[5 * block + 7] ^= 1
+    path.write_bytes(bytes(data))  # (same inode: as the reader opened it)
+    check.check(0, 2 * block, ahead=False)
+    with pytest.raises(CorruptCheckpointError, match=r"bytes 5120\.\.6144 differ"):
+        check.check(5 * block, 5 * block + 8, ahead=False)
+    assert hashed == [0, 1, 5]
+
+
 def test_numpys_rng_state_is_read_without_torch_its_types_imported_when_named(tmp_path):
     """A pickle holding ``np.random.get_state()`` (accelerate's and Megatron's RNG files) is read by the torch-free
     reader with the lazy numpy allowlist: the names resolve to numpy's own types when the pickle names them."""
