@@ -408,3 +408,32 @@ def test_a_source_shortened_under_a_torch_save_write_is_named_not_a_crash(tmp_pa
                             env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.startswith(f"{src}: ended ") and "bytes early" in result.stdout, result.stdout
+
+
+def test_a_safetensors_writer_fetches_small_tensors_ahead_up_to_its_limit_and_a_large_one_alone(tmp_path, monkeypatch):
+    """The tensors after the one being written are fetched (their source bytes checked) meanwhile, while those under
+    way hold less than FETCH_AHEAD_BYTES: a run of small tensors has several fetched at once, never more than the
+    limit allows, and one at least as large as the limit is fetched alone; the file is the one written one at a time."""
+    import time
+
+    from interop import safetensors_io
+    from interop.safetensors_io import TensorEntry, write_safetensors
+    from interop.tensors import LazyTensor
+
+    tensors = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 1 MiB each
+    tensors["big"] = torch.ones(1024, 1024 * 4)  # 16 MiB, then two more small ones
+    tensors.update({f"u{i}": torch.full((256, 1024), -float(i)) for i in range(2)})
+    names = list(tensors)
+    entries = [TensorEntry(n, LazyTensor.of(t).spec, lambda t=t: t) for n, t in tensors.items()]
+    monkeypatch.setattr(safetensors_io, "FETCH_AHEAD_BYTES", 1)  # the next tensor only, whatever its size
+    reference = write_safetensors(tmp_path / "one_at_a_time.safetensors", entries)
+    monkeypatch.setattr(safetensors_io, "FETCH_AHEAD_BYTES", 4 << 20)
+    written, ahead = [], {}
+    real = safetensors_io.fetch_pieces
+    monkeypatch.setattr(safetensors_io, "fetch_pieces", lambda e: (ahead.__setitem__(e.name, names.index(e.name) - len(written)), real(e))[1])
+    out = write_safetensors(tmp_path / "ahead.safetensors", entries,
+                            on_tensor=lambda e: (time.sleep(0.05), written.append(e.name)))  # a slow writer: the fetches get ahead
+    assert max(ahead.values()) == 4  # 1 MiB each, under way while less than 4 MiB is: four after the one being written
+    assert ahead["u0"] == 1 and ahead["u1"] <= 2  # behind the 16 MiB tensor, nothing else was fetched
+    assert (tmp_path / "ahead.safetensors").read_bytes() == (tmp_path / "one_at_a_time.safetensors").read_bytes()
+    assert out.digest == reference.digest
