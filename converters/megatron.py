@@ -383,9 +383,10 @@ def hf_tensors(
             full = full[: arch.vocab]
         return rule.unfuse(full), loaded
 
-    viewed, tiled = (tiles.pieces, tiles.dim) if tiles is not None else (pieces, None)
     if tiles is not None:
-        piece_shape = tiles.shape
+        viewed, piece_shape, tiled = tiles.pieces, tiles.shape, tiles.dim
+    else:
+        viewed, tiled = pieces, None
     # worked out when a writer first asks for a tensor's bytes, on its thread: a target that never does (an export
     # leaves the optimizer's state) plans nothing, and a reader hands its checkpoint over without planning each row
     plans = functools.cache(lambda: row_runs(rule, arch, piece_shape, len(viewed), shapes, tiled=tiled)) if piece_shape else None

@@ -8,12 +8,43 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 from . import digests, written_digests
 from .errors import CorruptCheckpointError, OutputWriteError
 from .output_files import closing, open_output
 from .tensors import LazyTensor, Piece, raw_bytes
+
+
+T, R = TypeVar("T"), TypeVar("R")
+
+
+def fetched_ahead(items: Sequence[T], fetch: Callable[[T], R], pool: Any, size: Callable[[T], int], limit: int) -> Iterator[R]:
+    """``fetch(item)`` of each item, in order, each run on ``pool`` ahead of its turn: after the one handed out, the
+    next ones are fetched meanwhile while those under way hold less than ``limit`` bytes (``size`` of each), and
+    always the next one. A writer writes one while the next are read and checked; fetches not begun when the
+    consumer stops (an error) are cancelled, not run for nothing."""
+    pending: deque[tuple[Future, int]] = deque()
+    held = upto = 0
+
+    def top_up() -> None:
+        nonlocal held, upto
+        while upto < len(items) and (not pending or held < limit):
+            n = size(items[upto])
+            pending.append((pool.submit(fetch, items[upto]), n))
+            held, upto = held + n, upto + 1
+
+    try:
+        top_up()
+        while pending:
+            future, n = pending.popleft()
+            held -= n
+            fetched = future.result()
+            top_up()
+            yield fetched
+    finally:
+        for future, _ in pending:
+            future.cancel()
 
 
 class Beside:
@@ -167,10 +198,7 @@ def tensor_bytes(lazy: LazyTensor, beside: Beside, ahead: Any) -> Iterator[Any]:
     them there, in the core's cache, with no second read, no page faults, and no SIGBUS from a source cut short
     since it was mapped (an error naming it instead)."""
     parts = _leaves(lazy)
-    pending = ahead.submit(_fetch, parts[0]) if parts else None
-    for i, part in enumerate(parts):
-        fetched = pending.result()
-        pending = ahead.submit(_fetch, parts[i + 1]) if i + 1 < len(parts) else None
+    for part, fetched in zip(parts, fetched_ahead(parts, _fetch, ahead, lambda p: p.spec.nbytes, limit=1)):  # one ahead
         if not isinstance(fetched, list):  # a loaded tensor
             yield raw_bytes(fetched)
             continue

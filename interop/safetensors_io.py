@@ -166,52 +166,37 @@ def _write_safetensors(
     manifest) each tensor is hashed on another thread where the output file has its bytes (a mapped source's read
     from its file into the write's buffer: no second read, no page faults), the buffer held until it is; copying,
     hashing and writing all release the GIL."""
-    from collections import deque
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import closing as closed_after
 
-    from .hashed_writes import Beside
+    from .hashed_writes import Beside, fetched_ahead
 
     entries = list(entries)
     path = os.fspath(path)
     raw_digests: list[Any] = []  # each tensor's raw digest, a future of the hashing thread
     head = header_bytes(entries, metadata)
-    ahead: deque[tuple[Future, int]] = deque()  # fetches under way, in order, with their tensors' sizes
     with closing(open_output(path, len(head) + sum(e.spec.nbytes for e in entries)), path) as out, \
-            ThreadPoolExecutor(1, thread_name_prefix="safetensors") as pool, Beside() as beside:
-        def fetch_ahead(upto: int) -> int:
-            """Fetches started for the entries from ``upto`` on, while those under way hold less than the limit."""
-            while upto < len(entries) and (not ahead or sum(n for _, n in ahead) < FETCH_AHEAD_BYTES):
-                ahead.append((pool.submit(fetch_pieces, entries[upto]), entries[upto].spec.nbytes))
-                upto += 1
-            return upto
-
-        out.write(head)
+            ThreadPoolExecutor(1, thread_name_prefix="safetensors") as pool, Beside() as beside, \
+            closed_after(fetched_ahead(entries, fetch_pieces, pool, lambda e: e.spec.nbytes, FETCH_AHEAD_BYTES)) as fetched:
+        out.write(head)  # (on an error, the fetches not begun are cancelled before the pool is waited for)
         total = len(head)
-        fetched = fetch_ahead(0)
-        try:
-            for entry in entries:
-                pieces = ahead.popleft()[0].result()  # fetched while the tensors before it were written
-                fetched = fetch_ahead(fetched)
-                seen = None
-                if hashed:
-                    h = digests.hasher()
-                    seen = lambda run, h=h: beside.submit(h.update, run, nbytes=len(run))  # noqa: E731
-                for piece in pieces:
-                    total += out.write_piece(piece, seen)
-                if hashed:
-                    raw_digests.append(beside.submit(h.digest))
-                for p in pieces:  # written (and hashed: after its hash, on that thread): out of RSS, still in the page cache
-                    if p.release is not None and hashed:
-                        beside.submit(p.release)
-                    elif p.release is not None:
-                        p.release()
-                del pieces
-                if on_tensor is not None:
-                    on_tensor(entry)
-        except BaseException:
-            for future, _ in ahead:  # not fetched for nothing while the pool winds down
-                future.cancel()
-            raise
+        for entry, pieces in zip(entries, fetched):
+            seen = None
+            if hashed:
+                h = digests.hasher()
+                seen = lambda run, h=h: beside.submit(h.update, run, nbytes=len(run))  # noqa: E731
+            for piece in pieces:
+                total += out.write_piece(piece, seen)
+            if hashed:
+                raw_digests.append(beside.submit(h.digest))
+            for p in pieces:  # written (and hashed: after its hash, on that thread): out of RSS, still in the page cache
+                if p.release is not None and hashed:
+                    beside.submit(p.release)
+                elif p.release is not None:
+                    p.release()
+            del pieces
+            if on_tensor is not None:
+                on_tensor(entry)
         out.sync()
     if not hashed:
         return WrittenFile(path, total, "", {})
