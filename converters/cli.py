@@ -14,10 +14,10 @@ from typing import Callable
 
 import os
 
-if __name__ == "__main__":  # python -m converters.cli: the source's digests start before torch is imported below
-    from converters.console import check_ahead
+if __name__ == "__main__":  # python -m converters.cli: the console script's run (the source's digests start before
+    from converters.console import run  # anything below is imported; a bad setting read at import is one line), which
 
-    check_ahead(sys.argv[1:])
+    run()  # imports this module as converters.cli and never returns
 
 from interop import __version__, ranged
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir
@@ -520,8 +520,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ranged.clear()  # the files registered to be checked as they are read: this command is done with them
 
-
-if __name__ == "__main__":
-    from .console import run
-
-    run()

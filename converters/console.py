@@ -140,6 +140,13 @@ def run() -> None:
     except KeyboardInterrupt:  # before main's own handler was reached: nothing was started
         print("interop: interrupted; nothing was written", file=sys.stderr)
         code = 130
+    except ValueError as exc:  # a setting read at import (INTEROP_DIGEST): one line, as main's own errors are
+        from interop.errors import ConfigurationError
+
+        if not isinstance(exc, ConfigurationError):
+            raise
+        print(f"interop: error: {exc}", file=sys.stderr)
+        code = 2
     if _PENDING:  # Ctrl-C came during torch's import and the command ended before it could be sent again: it
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # finished (its output, if any, is whole); die of the signal,
         os.kill(os.getpid(), signal.SIGINT)  # as an interrupted command does, rather than exit as if none came

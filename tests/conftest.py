@@ -86,7 +86,7 @@ def by_blocks(checkpoint, block_bytes: int) -> list[str]:
     manifest = read_manifest(str(checkpoint))
     blocked = []
     for rel, record in manifest.files.items():
-        if record.digest.startswith("blake3:") and record.bytes > block_bytes:
+        if digests.parse(record.digest)[1] == digests.PLAIN and record.bytes > block_bytes:
             path = os.path.join(str(checkpoint), rel)
             record.digest, record.blocks, record.block_bytes = digests.of_files([path], block_bytes=block_bytes)[path]
             blocked.append(rel)

@@ -24,11 +24,11 @@ def test_an_early_digest_is_used_only_for_the_file_it_was_taken_of(tmp_path, mon
         p.write_bytes(os.urandom(1 << 20))
         if n != "recent":
             os.utime(p, (old, old))
-    expected_same = digests._of_file(str(paths["same"]), "blake3")
+    expected_same = digests._of_file(str(paths["same"]), digests.ALGO)
     # (utime moves each file's change time to now: the files are "recent" unless the window is shut)
     for names_, window in ((("same", "rewritten", "replaced"), 0.0), (("recent",), 3600.0)):
         monkeypatch.setattr(digests, "RACY_SECONDS", window)
-        digests.hash_ahead([(str(paths[n]), "blake3") for n in names_], threads=1)
+        digests.hash_ahead([(str(paths[n]), digests.ALGO) for n in names_], threads=1)
         for n in names_:
             digests._AHEAD[str(paths[n])][1].exception(timeout=60)  # done, whatever its outcome
     paths["rewritten"].write_bytes(b"x" * (1 << 20))
@@ -41,7 +41,7 @@ def test_an_early_digest_is_used_only_for_the_file_it_was_taken_of(tmp_path, mon
     assert digests.of_file(str(paths["same"])) == expected_same
     assert digests.of_file(str(paths["rewritten"])) == digests.of_bytes(b"x" * (1 << 20))
     assert digests.of_file(str(paths["replaced"])) == digests.of_bytes(b"y")
-    assert digests.of_file(str(paths["recent"])) == real(str(paths["recent"]), "blake3")
+    assert digests.of_file(str(paths["recent"])) == real(str(paths["recent"]), digests.ALGO)
     assert hashed_again == ["rewritten.bin", "replaced.bin", "recent.bin"]  # not same.bin: its early digest was taken
     assert not digests._AHEAD  # each taken once
 
