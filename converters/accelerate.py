@@ -28,7 +28,6 @@ from typing import Any
 
 from interop.lazy_import import torch
 
-from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import Manifest
@@ -39,7 +38,9 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .engine_checkpoint import carried_components, component_state, owning_checkpoint, holds_native, RNG, rank_rng_states, write_engine_checkpoint
+from .detection import (ACCELERATE_KEY, BIN_MODEL, MODEL_DCP, OPTIM_BIN, OPTIM_DCP, RANDOM_STATES, SAFE_MODEL, SCHEDULER_BIN,  # noqa: F401
+                        is_accelerate_checkpoint, locate_accelerate as locate)
+from .engine_checkpoint import carried_components, component_state, owning_checkpoint, RNG, rank_rng_states, write_engine_checkpoint
 from .models.adapters import has_peft_names, peft_model_near
 from .models.facts import meta_model, tied_groups
 from .hf import config_near
@@ -49,10 +50,7 @@ from .torch_zip import materialize
 
 log = logging.getLogger(__name__)
 
-NATIVE_KEY = "accelerate"  # our trainer's native component: accelerate's save_state directory
-MODEL_DCP, OPTIM_DCP = "pytorch_model_fsdp_0", "optimizer_0"
-SAFE_MODEL, BIN_MODEL, OPTIM_BIN, SCHEDULER_BIN = "model.safetensors", "pytorch_model.bin", "optimizer.bin", "scheduler.bin"
-RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")
+NATIVE_KEY = ACCELERATE_KEY  # our trainer's native component: accelerate's save_state directory
 CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 SCHEDULER = "scheduler"
 
@@ -88,37 +86,6 @@ class AccelerateFiles:
     fsdp: bool
     num_processes: int
     custom: list[str] = field(default_factory=list)
-
-
-def _holds_state(path: str) -> bool:
-    return os.path.isdir(path) and (
-        any(os.path.exists(os.path.join(path, f)) for f in (SAFE_MODEL, BIN_MODEL, MODEL_DCP))
-        and any(RANDOM_STATES.match(f) for f in os.listdir(path))
-    )
-
-
-def locate(path: str) -> str:
-    """The save_state directory, from itself or from one of our trainer's checkpoints (``<ckpt>/accelerate``)."""
-    if _holds_state(path):
-        return path
-    try:
-        directory = resolve_checkpoint_dir(path)
-    except Exception:  # noqa: BLE001 - not a checkpoint root either
-        directory = path
-    for candidate in (directory, os.path.join(directory, NATIVE_KEY)):
-        if _holds_state(candidate):
-            return candidate
-    raise MissingFileError(path, "no accelerate save_state files (model.safetensors or pytorch_model_fsdp_0/, random_states_0.pkl)")
-
-
-def is_accelerate_checkpoint(path: str) -> bool:
-    if holds_native(path, NATIVE_KEY):
-        return True
-    try:
-        locate(path)
-        return True
-    except Exception:  # noqa: BLE001 - detection never raises
-        return False
 
 
 def describe(directory: str) -> AccelerateFiles:

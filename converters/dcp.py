@@ -39,12 +39,13 @@ from interop.universal import scalar_value, split_optimizer_state
 
 from . import torch_zip
 from .param_order import EngineOrder
+from .detection import DCP_METADATA, is_dcp_dir  # noqa: F401
 from .pickle_safety import TORCH_LOAD_LOCK, expanded
 from .torch_zip import as_torch, dtype_name_of, is_tensor, materialize, piece_of
 
 log = logging.getLogger(__name__)
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA
 
 
 # --- .metadata ----------------------------------------------------------------------------------------------
@@ -232,10 +233,6 @@ def read_metadata(directory: str, stubs: bool = False):
 
 
 NATIVE_KEY = "torch_dcp"  # the native component of our checkpoint around a plain DCP directory
-
-
-def is_dcp_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA))
 
 
 # --- reading ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 from interop.lazy_import import torch
 
-from interop.commit import read_tag, resolve_checkpoint_dir
+from interop.commit import resolve_checkpoint_dir
 from interop.errors import (
     ConversionError,
     CorruptCheckpointError,
@@ -37,14 +37,14 @@ from interop.errors import (
 )
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import MANIFEST, Manifest
-from interop.paths import inside
 from interop.dtypes import dtype_from_name
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 from interop.verify import open_checkpoint
 
 from . import deepspeed_moe
-from .engine_checkpoint import at_once, carried_components, owning_checkpoint, holds_native, native_dir
+from .detection import DEEPSPEED_KEY, OPTIM_FILE, is_deepspeed_checkpoint, locate_deepspeed as locate  # noqa: F401
+from .engine_checkpoint import at_once, carried_components, owning_checkpoint, native_dir
 from .models.facts import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
@@ -52,8 +52,7 @@ from .torch_zip import as_torch, copy_into, dtype_name_of, is_tensor, lazy_of, m
 
 log = logging.getLogger(__name__)
 
-NATIVE_KEY = "deepspeed"  # the native component of our DeepSpeed trainer's checkpoints
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+NATIVE_KEY = DEEPSPEED_KEY  # the native component of our DeepSpeed trainer's checkpoints
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"
 PRECISIONS = ("float32", "bfloat16", "float16")
@@ -130,29 +129,6 @@ class NativeFiles:
     @property
     def world_size(self) -> int:
         return len(self.optim)
-
-
-def locate(path: str) -> str:
-    """The tag directory holding the ZeRO files, from any of: the tag directory (ours has them beside the
-    manifest), a directory with ``latest``, an older checkpoint of ours (``<ckpt>/deepspeed``)."""
-    if not os.path.exists(path):
-        raise MissingFileError(path, "no such file or directory")
-    if not os.path.isdir(path):
-        raise UnknownFormatError(path, "is a file; point at a DeepSpeed checkpoint directory")
-    if any(OPTIM_FILE.match(n) for n in os.listdir(path)):
-        return path
-    if os.path.isdir(os.path.join(path, NATIVE_KEY)):
-        return locate(os.path.join(path, NATIVE_KEY))
-    latest = os.path.join(path, "latest")
-    tag = read_tag(latest, "DeepSpeed 'latest' file")
-    if tag is not None:
-        target = inside(path, tag, latest)
-        if not os.path.isdir(target):
-            raise MissingFileError(target, f"named by {latest} but missing (a stale 'latest'?)")
-        return locate(target)
-    if os.path.isdir(os.path.join(path, "pytorch_model")):  # accelerate's save_state without 'latest'
-        return locate(os.path.join(path, "pytorch_model"))
-    raise UnknownFormatError(path, "holds no DeepSpeed ZeRO files (*_optim_states.pt) and no 'latest' naming a tag")
 
 
 def native_files(tag_dir: str) -> NativeFiles:
@@ -709,13 +685,3 @@ def to_logical(
     if ms0.get("lr_scheduler") is not None and "scheduler" not in components:
         out.extra_state["lr_scheduler"] = materialize(ms0["lr_scheduler"])
     return out
-
-
-def is_deepspeed_checkpoint(path: str) -> bool:
-    if holds_native(path, NATIVE_KEY):
-        return True
-    try:
-        locate(path)
-        return True
-    except Exception:  # detection never raises; reading does
-        return False

@@ -31,17 +31,18 @@ from typing import Any, Callable
 
 from interop.lazy_import import torch
 
-from interop.commit import LATEST_UNIVERSAL, read_tag
+from interop.commit import LATEST_UNIVERSAL
 from interop.manifest import MANIFEST
 from interop.verify import open_checkpoint
 from interop.sharding import ShardingMetadata, Strategy
-from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError, UnknownFormatError
+from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.paths import inside, plain_name
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from .deepspeed import ZERO3_MODEL_FILE, ZERO12_MODEL_FILE, _shape, frozen_and_buffers, load_ds_file, precision_of_config, to_logical
+from .detection import DS_UNIVERSAL_OPTIMIZER_STATE, DS_UNIVERSAL_ZERO_DIR, is_ds_universal, locate_ds_universal as locate  # noqa: F401
 from .engine_checkpoint import Written, at_once, native_dir, write_engine_checkpoint
 from .deepspeed_writer import _group_scalars, deepspeed_version, model_states, shapes
 from .param_order import engine_order
@@ -52,37 +53,12 @@ log = logging.getLogger(__name__)
 
 LATEST = LATEST_UNIVERSAL
 NATIVE_KEY = "ds_universal"  # the native component of our checkpoint around a universal tag directory
-ZERO_DIR = "zero"
-OPTIMIZER_STATE = "optimizer_state.pt"
+ZERO_DIR, OPTIMIZER_STATE = DS_UNIVERSAL_ZERO_DIR, DS_UNIVERSAL_OPTIMIZER_STATE
 PARAM = "param"  # DeepSpeed's key for the tensor in a universal state file
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 # --- where the files are ------------------------------------------------------------------------------------
-def locate(path: str) -> str:
-    """The universal tag directory, from itself or from a root whose ``latest_universal`` names it."""
-    if not os.path.isdir(path):
-        raise MissingFileError(path, "no such directory")
-    if os.path.isdir(os.path.join(path, ZERO_DIR)):
-        return path
-    latest = os.path.join(path, LATEST)
-    tag = read_tag(latest, f"'{LATEST}' file")
-    if tag is not None:
-        target = inside(path, tag, latest)
-        if not os.path.isdir(os.path.join(target, ZERO_DIR)):
-            raise MissingFileError(os.path.join(target, ZERO_DIR), f"named by {latest} but missing (a stale '{LATEST}'?)")
-        return target
-    raise UnknownFormatError(path, f"no DeepSpeed universal checkpoint here (no '{ZERO_DIR}/' and no '{LATEST}')")
-
-
-def is_ds_universal(path: str) -> bool:
-    try:
-        tag_dir = locate(path)
-    except Exception:  # detection never raises; reading does
-        return False
-    return os.path.isfile(os.path.join(tag_dir, ZERO_DIR, OPTIMIZER_STATE))
-
-
 @dataclass
 class UniversalFiles:
     tag_dir: str
@@ -333,4 +309,3 @@ def _model_states(
         frozen_fragments=OrderedDict((n, kept[n]) for n in order.frozen),
         step=step, ds_config=ds_config, world=int(ckpt.source.get("world_size") or 1), version=version,
     )
-

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
 from interop.written_digests import digesting_as_written
-from interop.commit import fsync_path, resolve_checkpoint_dir, staged_output, write_manifest
+from interop.commit import fsync_path, staged_output, write_manifest
 from interop.errors import ConversionError, UnknownFormatError
 from interop.logical import ComponentSource, LogicalCheckpoint
 from interop.pieces import read_piece
-from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions, read_manifest
+from interop.manifest import CHECKPOINT_FORMAT, MANIFEST, NATIVE_TOP, ComponentRecord, FileRecord, Manifest, now_iso, producer_versions
 from interop.sharding import ShardingMetadata
 from interop.planner import pieces_for
 from interop.state import ComponentSpec, SharingPattern, WorldSizePolicy
@@ -27,36 +27,12 @@ from interop.topology import Topology
 from interop.universal import copy_components
 from interop.verify import open_checkpoint, tree_records
 
+from .detection import committed_manifest, holds_component, holds_native  # noqa: F401 - theirs, for the readers
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RNG = "rng"  # the per-rank generators' component, in every format that keeps them
-
-
-def committed_manifest(path: str) -> Manifest | None:
-    """The manifest of the interop checkpoint at ``path`` (or its ``latest``), or None: for detection, which
-    never raises (reading does)."""
-    try:
-        directory = resolve_checkpoint_dir(path)
-        if not os.path.isfile(os.path.join(directory, MANIFEST)):
-            return None
-        return read_manifest(directory)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def holds_component(path: str, key: str, native: bool | None = None) -> bool:
-    """Whether ``path`` is one of our committed checkpoints (or its root) with component ``key`` (native or not,
-    when asked): detected by its manifest, so a damaged engine directory is reported by the reader, not as
-    'unknown'."""
-    manifest = committed_manifest(path)
-    record = manifest.components.get(key) if manifest is not None and manifest.format == CHECKPOINT_FORMAT else None
-    return record is not None and (native is None or record.native == native)
-
-
-def holds_native(path: str, key: str) -> bool:
-    """Whether ``path`` is one of our checkpoints (or its root) around the engine's own ``key/`` directory."""
-    return holds_component(path, key, native=True)
 
 
 def native_dir(directory: str, manifest: Manifest, key: str) -> str:

@@ -21,16 +21,12 @@ from interop.spread import spread_output
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
 from .models.facts import stored_names, tied_groups, unknown_model
+from .detection import HF_CONFIG, HF_WEIGHT_FILES, is_hf_dir  # noqa: F401
 from .pickle_safety import load_torch_file
 
 log = logging.getLogger(__name__)
 
-CONFIG = "config.json"
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, CONFIG)) and any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES)
+CONFIG, _WEIGHT_FILES = HF_CONFIG, HF_WEIGHT_FILES
 
 
 def read_config(path: str) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from dataclasses import replace
 from typing import Any
 
 
-from interop.commit import resolve_checkpoint_dir
 from interop.errors import ConfigurationError, ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint
 from interop.manifest import Manifest
@@ -38,34 +37,16 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, write_sharded
 
 from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
-from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, holds_native, write_engine_checkpoint
+from .detection import HF_TRAINER_KEY, TRAINER_STATE, is_hf_trainer_checkpoint, locate_hf_trainer as locate  # noqa: F401
+from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .models.facts import in_module_names, in_stored_names, tied_groups
 from .models.adapters import ADAPTER_CONFIG, has_peft_names, in_peft_names, write_adapter_files
 from .param_order import EngineOrder, engine_order
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
-NATIVE_KEY = "hf_trainer"  # our trainer's native component: a transformers Trainer checkpoint directory
-OPTIM_PT, SCHEDULER_PT, TRAINER_STATE, RNG_PT = "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"
+NATIVE_KEY = HF_TRAINER_KEY  # our trainer's native component: a transformers Trainer checkpoint directory
+OPTIM_PT, SCHEDULER_PT, RNG_PT = "optimizer.pt", "scheduler.pt", "rng_state.pth"
 TRAINER_STATE_KEY = "hf_trainer_state"  # a Trainer source's trainer_state.json, carried to a Trainer target
-
-
-def locate(path: str) -> str:
-    """The Trainer checkpoint directory: ``path`` itself, or our trainer's checkpoint around it (or its root)."""
-    directory = resolve_checkpoint_dir(path)
-    nested = os.path.join(directory, NATIVE_KEY)
-    return nested if os.path.isfile(os.path.join(nested, TRAINER_STATE)) else directory
-
-
-def is_hf_trainer_checkpoint(path: str) -> bool:
-    if holds_native(path, NATIVE_KEY):
-        return True
-    try:
-        directory = locate(path)
-    except Exception:  # detection never raises
-        return False
-    # a peft model's Trainer checkpoint holds Trainer.save_model's adapter directory instead of the model
-    return os.path.isfile(os.path.join(directory, TRAINER_STATE)) and (
-        os.path.isfile(os.path.join(directory, "config.json")) or os.path.isfile(os.path.join(directory, ADAPTER_CONFIG)))
 
 
 def screen_trainer_checkpoint(directory: str, trust_pickle: bool = False) -> None:

@@ -18,22 +18,10 @@ from interop.pieces import read_piece
 from interop.universal import split_optimizer_state
 from interop.verify import open_checkpoint
 
-from .engine_checkpoint import committed_manifest
+from .detection import INTEROP_MODEL as MODEL, INTEROP_STRATEGIES as STRATEGIES, is_interop_checkpoint  # noqa: F401
 from .models.facts import tied_groups
 
-MODEL, OPTIMIZER = "model", "optimizer"
-STRATEGIES = ("single", "ddp")
-
-
-def is_interop_checkpoint(path: str) -> bool:
-    m = committed_manifest(path)
-    return (
-        m is not None
-        and m.format == CHECKPOINT_FORMAT
-        and (m.sharding or {}).get("strategy", "single") in STRATEGIES
-        and MODEL in m.components
-        and not m.components[MODEL].native
-    )
+OPTIMIZER = "optimizer"
 
 
 def _global_piece(directory: str, manifest: Manifest, key: str) -> str:

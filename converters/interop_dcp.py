@@ -20,16 +20,13 @@ from interop.universal import scalar_value, split_optimizer_state
 from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
-from .engine_checkpoint import carried_components, holds_native, native_dir, write_engine_checkpoint
+from .detection import INTEROP_DCP_KEY, is_interop_dcp  # noqa: F401
+from .engine_checkpoint import carried_components, native_dir, write_engine_checkpoint
 from .models.facts import tied_groups
 from .param_order import EngineOrder, engine_order
 
-NATIVE_KEY = "dcp"
+NATIVE_KEY = INTEROP_DCP_KEY
 STATE, GROUPS = "state.", "param_groups."
-
-
-def is_interop_dcp(path: str) -> bool:
-    return holds_native(path, NATIVE_KEY)
 
 
 # --- reading ------------------------------------------------------------------------------------------------

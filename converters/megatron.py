@@ -36,6 +36,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, zeros
 from interop.universal import scalar_entry, scalar_value
 
+from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, rules,
@@ -56,8 +57,7 @@ log = logging.getLogger(__name__)
 
 TRACKER = MEGATRON_TRACKER
 NATIVE_KEY = "megatron"  # the native component of our checkpoint around an iteration directory
-FILE = "model_optim_rng.pt"
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+FILE = MEGATRON_FILE
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 CHECKPOINT_VERSION = 3.0
 SCHEDULER = "opt_param_scheduler"  # Megatron's OptimizerParamScheduler state, carried as it is
@@ -130,19 +130,6 @@ def _read_tracker(root: str) -> str:
     if name is None:
         raise MissingFileError(os.path.join(root, TRACKER), "missing: Megatron-LM's tracker names the iteration")
     return name
-
-
-def _is_iteration_dir(path: str) -> bool:
-    try:
-        return any(RANK_DIR.match(d) and os.path.isfile(os.path.join(path, d, FILE)) for d in os.listdir(path))
-    except OSError:
-        return False
-
-
-def is_megatron_legacy(path: str) -> bool:
-    if os.path.isfile(os.path.join(path, TRACKER)):
-        return True
-    return _is_iteration_dir(path)
 
 
 def _rank_dir(t: int, p: int, e: int, named: tuple[bool, bool]) -> str:

@@ -30,11 +30,10 @@ from typing import Any, Callable
 
 from interop.lazy_import import torch
 
-from interop.commit import durable_write, read_iteration_tracker
+from interop.commit import durable_write
 from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.jsonio import read_json
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
@@ -52,10 +51,10 @@ from .pickle_safety import numpy_allowlist
 from .torch_zip import as_torch, is_tensor, materialize
 from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index
 from .megatron_pieces import RankPieces, fused_dtype
+from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
@@ -84,31 +83,6 @@ def stacked_name(megatron: str) -> str:
 
 
 # --- where a checkpoint is ----------------------------------------------------------------------------------
-def _backend(directory: str) -> dict[str, Any] | None:
-    path = os.path.join(directory, METADATA_JSON)
-    if not os.path.isfile(path):
-        return None
-    return read_json(path, METADATA_JSON)
-
-
-def locate(path: str) -> str:
-    """The torch_dist directory: ``path`` itself, or the iteration ``latest_checkpointed_iteration.txt`` names."""
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker) and not os.path.isfile(os.path.join(path, METADATA_JSON)):
-        path = os.path.join(path, read_iteration_tracker(path) or "")
-        if not os.path.isdir(path):
-            raise MissingFileError(path, f"missing: {tracker} names it as the latest checkpoint")
-    return path
-
-
-def is_megatron_dist(path: str) -> bool:
-    try:
-        backend = _backend(locate(path))
-    except Exception:  # detection never raises; reading does
-        return False
-    return bool(backend) and backend.get("sharded_backend") == "torch_dist"
-
-
 # --- reading ------------------------------------------------------------------------------------------------
 def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bool = True) -> LogicalCheckpoint:
     directory = locate(path)
@@ -506,7 +480,6 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     write_engine_checkpoint(ckpt, dst, NATIVE_KEY, write_files, sharding, {"megatron": "torch_dist"},
                             {"class": opt.cls} if opt is not None else None, overwrite, frozenset({SCHEDULER, PADDING, RNG}))
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
-
 
 
 def _stored_key(rule: Rule, transformer_impl: str) -> str:

@@ -17,8 +17,11 @@ from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-# The converter modules, imported when first used: a conversion imports its source's reader, its target's writer
-# and the detectors tried before its source's, not every format's (start-up is a tenth of a 1 GiB conversion).
+from . import detection
+
+# The converter modules, imported when first used: a conversion imports its source's reader and its target's writer,
+# not every format's (start-up is a tenth of a 1 GiB conversion); detection asks converters.detection, which
+# imports none of them.
 accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist, deepspeed_moe = (
     LazyModule(f"converters.{m}") for m in ("accelerate", "dcp", "deepspeed", "ds_universal", "hf", "hf_trainer", "interop_ckpt",
                                        "interop_dcp", "megatron", "megatron_dist", "deepspeed_moe"))
@@ -198,7 +201,7 @@ register(
     Format(
         "interop",
         "checkpoint saved by an interop trainer (single process or DDP)",
-        lambda p: interop_ckpt.is_interop_checkpoint(p),
+        detection.is_interop_checkpoint,
         lambda p, o: interop_ckpt.read_interop_checkpoint(p, o.verify_digests),
         module_names=True,  # the trainer's model component is the module's state dict (a MoE's fused experts)
         holds_adapters=True,
@@ -208,7 +211,7 @@ register(
     Format(
         "interop-dcp",
         "checkpoint of the interop Megatron-style trainer (DTensor TP x pipelining): model and optimizer as DCP, any layout",
-        lambda p: interop_dcp.is_interop_dcp(p),
+        detection.is_interop_dcp,
         lambda p, o: interop_dcp.read_interop_dcp(p, o.verify_digests),
         lambda c, d, o: interop_dcp.write_interop_dcp(c, d, o.overwrite),
         loads_with='python -m trainers.megatron --resume {dst}',
@@ -255,7 +258,7 @@ register(
     Format(
         "deepspeed",
         "DeepSpeed ZeRO-1/2/3 checkpoint (DeepSpeed's own, accelerate's, or an interop DeepSpeed trainer's)",
-        lambda p: deepspeed.is_deepspeed_checkpoint(p),
+        detection.is_deepspeed_checkpoint,
         lambda p, o: deepspeed.read_deepspeed(p, o.trust_pickle, o.verify_digests, o.config),
         _write_deepspeed,
         loads_with="engine.load_checkpoint('{dst}')",
@@ -272,7 +275,7 @@ register(
     Format(
         "ds-universal",
         "DeepSpeed universal checkpoint (ds_to_universal's layout; load_universal loads it on any stage and world size)",
-        lambda p: ds_universal.is_ds_universal(p),
+        detection.is_ds_universal,
         lambda p, o: ds_universal.read_ds_universal(p, o.trust_pickle, o.verify_digests),
         _write_ds_universal,
         loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
@@ -290,7 +293,7 @@ register(
     Format(
         "accelerate",
         "Accelerate save_state directory, DDP (model.safetensors + optimizer.bin) or FSDP2 (DCP directories)",
-        lambda p: accelerate.is_accelerate_checkpoint(p),
+        detection.is_accelerate_checkpoint,
         lambda p, o: accelerate.read_accelerate(p, o.trust_pickle, o.verify_digests, o.config),
         _write_accelerate,
         loads_with="accelerator.load_state('{dst}')",
@@ -323,7 +326,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
     Format(
         "megatron-dist",
         "Megatron torch_dist checkpoint (metadata.json, common.pt, DCP data with stacked layers); loads at any TP x PP",
-        lambda p: megatron_dist.is_megatron_dist(p),
+        detection.is_megatron_dist,
         lambda p, o: megatron_dist.read_megatron_dist(p, o.trust_pickle, o.verify_digests),
         _write_megatron_dist,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist (--use-distributed-optimizer exactly when converted with it)',
@@ -334,7 +337,7 @@ register(
     Format(
         "dcp",
         "torch.distributed.checkpoint directory (.metadata + .distcp files), e.g. torchtitan's or dcp.save's",
-        lambda p: dcp.is_dcp_dir(p),
+        detection.is_dcp_dir,
         lambda p, o: dcp.read_dcp_checkpoint(p, o.verify_digests),
         lambda c, d, o: dcp.write_dcp_checkpoint(c, d, o.overwrite),
         loads_with="torch.distributed.checkpoint.load(state_dict, checkpoint_id='{dst}')",
@@ -358,7 +361,7 @@ register(
     Format(
         "megatron",
         "Megatron-LM legacy checkpoint (latest_checkpointed_iteration.txt, iter_*/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt)",
-        lambda p: megatron.is_megatron_legacy(p),
+        detection.is_megatron_legacy,
         lambda p, o: megatron.read_megatron(p, o.trust_pickle, o.verify_digests, o.config),
         _write_megatron,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch (--use-distributed-optimizer exactly when converted with it)',
@@ -387,7 +390,7 @@ register(  # before "hf": a Trainer checkpoint directory is also a model directo
     Format(
         "hf-trainer",
         "transformers Trainer checkpoint (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json)",
-        lambda p: hf_trainer.is_hf_trainer_checkpoint(p),
+        detection.is_hf_trainer_checkpoint,
         lambda p, o: hf_trainer.read_hf_trainer(p, o.trust_pickle, o.verify_digests, o.extra.get("base_model")),
         lambda c, d, o: hf_trainer.write_hf_trainer(c, d, o.overwrite),
         loads_with="Trainer(...).train(resume_from_checkpoint='{dst}')",
@@ -398,7 +401,7 @@ register(
     Format(
         "hf",
         "Hugging Face model directory (config.json + safetensors or pytorch_model.bin)",
-        lambda p: hf.is_hf_dir(p),
+        detection.is_hf_dir,
         lambda p, o: hf.read_hf(p, o.trust_pickle),
         lambda c, d, o: hf.write_hf(with_dtype(c, o.extra.get("dtype")), d, o.overwrite, o.max_shard_size, o.progress, o.spread),
         spreads=True,
