@@ -30,7 +30,7 @@ from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
 from .output_files import copy_at, pwrite_all, start_writeback
-from .safetensors_io import TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
+from .safetensors_io import FETCH_AHEAD_BYTES, TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
 from .tensors import sub_pieces
 
 log = logging.getLogger(__name__)
@@ -221,42 +221,25 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
 def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries: dict[tuple[str, str], TensorEntry],
                  spans_of: dict[tuple[str, str], int], hashed: bool, on_tensor) -> dict[tuple[str, str], str]:
     """This rank's spans, each file fsynced; the digests of the tensors it wrote whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .hashed_writes import fetched_ahead
+
     fds: dict[str, int] = {}
     sources: dict[str, int] = {}  # mapped source files copied from, open
     done: dict[tuple[str, str], str] = {}
+
+    def fetch(span: Span) -> list | None:  # a tensor's pieces (its source checked), on the pool, ahead of its write
+        return fetch_pieces(entries[(span.rel, span.tensor)]) if span.tensor is not None else None
+
+    def size(span: Span) -> int:
+        return entries[(span.rel, span.tensor)].spec.nbytes if span.tensor is not None else 0
+
     try:
-        for span in spans:
-            path = os.path.join(out, span.rel)
-            if span.rel not in fds:
-                fds[span.rel] = os.open(path, os.O_WRONLY)
-            fd = fds[span.rel]
-            try:
-                if span.tensor is None:
-                    pwrite_all(fd, memoryview(headers[span.rel])[span.start:span.start + span.length], span.offset)
-                    continue
-                key = (span.rel, span.tensor)
-                entry = entries[key]
-                pieces = fetch_pieces(entry)
-                try:
-                    at = span.offset
-                    for piece in sub_pieces(pieces, span.start, span.start + span.length):
-                        copied = copy_at(fd, at, piece, sources)  # a mapped source's range, file to file
-                        if copied is None:
-                            pwrite_all(fd, piece.data, at)
-                        at += piece.data.nbytes
-                    start_writeback(fd, span.offset, span.length)
-                    if spans_of[key] == 1:
-                        if hashed:
-                            done[key] = digests.label(digests.ALGO, hash_pieces(pieces).hex())
-                        if on_tensor is not None:
-                            on_tensor(entry)
-                finally:
-                    for p in pieces:
-                        if p.release is not None:
-                            p.release()  # out of this process's memory, still in the page cache
-                    del pieces
-            except OSError as exc:
-                raise OutputWriteError.of(path, exc) from None
+        with ThreadPoolExecutor(1, thread_name_prefix="spans") as pool, \
+                contextlib.closing(fetched_ahead(spans, fetch, pool, size, FETCH_AHEAD_BYTES)) as fetched:
+            for span, pieces in zip(spans, fetched):
+                _write_span(out, span, pieces, fds, sources, headers, entries, spans_of, hashed, on_tensor, done)
         for rel, fd in fds.items():
             try:
                 os.fsync(fd)
@@ -266,6 +249,42 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
         for fd in (*fds.values(), *sources.values()):
             os.close(fd)
     return done
+
+
+def _write_span(out: str, span: Span, pieces: list | None, fds: dict[str, int], sources: dict[str, int], headers: dict[str, bytes],
+                entries: dict[tuple[str, str], TensorEntry], spans_of: dict[tuple[str, str], int], hashed: bool, on_tensor,
+                done: dict[tuple[str, str], str]) -> None:
+    """One span written from its fetched ``pieces`` (a header's bytes where it has none), its pieces let go after."""
+    path = os.path.join(out, span.rel)
+    if span.rel not in fds:
+        fds[span.rel] = os.open(path, os.O_WRONLY)
+    fd = fds[span.rel]
+    try:
+        if span.tensor is None:
+            pwrite_all(fd, memoryview(headers[span.rel])[span.start:span.start + span.length], span.offset)
+            return
+        key = (span.rel, span.tensor)
+        entry = entries[key]
+        try:
+            at = span.offset
+            for piece in sub_pieces(pieces, span.start, span.start + span.length):
+                copied = copy_at(fd, at, piece, sources)  # a mapped source's range, file to file
+                if copied is None:
+                    pwrite_all(fd, piece.data, at)
+                at += piece.data.nbytes
+            start_writeback(fd, span.offset, span.length)
+            if spans_of[key] == 1:
+                if hashed:
+                    done[key] = digests.label(digests.ALGO, hash_pieces(pieces).hex())
+                if on_tensor is not None:
+                    on_tensor(entry)
+        finally:
+            for p in pieces:
+                if p.release is not None:
+                    p.release()  # out of this process's memory, still in the page cache
+            del pieces
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
 
 
 def _hash_range(path: str, offset: int, length: int) -> str:

@@ -243,3 +243,36 @@ def test_spread_writer_matches_one_process_with_split_and_empty_tensors(tmp_path
             assert (results[r][rel].digest, results[r][rel].tensor_digests) == (written.digest, written.tensor_digests)
     # from a mapped file every tensor byte went file to file, alone and spread over the ranks
     assert sum(copied) - copied_alone == copied_alone == (sum(t.nbytes for t in tensors.values()) if source == "mapped" else 0)
+
+
+def test_a_rank_fetches_the_tensors_after_the_one_it_writes_up_to_the_limit(tmp_path, monkeypatch):
+    """A rank's spans are written as one process writes a file: the tensors after the one being written are fetched
+    (their source bytes checked) meanwhile while those under way hold less than FETCH_AHEAD_BYTES, never more; the
+    file is the single-process writer's."""
+    import time
+
+    from interop import spread
+    from interop.safetensors_io import TensorEntry, write_safetensors
+
+    tensors = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 1 MiB each
+    tensors["big"] = torch.ones(1024, 1024 * 4)  # 16 MiB, then two more small ones
+    tensors.update({f"u{i}": torch.full((256, 1024), -float(i)) for i in range(2)})
+    names = list(tensors)
+    entries = [TensorEntry(n, LazyTensor.of(t).spec, lambda t=t: t) for n, t in tensors.items()]
+    reference = write_safetensors(tmp_path / "one.safetensors", entries, {"format": "pt"})
+    head = header_bytes(entries, {"format": "pt"})
+    layout = FileLayout("spans.safetensors", len(head), tuple((e.name, e.spec.nbytes) for e in entries))
+    (tmp_path / "spans.safetensors").write_bytes(b"\0" * layout.size)
+    spans = plan_spans([layout], 1)[0]  # one rank: every span of the file, header first
+    monkeypatch.setattr(spread, "FETCH_AHEAD_BYTES", 4 << 20)
+    written, ahead = [], {}
+    real = spread.fetch_pieces
+    monkeypatch.setattr(spread, "fetch_pieces", lambda e: (ahead.__setitem__(e.name, names.index(e.name) - len(written)), real(e))[1])
+    done = spread._write_spans(str(tmp_path), spans, {layout.rel: head}, {(layout.rel, e.name): e for e in entries},
+                               {(layout.rel, e.name): 1 for e in entries}, True,
+                               lambda e: (time.sleep(0.05), written.append(e.name)))  # a slow writer: the fetches get ahead
+    assert max(ahead.values()) == 4  # 1 MiB each, under way while less than 4 MiB is: four after the one being written
+    assert ahead["u0"] == 1 and ahead["u1"] <= 2  # behind the 16 MiB tensor, nothing else was fetched
+    assert written == names
+    assert (tmp_path / "spans.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+    assert [done[(layout.rel, n)] for n in names] == [reference.tensor_digests[n] for n in names]
