@@ -38,7 +38,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
-from .detection import (ACCELERATE_KEY, BIN_MODEL, MODEL_DCP, OPTIM_BIN, OPTIM_DCP, RANDOM_STATES, SAFE_MODEL, SCHEDULER_BIN,  # noqa: F401
+from .detection import (ACCELERATE_KEY, BIN_MODEL, MODEL_DCP, RANDOM_STATES, SAFE_MODEL,  # noqa: F401
                         is_accelerate_checkpoint, locate_accelerate as locate)
 from .engine_checkpoint import carried_components, component_state, owning_checkpoint, RNG, rank_rng_states, write_engine_checkpoint
 from .models.adapters import has_peft_names, peft_model_near
@@ -51,6 +51,7 @@ from .torch_zip import materialize
 log = logging.getLogger(__name__)
 
 NATIVE_KEY = ACCELERATE_KEY  # our trainer's native component: accelerate's save_state directory
+OPTIM_DCP, OPTIM_BIN, SCHEDULER_BIN = "optimizer_0", "optimizer.bin", "scheduler.bin"
 CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 SCHEDULER = "scheduler"
 

@@ -14,10 +14,10 @@ from typing import Callable
 
 import os
 
-if __name__ == "__main__":  # python -m converters.cli: the console script's run (the source's digests start before
-    from converters.console import run  # anything below is imported; a bad setting read at import is one line), which
+if __name__ == "__main__":  # python -m converters.cli is the console script: its run() digests the source before the
+    from converters.console import run  # imports below, reports a bad setting they read in one line, imports this
 
-    run()  # imports this module as converters.cli and never returns
+    run()  # module as converters.cli and exits
 
 from interop import __version__, ranged
 from interop.commit import check_destination, destination_lock, resolve_checkpoint_dir

@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+from interop.errors import ConfigurationError  # (torch-free: os only)
+
 
 _PATH_OPTIONS = ("--config", "--adapter-config", "--adapter", "--base-model", "--deepspeed-config")
 
@@ -140,11 +142,7 @@ def run() -> None:
     except KeyboardInterrupt:  # before main's own handler was reached: nothing was started
         print("interop: interrupted; nothing was written", file=sys.stderr)
         code = 130
-    except ValueError as exc:  # a setting read at import (INTEROP_DIGEST): one line, as main's own errors are
-        from interop.errors import ConfigurationError
-
-        if not isinstance(exc, ConfigurationError):
-            raise
+    except ConfigurationError as exc:  # a setting read at import (INTEROP_DIGEST): one line, as main's own errors are
         print(f"interop: error: {exc}", file=sys.stderr)
         code = 2
     if _PENDING:  # Ctrl-C came during torch's import and the command ended before it could be sent again: it

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 from interop.commit import LATEST_UNIVERSAL, MEGATRON_TRACKER, read_iteration_tracker, read_tag, resolve_checkpoint_dir
 from interop.errors import MissingFileError, UnknownFormatError
@@ -49,6 +49,17 @@ def holds_component(path: str, key: str, native: bool | None = None) -> bool:
 def holds_native(path: str, key: str) -> bool:
     """Whether ``path`` is one of our checkpoints (or its root) around the engine's own ``key/`` directory."""
     return holds_component(path, key, native=True)
+
+
+def _ours_or_located(path: str, key: str, locate: Callable[[str], Any]) -> bool:
+    """Whether ``path`` is one of our checkpoints around the engine's ``key`` files, or ``locate`` finds them."""
+    if holds_native(path, key):
+        return True
+    try:
+        locate(path)
+        return True
+    except Exception:  # noqa: BLE001 - detection never raises; reading does
+        return False
 
 
 def is_interop_checkpoint(path: str) -> bool:
@@ -98,13 +109,7 @@ def locate_deepspeed(path: str) -> str:
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
-    if holds_native(path, DEEPSPEED_KEY):
-        return True
-    try:
-        locate_deepspeed(path)
-        return True
-    except Exception:  # detection never raises; reading does
-        return False
+    return _ours_or_located(path, DEEPSPEED_KEY, locate_deepspeed)
 
 
 DS_UNIVERSAL_ZERO_DIR = "zero"
@@ -137,8 +142,7 @@ def is_ds_universal(path: str) -> bool:
 
 # --- Accelerate ------------------------------------------------------------------------------------------------
 ACCELERATE_KEY = "accelerate"  # our trainer's native component: accelerate's save_state directory
-MODEL_DCP, OPTIM_DCP = "pytorch_model_fsdp_0", "optimizer_0"
-SAFE_MODEL, BIN_MODEL, OPTIM_BIN, SCHEDULER_BIN = "model.safetensors", "pytorch_model.bin", "optimizer.bin", "scheduler.bin"
+MODEL_DCP, SAFE_MODEL, BIN_MODEL = "pytorch_model_fsdp_0", "model.safetensors", "pytorch_model.bin"
 RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")
 
 
@@ -164,13 +168,7 @@ def locate_accelerate(path: str) -> str:
 
 
 def is_accelerate_checkpoint(path: str) -> bool:
-    if holds_native(path, ACCELERATE_KEY):
-        return True
-    try:
-        locate_accelerate(path)
-        return True
-    except Exception:  # noqa: BLE001 - detection never raises
-        return False
+    return _ours_or_located(path, ACCELERATE_KEY, locate_accelerate)
 
 
 # --- Megatron --------------------------------------------------------------------------------------------------

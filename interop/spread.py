@@ -220,7 +220,8 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
 
 def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries: dict[tuple[str, str], TensorEntry],
                  spans_of: dict[tuple[str, str], int], hashed: bool, on_tensor) -> dict[tuple[str, str], str]:
-    """This rank's spans, each file fsynced; the digests of the tensors it wrote whole."""
+    """This rank's spans, each file fsynced; the digests of the tensors it wrote whole. The tensors after the one
+    being written are fetched (their source bytes checked) meanwhile, as one process's safetensors writer does."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .hashed_writes import fetched_ahead
@@ -229,42 +230,25 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
     sources: dict[str, int] = {}  # mapped source files copied from, open
     done: dict[tuple[str, str], str] = {}
 
-    def fetch(span: Span) -> list | None:  # a tensor's pieces (its source checked), on the pool, ahead of its write
-        return fetch_pieces(entries[(span.rel, span.tensor)]) if span.tensor is not None else None
+    def fetch(span: Span) -> list | None:  # on the pool: a tensor's pieces, None for a header's span
+        if span.tensor is None:
+            return None
+        try:
+            return fetch_pieces(entries[(span.rel, span.tensor)])
+        except OSError as exc:
+            raise OutputWriteError.of(os.path.join(out, span.rel), exc) from None
 
     def size(span: Span) -> int:
         return entries[(span.rel, span.tensor)].spec.nbytes if span.tensor is not None else 0
 
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="spans") as pool, \
-                contextlib.closing(fetched_ahead(spans, fetch, pool, size, FETCH_AHEAD_BYTES)) as fetched:
-            for span, pieces in zip(spans, fetched):
-                _write_span(out, span, pieces, fds, sources, headers, entries, spans_of, hashed, on_tensor, done)
-        for rel, fd in fds.items():
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                raise OutputWriteError.of(os.path.join(out, rel), exc) from None
-    finally:
-        for fd in (*fds.values(), *sources.values()):
-            os.close(fd)
-    return done
-
-
-def _write_span(out: str, span: Span, pieces: list | None, fds: dict[str, int], sources: dict[str, int], headers: dict[str, bytes],
-                entries: dict[tuple[str, str], TensorEntry], spans_of: dict[tuple[str, str], int], hashed: bool, on_tensor,
-                done: dict[tuple[str, str], str]) -> None:
-    """One span written from its fetched ``pieces`` (a header's bytes where it has none), its pieces let go after."""
-    path = os.path.join(out, span.rel)
-    if span.rel not in fds:
-        fds[span.rel] = os.open(path, os.O_WRONLY)
-    fd = fds[span.rel]
-    try:
-        if span.tensor is None:
+    def write(span: Span, pieces: list | None) -> None:
+        if span.rel not in fds:
+            fds[span.rel] = os.open(os.path.join(out, span.rel), os.O_WRONLY)
+        fd = fds[span.rel]
+        if pieces is None:
             pwrite_all(fd, memoryview(headers[span.rel])[span.start:span.start + span.length], span.offset)
             return
         key = (span.rel, span.tensor)
-        entry = entries[key]
         try:
             at = span.offset
             for piece in sub_pieces(pieces, span.start, span.start + span.length):
@@ -277,14 +261,30 @@ def _write_span(out: str, span: Span, pieces: list | None, fds: dict[str, int], 
                 if hashed:
                     done[key] = digests.label(digests.ALGO, hash_pieces(pieces).hex())
                 if on_tensor is not None:
-                    on_tensor(entry)
+                    on_tensor(entries[key])
         finally:
             for p in pieces:
                 if p.release is not None:
                     p.release()  # out of this process's memory, still in the page cache
-            del pieces
-    except OSError as exc:
-        raise OutputWriteError.of(path, exc) from None
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="spans") as pool, \
+                contextlib.closing(fetched_ahead(spans, fetch, pool, size, FETCH_AHEAD_BYTES)) as fetched:
+            for span, pieces in zip(spans, fetched):
+                try:
+                    write(span, pieces)
+                except OSError as exc:
+                    raise OutputWriteError.of(os.path.join(out, span.rel), exc) from None
+                del pieces
+        for rel, fd in fds.items():
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise OutputWriteError.of(os.path.join(out, rel), exc) from None
+    finally:
+        for fd in (*fds.values(), *sources.values()):
+            os.close(fd)
+    return done
 
 
 def _hash_range(path: str, offset: int, length: int) -> str:
