@@ -33,7 +33,7 @@ from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
-from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, zeros
+from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, sub_pieces, zeros
 from interop.universal import scalar_entry, scalar_value
 
 from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
@@ -296,9 +296,12 @@ _JOIN_BELOW = 1 << 16  # runs shorter than this on average are copied into one b
 
 
 def _gather_rows(plan: RowPlan, whole: dict[int, Piece], row_bytes: int) -> memoryview:
-    """The plan's rows, one after another, copied out of each piece's bytes (numpy, no torch): a piece whose rows
-    land evenly spaced (a column split: every TP-th row) is copied in one strided assignment."""
+    """The plan's rows, one after another (numpy, no torch): each piece's rows read from its file (not through its
+    mapping, where a file cut short meanwhile would kill the process with SIGBUS) and put in place, a piece whose
+    rows land evenly spaced (a column split: every TP-th row) in one strided assignment."""
     import numpy as np
+
+    from interop.output_files import read_pieces
 
     out = np.empty((plan.ids.size, row_bytes), np.uint8)
     of_piece = plan.ids // plan.rows
@@ -306,14 +309,16 @@ def _gather_rows(plan: RowPlan, whole: dict[int, Piece], row_bytes: int) -> memo
         at = np.flatnonzero(of_piece == t)
         if not at.size:
             continue
-        source = np.frombuffer(piece.data, np.uint8).reshape(plan.rows, row_bytes)
         local = plan.ids[at] - t * plan.rows
+        lo, hi = int(local.min()), int(local.max()) + 1
+        source = np.empty((hi - lo, row_bytes), np.uint8)
+        read_pieces(sub_pieces([piece], lo * row_bytes, hi * row_bytes), source.reshape(-1).data)
+        local = local - lo
         step = int(at[1] - at[0]) if at.size > 1 else 1
         if np.all(np.diff(at) == step) and np.all(np.diff(local) == 1):
             out[at[0] :: step][: at.size] = source[local[0] : local[0] + at.size]
         else:
             out[at] = source[local]
-        del source
     return out.reshape(-1).data
 
 
@@ -856,7 +861,10 @@ def _nonzero(value: Any) -> bool:
     size = itemsize(value.dtype_name)
     if size not in (1, 2, 4, 8) or not value.is_contiguous():
         return bool(as_torch(value).any())
-    words = np.frombuffer(value.piece().data, dtype=f"<u{size}")
+    from interop.output_files import read_pieces
+
+    words = np.empty(value.numel(), dtype=f"<u{size}")
+    read_pieces([value.piece()], memoryview(words).cast("B"))  # from the file, not its mapping (SIGBUS if cut short)
     if is_floating(value.dtype_name):
         words = words & np.array((1 << (8 * size - 1)) - 1, dtype=words.dtype)  # every bit but the sign
     return bool(words.any())

@@ -188,6 +188,19 @@ class Archive:
                 raise CorruptCheckpointError(self.path, "was truncated while it was read")
             return found[0]
 
+    def read_into(self, lo: int, view: memoryview) -> None:
+        """Fill ``view`` with the file's bytes from ``lo``, read from the file as mapped (not through the mapping:
+        a file cut short meanwhile is an error naming it, where the mapping would kill the process with SIGBUS)."""
+        from interop.output_files import read_run
+
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_ino != self.inode:
+                raise CorruptCheckpointError(self.path, "was replaced while it was read")
+            read_run(fd, view, self.path, lo, len(view))
+        finally:
+            os.close(fd)
+
     def release(self, lo: int, hi: int) -> None:
         from interop.safetensors_io import release_range
 
@@ -284,7 +297,9 @@ class StoredTensor:
             raise ValueError(f"item() of a tensor of {self.numel()} elements")
         lo, hi = self._span()
         self.archive.checked_storage(self.key, lo, hi)
-        value = unpack_scalar(self.archive.mapping()[lo:hi], self.dtype_name)
+        raw = bytearray(hi - lo)
+        self.archive.read_into(lo, memoryview(raw))
+        value = unpack_scalar(raw, self.dtype_name)
         return self.tensor().item() if value is None else value
 
     def tensor(self) -> "torch.Tensor":
@@ -295,12 +310,7 @@ class StoredTensor:
             return torch.empty(self.shape, dtype=dtype)
         self.archive.checked_storage(self.key, lo, hi)
         flat, view = unfilled_bytes(hi - lo)
-        source = memoryview(self.archive.mapping())[lo:hi]  # one copy, into memory nothing filled before
-        try:
-            view[:] = source
-        finally:
-            source.release()
-        self.archive.release(lo, hi)
+        self.archive.read_into(lo, view)  # one copy, into memory nothing filled before
         return flat.view(dtype).as_strided(self.shape, self.stride, 0)
 
 

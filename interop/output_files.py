@@ -108,7 +108,7 @@ class BufferedFile:
             buffer = self._read_buffer()
             with memoryview(buffer) as view:
                 run = view[:min(len(buffer), n - done)]
-                _read_run(fd, run, path, offset + done, n - done)
+                read_run(fd, run, path, offset + done, n - done)
                 self._f.write(run)
                 self._read.append((buffer, seen(run)))
             done += len(run)
@@ -219,7 +219,7 @@ class DirectFile:
             take = min(CHUNK - self._fill, n - done)
             with memoryview(buffer) as view:
                 run = view[self._fill:self._fill + take]
-                _read_run(fd, run, path, offset + done, n - done)
+                read_run(fd, run, path, offset + done, n - done)
                 if seen is not None:
                     self._hold(seen(run))
             self._filled(take)
@@ -470,7 +470,7 @@ def read_source(fd: int, view: memoryview, offset: int) -> int:
     return digests.read_exactly(fd, view, offset)
 
 
-def _read_run(fd: int, run: memoryview, path: str, offset: int, left: int) -> None:
+def read_run(fd: int, run: memoryview, path: str, offset: int, left: int) -> None:
     """Fill ``run`` with a mapped piece's bytes from its file at ``offset`` (``left`` of the piece's bytes to come):
     a file that ends first was cut short since it was mapped, one error naming it."""
     try:
@@ -479,6 +479,31 @@ def _read_run(fd: int, run: memoryview, path: str, offset: int, left: int) -> No
         raise _unreadable(path, offset, exc) from None
     if got < len(run):
         raise _cut_short(path, left - got)
+
+
+def read_piece(piece: Piece, into: memoryview, sources: dict[str, int]) -> None:
+    """Fill ``into`` (a flat, writable run of ``piece``'s size) with ``piece``'s bytes: read from its file where it
+    is a view of a mapped file (no page faults; a file cut short since it was mapped is an error naming it, where
+    copying from its mapping would kill the process with SIGBUS), else copied from memory."""
+    fd = source_fd(piece, sources)
+    if fd is None:
+        copy_into(into, piece.bytes_view)
+        return
+    path, offset, _ = piece.source
+    read_run(fd, into, path, offset, len(into))
+
+
+def read_pieces(pieces: Iterable[Piece], into: memoryview) -> None:
+    """Fill ``into`` (flat and writable) with ``pieces``' bytes one after another, each as :func:`read_piece` reads
+    it, their files opened and closed here."""
+    with closing_fds({}) as sources:
+        at = 0
+        for piece in pieces:
+            n = piece.data.nbytes
+            read_piece(piece, into[at:at + n], sources)
+            at += n
+    if at != len(into):
+        raise ValueError(f"read_pieces: {at} bytes of pieces for {len(into)}")
 
 
 def hash_piece(h: Any, piece: Piece, sources: dict[str, int], buffer: bytearray) -> None:

@@ -232,7 +232,11 @@ class LazyTensor:
         (no torch), else loaded."""
         pieces = self.mapped_pieces() if self.mapped_pieces is not None and self.digest is None and self.spec.numel == 1 else None
         if pieces:
-            value = unpack_scalar(b"".join(bytes(p.data) for p in pieces), self.spec.dtype_name)
+            from .output_files import read_pieces  # (it imports this module)
+
+            raw = bytearray(sum(p.data.nbytes for p in pieces))
+            read_pieces(pieces, memoryview(raw))  # from their files, not a mapping (SIGBUS if one was cut short)
+            value = unpack_scalar(raw, self.spec.dtype_name)
             if value is not None:
                 return value
         return self.load().item()

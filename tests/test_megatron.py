@@ -776,3 +776,40 @@ def test_torch_dist_streams_fused_layers_from_the_sources_rows(tmp_path, copied)
     again = read_megatron_dist(str(tmp_path / "dist"))
     for name, t in back.model.items():
         assert torch.equal(again.model[name].load(), t.load()), name
+
+
+CUT_SHORT_UNDER_A_READ = """
+import os, sys
+from converters.megatron import read_megatron
+from interop.errors import CorruptCheckpointError
+
+src, cut = sys.argv[1], sys.argv[2]
+ckpt = read_megatron(src)
+layer = "model.layers.0"
+assert ckpt.model[f"{layer}.self_attn.q_proj.weight"].mapped_pieces()  # both TP ranks' files mapped now
+os.truncate(cut, 4096)  # then cut short: their mappings would fault past the cut
+for what, read in [("joined", lambda: ckpt.model[f"{layer}.mlp.down_proj.weight"].mapped_pieces()),
+                   ("loaded", lambda: ckpt.model[f"{layer}.self_attn.o_proj.weight"].load())]:
+    try:
+        read()
+        print(what, "read")
+    except CorruptCheckpointError as exc:
+        print(what, exc)
+"""
+
+
+def test_a_rank_file_cut_short_under_a_read_is_named_not_a_crash(tmp_path):
+    """A column split's rows (joined without torch) and a tensor merged with torch are read from the rank files,
+    not through their mappings: a file cut short after it was mapped is one error naming it, each time. Read from
+    the mappings, the process died of SIGBUS (in a child process here: the signal would take the test run with it)."""
+    make(llama_config()).save_pretrained(tmp_path / "hf")
+    write_megatron(read_hf(str(tmp_path / "hf")), str(tmp_path / "meg"), 2, 2)
+    as_megatron_wrote_it(tmp_path / "meg")  # no manifest: the reader's own reads meet the cut, not a digest check
+    cut = rank_file(tmp_path / "meg", 1, 0, 2)
+    result = subprocess.run([sys.executable, "-c", CUT_SHORT_UNDER_A_READ, str(tmp_path / "meg"), cut],
+                            env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["joined", "loaded"], lines
+    for line in lines:
+        assert line.split(" ", 1)[1].startswith(f"{cut}: ended ") and "bytes early" in line, line
