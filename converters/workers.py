@@ -9,7 +9,6 @@ so that a failure is the failing rank's one line, not a launcher's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,8 @@ def leave() -> None:
 
 
 def _free_port() -> int:
+    import socket  # (3 ms of every conversion's start-up, for --workers only)
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -6,7 +6,6 @@ a failure anywhere becomes the same error everywhere and no rank is left waiting
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -428,6 +427,8 @@ class CheckpointManager:
             reseed = getattr(stateful, "reseed", None)
             if reseed is None:
                 raise ComponentError(f"component {comp.key!r} has policy 'reseed' but its stateful has no reseed()")
+            import hashlib
+
             seed = int.from_bytes(hashlib.sha256(f"{manifest.step}:{rank}".encode()).digest()[:7], "little")
             reseed(seed)
         return action.note or None

@@ -16,7 +16,6 @@ and gets the file's and every tensor's digest together.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import threading
@@ -38,13 +37,19 @@ def _blake3() -> Any:
     return blake3.blake3()
 
 
+def _sha256() -> Any:
+    import hashlib  # (2-5 ms of every start-up that never takes a sha256)
+
+    return hashlib.sha256()
+
+
 def _xxh128() -> Any:
     import xxhash
 
     return xxhash.xxh3_128()
 
 
-_HASHERS: dict[str, Callable[[], Any]] = {"xxh128": _xxh128, "blake3": _blake3, "sha256": hashlib.sha256}
+_HASHERS: dict[str, Callable[[], Any]] = {"xxh128": _xxh128, "blake3": _blake3, "sha256": _sha256}
 _HEX_LENGTH = {"xxh128": 32, "blake3": 64, "sha256": 64}
 
 

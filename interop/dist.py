@@ -7,7 +7,6 @@ here reads a pickle from disk.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable, Mapping, Protocol
 
 from .errors import ComponentError
@@ -85,7 +84,11 @@ def default_collective() -> Collective:
 def node_id() -> str:
     """Which node this process runs on: torchrun's GROUP_RANK (node rank) if set, else the host name."""
     group_rank = os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK")
-    return f"node-rank:{int(group_rank):08d}" if group_rank is not None else f"host:{socket.gethostname()}"
+    if group_rank is not None:
+        return f"node-rank:{int(group_rank):08d}"
+    import socket  # (3 ms of every start-up, for a name only a save without a node rank asks for)
+
+    return f"host:{socket.gethostname()}"
 
 
 def runtime_topology(collective: Collective, process_groups: Callable[[], Mapping[str, Any] | None] | None = None) -> Topology:

@@ -19,7 +19,6 @@ first rank creates the files at their final size and, after all have written, co
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -168,6 +167,8 @@ def write_tensor_files(out: str, files: list[TensorFile], hashed: bool = True,
                 first_rank.setdefault((s.rel, s.tensor), r)
 
     # every rank planned from its own read of the source: the same bytes, or nothing is written
+    import hashlib
+
     fingerprint = hashlib.sha256(repr([(f.rel, f.tensors) for f in layouts]).encode() + b"".join(headers.values())).hexdigest()
 
     def create() -> str:

@@ -220,8 +220,9 @@ def test_installed_versions_are_importlib_metadatas(tmp_path, monkeypatch):
 def test_a_conversion_starts_without_importlib_metadata_or_tqdm_when_no_bar_is_drawn(tmp_path):
     """A built-in command loads no command plugins (looking them up imports importlib.metadata), versions are read
     without it, and with stderr not a terminal (tqdm would draw nothing) tqdm is not imported: 50-70 ms of a
-    conversion's start-up; nor is any other format's converter, though detection asks each format before HF's
-    (34 ms when each detector lived in its format's module). The plugins' commands are still there when asked for."""
+    conversion's start-up; nor socket and hashlib (6 ms: a host name and sha256 digests, needed by few); nor is any
+    other format's converter, though detection asks each format before HF's (34 ms when each detector lived in its
+    format's module). The plugins' commands are still there when asked for."""
     _, src = saved(tmp_path, "llama")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # the first conversion of a model asks transformers about it (importing it and torch), and keeps the answers
@@ -230,7 +231,7 @@ def test_a_conversion_starts_without_importlib_metadata_or_tqdm_when_no_bar_is_d
     others = ("accelerate", "dcp", "deepspeed", "ds_universal", "hf_trainer", "interop_ckpt", "interop_dcp", "megatron",
               "megatron_dist", "diff")
     probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
-             "print(sorted(m for m in ('importlib.metadata', 'tqdm', 'torch') if m in sys.modules)); "
+             "print(sorted(m for m in ('importlib.metadata', 'tqdm', 'torch', 'socket', 'hashlib') if m in sys.modules)); "
              f"print(sorted(m for m in {others!r} if 'converters.' + m in sys.modules)); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", probe, "convert", str(src), str(tmp_path / "uni"), "--to", "universal"],
                           env=env, capture_output=True, text=True, timeout=300)
