@@ -140,8 +140,8 @@ class LazyTensor:
     def flat_slice(self, lo: int, hi: int) -> "LazyTensor":
         """Elements ``lo:hi`` of this tensor flattened, read only when loaded: views of its mapped bytes where it
         has them (copied file to file), else sliced from the loaded tensor. A slice cannot be checked against a
-        digest of the whole, so where this tensor has one, the whole tensor's bytes are checked once (no copy: hashed
-        from the mapping) before any slice's are handed out."""
+        digest of the whole, so where this tensor has one, the whole tensor's bytes are checked once (hashed as read
+        from its files, no torch) before any slice's are handed out."""
         if not 0 <= lo <= hi <= self.spec.numel:
             raise ValueError(f"{self.origin}: elements {lo}:{hi} of {self.spec.describe()}")
         if self.mapped_pieces is None and self.parts is not None:  # the slices of its parts (each checked as a part is)
@@ -155,16 +155,14 @@ class LazyTensor:
             return sub_pieces(whole, lo * size, hi * size)
 
         def load() -> torch.Tensor:
-            """The slice's bytes alone, copied out of the checked mapping; else the whole tensor loaded and sliced."""
+            """The slice's bytes alone, read from the checked files; else the whole tensor loaded and sliced."""
             viewed = pieces() if self.mapped_pieces is not None else None
             if viewed is None:
                 return self.load().reshape(-1)[lo:hi]
+            from .output_files import read_pieces  # (it imports this module)
+
             flat, out = unfilled_bytes((hi - lo) * size)
-            at = 0
-            for p in viewed:
-                data = p.bytes_view
-                out[at : at + len(data)] = data
-                at += len(data)
+            read_pieces(viewed, out)  # from their files, not through a mapping (SIGBUS if one was cut short meanwhile)
             return flat.view(self.spec.dtype)
 
         return LazyTensor(TensorSpec((hi - lo,), dtype_name=self.spec.dtype_name), load, f"{self.origin}[{lo}:{hi}]",
@@ -242,17 +240,19 @@ class LazyTensor:
         return self.load().item()
 
     def bytes_digest(self) -> str:
-        """``tensor_digest`` of this tensor, hashed from its mapped pieces where it has them (no copy, no torch),
-        and checked against the digest its manifest records, as ``load`` checks it."""
+        """``tensor_digest`` of this tensor, hashed from its mapped pieces' files where it has them (no torch), and
+        checked against the digest its manifest records, as ``load`` checks it."""
         pieces = self.mapped_pieces() if self.mapped_pieces is not None else None
         if pieces is None or (self.digest is not None and digests.parse(self.digest, self.origin)[0] != digests.ALGO):
             return tensor_digest(self.load())
-        h = digests.hasher()
-        for piece in pieces:
-            h.update(piece.data)
-            if piece.release is not None:
-                piece.release()
-        computed = digests.label(digests.ALGO, h.hexdigest())
+        from .safetensors_io import hash_pieces  # (it imports this module)
+
+        try:  # read from their files, not through a mapping (SIGBUS if one was cut short meanwhile)
+            computed = digests.label(digests.ALGO, hash_pieces(pieces).hex())
+        finally:
+            for piece in pieces:
+                if piece.release is not None:
+                    piece.release()
         self.check_digest(computed)
         return computed
 

@@ -410,6 +410,54 @@ def test_a_source_shortened_under_a_torch_save_write_is_named_not_a_crash(tmp_pa
     assert result.stdout.startswith(f"{src}: ended ") and "bytes early" in result.stdout, result.stdout
 
 
+SHORTENED_UNDER_A_READ = """
+import dataclasses, io, os, sys
+import torch
+from safetensors.torch import save_file
+from converters import torch_save
+from interop import digests
+from interop.errors import CorruptCheckpointError
+from interop.safetensors_io import SafetensorsFile
+from interop.tensors import raw_bytes
+
+src = sys.argv[1]
+w = torch.randn(300, 512)
+save_file({"w": w}, src)
+stored = SafetensorsFile(src)
+checked = dataclasses.replace(stored.lazy("w"), digest=digests.of_bytes(raw_bytes(w)))
+plain = stored.lazy("w")
+stored.mapped("w")  # the file mapped now, then cut short: its mapping would fault past the cut
+os.truncate(src, 4096)
+for what, read in [("digest", checked.bytes_digest), ("slice", lambda: plain.flat_slice(0, 150_000).load()),
+                   ("torch.save", lambda: torch_save.save({"w": plain}, io.BytesIO(), "archive"))]:
+    try:
+        read()
+        print(what, "read")
+    except CorruptCheckpointError as exc:
+        print(what, exc)
+"""
+
+
+def test_a_source_shortened_under_a_digest_a_slice_or_a_plain_torch_save_is_named_not_a_crash(tmp_path):
+    """A tensor's digest taken from its mapped pieces (a tied pair's comparison, a slice's check of the whole), a
+    slice's bytes, and torch.save into a file that does not read sources itself are read from the source's file:
+    one error naming it for each, where each read its mapping and the process died of SIGBUS (in a child process
+    here: the signal would take the test run with it)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import worker_env
+
+    src = str(tmp_path / "source.safetensors")
+    result = subprocess.run([sys.executable, "-c", SHORTENED_UNDER_A_READ, src], env=worker_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["digest", "slice", "torch.save"], lines
+    for line in lines:
+        assert line.split(" ", 1)[1].startswith(f"{src}: ended ") and "bytes early" in line, line
+
+
 def test_a_safetensors_writer_fetches_small_tensors_ahead_up_to_its_limit_and_a_large_one_alone(tmp_path, monkeypatch):
     """The tensors after the one being written are fetched (their source bytes checked) meanwhile, while those under
     way hold less than FETCH_AHEAD_BYTES: a run of small tensors has several fetched at once, never more than the
