@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from interop.hashed_writes import SourceBytes
-from interop.output_files import read_pieces
-from interop.tensors import sub_pieces
+from interop.output_files import closing_fds, piece_runs
 
 try:  # ISA-L: the same CRC-32 as zlib's, at several times its speed
     from isal.isal_zlib import crc32
@@ -35,7 +34,6 @@ except ImportError:  # pragma: no cover - a platform without its wheel: zlib's, 
 
 ALIGNMENT = 64  # torch's kFieldAlignment: a record's data starts at a multiple of this
 FORMAT_VERSION = b"1"  # torch.serialization._save's .format_version
-READ_RUN = 8 << 20  # a mapped source's bytes read at a time into a file that does not read them itself
 VERSION = b"3\n"  # the archive version torch writes (kProducedFileFormatVersion)
 _U32 = 0xFFFFFFFF
 _UTF8, _DESCRIBED = 0x0800, 0x0008  # flags: names are UTF-8; a data descriptor follows the data (miniz: not after none)
@@ -81,19 +79,12 @@ class ArchiveWriter:
         if hasattr(self.f, "write_source"):
             self.pos += self.f.write_source(chunk.piece, chunk.check, crc)
             return
-        piece, n = chunk.piece, chunk.piece.data.nbytes
-        buffer = memoryview(bytearray(min(n, READ_RUN))) if piece.source is not None else None
-        for lo in range(0, n, READ_RUN):
-            hi = min(lo + READ_RUN, n)
-            if buffer is None:
-                data = piece.bytes_view[lo:hi]
-            else:  # from its file, not through its mapping (SIGBUS if the file was cut short meanwhile)
-                data = buffer[: hi - lo]
-                read_pieces(sub_pieces([piece], lo, hi), data)
-            crc(data)
-            if chunk.check is not None:
-                chunk.check.update(data)
-            self._write(data)
+        with closing_fds({}) as sources:
+            for data in piece_runs(chunk.piece, sources):  # from its file, not through its mapping
+                crc(data)
+                if chunk.check is not None:
+                    chunk.check.update(data)
+                self._write(data)
 
     def _zip64(self, size: int, offset: int) -> list[int]:
         """miniz's ZIP64 local fields: the size (and a compressed size of 0) from 4 GiB, the header's offset from 4 GiB."""

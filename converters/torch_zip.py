@@ -599,9 +599,9 @@ def copy_into(out: "torch.Tensor", value: Any, mapped: bool = False) -> None:
     if value.dtype_name != dtype_name_of(out) or value.numel() != out.numel():
         raise CorruptCheckpointError(value.archive.path, f"storage {value.key} holds {value.dtype_name}[{value.numel()}] "
                                                          f"where {dtype_name_of(out)}[{out.numel()}] is read")
-    piece = value.piece()
-    raw_bytes(out)[:] = piece.data
-    piece.release()
+    from interop.output_files import read_pieces
+
+    read_pieces([value.piece()], raw_bytes(out))  # from its file, not through its mapping (SIGBUS if cut short)
 
 
 def materialize(obj: Any) -> Any:

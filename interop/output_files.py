@@ -394,9 +394,34 @@ _NO_DIRECT = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem or device that tak
 # --- writing a piece or a range -------------------------------------------------------------------------------
 def write_piece(f, piece: Piece, sources: dict[str, int]) -> int:
     """``piece``'s bytes at ``f``'s position: copied from its file in the kernel where it is a view of a mapped file
-    (:func:`copy_range`), else written from memory; the bytes written."""
+    (:func:`copy_range`), else read from it (:func:`piece_runs`) or written from memory; the bytes written."""
     copied = copy_range(f, piece, sources)
-    return f.write(piece.data) if copied is None else copied
+    if copied is not None:
+        return copied
+    for run in piece_runs(piece, sources):
+        f.write(run)
+    return piece.data.nbytes
+
+
+READ_RUN = 8 << 20  # a mapped piece's bytes read from its file at a time (piece_runs)
+
+
+def piece_runs(piece: Piece, sources: dict[str, int]) -> Iterator[memoryview]:
+    """``piece``'s bytes in order, READ_RUN at a time: read from its file into one buffer where it is a view of a
+    mapped file (each run good until the next is asked for; a file cut short since it was mapped is an error naming
+    it, where reading its mapping would kill the process with SIGBUS), else the views of its memory."""
+    n = piece.data.nbytes
+    fd = source_fd(piece, sources)
+    if fd is None:
+        data = piece.bytes_view
+        yield from (data[lo:lo + READ_RUN] for lo in range(0, n, READ_RUN))
+        return
+    path, offset, _ = piece.source
+    buffer = memoryview(bytearray(min(n, READ_RUN)))
+    for lo in range(0, n, READ_RUN):
+        run = buffer[:min(READ_RUN, n - lo)]
+        read_run(fd, run, path, offset + lo, n - lo)
+        yield run
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -485,6 +510,8 @@ def read_piece(piece: Piece, into: memoryview, sources: dict[str, int]) -> None:
     """Fill ``into`` (a flat, writable run of ``piece``'s size) with ``piece``'s bytes: read from its file where it
     is a view of a mapped file (no page faults; a file cut short since it was mapped is an error naming it, where
     copying from its mapping would kill the process with SIGBUS), else copied from memory."""
+    if not len(into):
+        return
     fd = source_fd(piece, sources)
     if fd is None:
         copy_into(into, piece.bytes_view)

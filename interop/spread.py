@@ -28,7 +28,7 @@ from . import digests
 from .commit import staged_output
 from .dist import Collective, agree
 from .errors import OutputWriteError
-from .output_files import copy_at, pwrite_all, start_writeback
+from .output_files import copy_at, piece_runs, pwrite_all, start_writeback
 from .safetensors_io import FETCH_AHEAD_BYTES, TensorEntry, WrittenFile, composite_of, fetch_pieces, hash_pieces, header_bytes, write_safetensors
 from .tensors import sub_pieces
 
@@ -253,9 +253,11 @@ def _write_spans(out: str, spans: list[Span], headers: dict[str, bytes], entries
         try:
             at = span.offset
             for piece in sub_pieces(pieces, span.start, span.start + span.length):
-                copied = copy_at(fd, at, piece, sources)  # a mapped source's range, file to file
-                if copied is None:
-                    pwrite_all(fd, piece.data, at)
+                if copy_at(fd, at, piece, sources) is None:  # (else a mapped source's range, copied file to file)
+                    into = at
+                    for run in piece_runs(piece, sources):
+                        pwrite_all(fd, run, into)
+                        into += len(run)
                 at += piece.data.nbytes
             start_writeback(fd, span.offset, span.length)
             if spans_of[key] == 1:

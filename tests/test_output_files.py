@@ -411,25 +411,37 @@ def test_a_source_shortened_under_a_torch_save_write_is_named_not_a_crash(tmp_pa
 
 
 SHORTENED_UNDER_A_READ = """
-import dataclasses, io, os, sys
+import dataclasses, errno, io, os, sys
 import torch
 from safetensors.torch import save_file
-from converters import torch_save
+from converters import torch_save, torch_zip
 from interop import digests
 from interop.errors import CorruptCheckpointError
-from interop.safetensors_io import SafetensorsFile
+from interop.safetensors_io import SafetensorsFile, TensorEntry, write_safetensors
 from interop.tensors import raw_bytes
 
-src = sys.argv[1]
+src, pt, out = sys.argv[1:4]
 w = torch.randn(300, 512)
 save_file({"w": w}, src)
+torch.save({"w": w}, pt)
 stored = SafetensorsFile(src)
 checked = dataclasses.replace(stored.lazy("w"), digest=digests.of_bytes(raw_bytes(w)))
 plain = stored.lazy("w")
-stored.mapped("w")  # the file mapped now, then cut short: its mapping would fault past the cut
+stand_in = torch_zip.load(pt)["w"]
+stored.mapped("w"), stand_in.piece()  # the files mapped now, then cut short: their mappings would fault past the cut
 os.truncate(src, 4096)
+os.truncate(pt, 4096)
+
+
+def copy_refused(*args):  # as from another filesystem on an older kernel: the bytes are written the ordinary way
+    raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+
+os.copy_file_range = copy_refused
 for what, read in [("digest", checked.bytes_digest), ("slice", lambda: plain.flat_slice(0, 150_000).load()),
-                   ("torch.save", lambda: torch_save.save({"w": plain}, io.BytesIO(), "archive"))]:
+                   ("torch.save", lambda: torch_save.save({"w": plain}, io.BytesIO(), "archive")),
+                   ("stand-in", lambda: torch_zip.copy_into(torch.empty(300, 512), stand_in)),
+                   ("copied", lambda: write_safetensors(out, [TensorEntry("w", plain.spec, plain.load, plain.mapped_pieces)], hashed=False))]:
     try:
         read()
         print(what, "read")
@@ -438,24 +450,26 @@ for what, read in [("digest", checked.bytes_digest), ("slice", lambda: plain.fla
 """
 
 
-def test_a_source_shortened_under_a_digest_a_slice_or_a_plain_torch_save_is_named_not_a_crash(tmp_path):
+def test_a_source_shortened_under_any_other_read_of_its_bytes_is_named_not_a_crash(tmp_path):
     """A tensor's digest taken from its mapped pieces (a tied pair's comparison, a slice's check of the whole), a
-    slice's bytes, and torch.save into a file that does not read sources itself are read from the source's file:
-    one error naming it for each, where each read its mapping and the process died of SIGBUS (in a child process
-    here: the signal would take the test run with it)."""
+    slice's bytes, torch.save into a file that does not read sources itself, a torch file's stand-in copied into a
+    tensor, and a write whose file-to-file copy the kernel refused are read from the source's file: one error naming
+    it for each, where each read its mapping and the process died of SIGBUS (in a child process here: the signal
+    would take the test run with it)."""
     import subprocess
     import sys
 
     from tests.conftest import worker_env
 
-    src = str(tmp_path / "source.safetensors")
-    result = subprocess.run([sys.executable, "-c", SHORTENED_UNDER_A_READ, src], env=worker_env(), capture_output=True,
-                            text=True, timeout=120)
+    src, pt = str(tmp_path / "source.safetensors"), str(tmp_path / "source.pt")
+    result = subprocess.run([sys.executable, "-c", SHORTENED_UNDER_A_READ, src, pt, str(tmp_path / "out.safetensors")],
+                            env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["digest", "slice", "torch.save"], lines
+    assert [line.split()[0] for line in lines] == ["digest", "slice", "torch.save", "stand-in", "copied"], lines
     for line in lines:
-        assert line.split(" ", 1)[1].startswith(f"{src}: ended ") and "bytes early" in line, line
+        what, said = line.split(" ", 1)
+        assert said.startswith(f"{pt if what == 'stand-in' else src}: ended ") and "bytes early" in said, line
 
 
 def test_a_safetensors_writer_fetches_small_tensors_ahead_up_to_its_limit_and_a_large_one_alone(tmp_path, monkeypatch):
