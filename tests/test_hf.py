@@ -104,3 +104,30 @@ def test_bf16_model_keeps_its_dtype(tmp_path):
     assert out.dtype == torch.bfloat16
     for name, t in model.state_dict().items():
         assert torch.equal(out.state_dict()[name], t), name
+
+
+def test_tied_weights_are_compared_by_their_recorded_digests_else_by_their_bytes_and_refused_when_they_differ():
+    """A tied target is left out once shown equal to its source. Where the manifest records both digests (a universal
+    checkpoint) they are compared as recorded and neither tensor is read (the one written is checked as it is
+    written); without them (an HF source) their bytes are hashed. Different values are refused either way."""
+    import dataclasses
+
+    from interop import digests
+    from interop.errors import ConversionError
+    from interop.logical import LogicalCheckpoint
+    from interop.tensors import LazyTensor, raw_bytes
+    from interop.universal import model_entries
+
+    def unread():
+        raise AssertionError("a tied pair with recorded digests was read")
+
+    def recorded(t):
+        return dataclasses.replace(LazyTensor.of(t), loader=unread, mapped_pieces=None, digest=digests.of_bytes(raw_bytes(t)))
+
+    a, b, tied = torch.randn(8, 4), torch.randn(8, 4), [["lm_head.weight", "model.embed_tokens.weight"]]
+    for kind in (recorded, LazyTensor.of):
+        same = LogicalCheckpoint(model={"model.embed_tokens.weight": kind(a), "lm_head.weight": kind(a.clone())}, tied=tied)
+        assert list(model_entries(same)) == ["model.embed_tokens.weight"], kind
+        differ = LogicalCheckpoint(model={"model.embed_tokens.weight": kind(a), "lm_head.weight": kind(b)}, tied=tied)
+        with pytest.raises(ConversionError, match="lm_head.weight and model.embed_tokens.weight are declared tied but hold different values"):
+            model_entries(differ)
