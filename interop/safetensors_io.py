@@ -74,10 +74,10 @@ def header_bytes(entries: list[TensorEntry], metadata: dict[str, str] | None) ->
 _HASH_BUFFER = threading.local()  # each hashing thread's read buffer, kept between tensors
 
 
-def hash_pieces(pieces: list[Piece]) -> bytes:
-    """The raw digest of the pieces' bytes in order (a mapped piece's read from its file: see
+def hash_pieces(pieces: list[Piece], algo: str = digests.ALGO) -> bytes:
+    """The raw ``algo`` digest of the pieces' bytes in order (a mapped piece's read from its file: see
     :func:`output_files.hash_piece`)."""
-    h = digests.hasher()
+    h = digests.hasher(algo)
     sources: dict[str, int] = {}
     buffer = getattr(_HASH_BUFFER, "buffer", None)
     if buffer is None:

@@ -76,6 +76,19 @@ class Piece:
         return self.data if self.data.format == "B" and self.data.ndim == 1 else self.data.cast("B")
 
 
+def _hashed(pieces: list[Piece], algo: str) -> str:
+    """The ``algo`` digest of the pieces' bytes, read from their files (not through a mapping: SIGBUS if one was cut
+    short meanwhile); their mapped pages let go after."""
+    from .safetensors_io import hash_pieces  # (it imports this module)
+
+    try:
+        return digests.label(algo, hash_pieces(pieces, algo).hex())
+    finally:
+        for piece in pieces:
+            if piece.release is not None:
+                piece.release()
+
+
 def sub_pieces(pieces: list[Piece], lo: int, hi: int) -> list[Piece]:
     """Bytes ``lo:hi`` of what ``pieces`` hold in order, as pieces of the same memory and files (no copy)."""
     out, at = [], 0
@@ -196,17 +209,19 @@ class LazyTensor:
                           self.digest, self.mapped_pieces, parts)
 
     def check_once(self) -> bool:
-        """This tensor's bytes checked against its digest (hashed from its mapping), once; True when they are (or it
-        records none), False when they could not be hashed without loading it (no mapping, another algorithm)."""
+        """This tensor's bytes checked against its digest (its mapped pieces hashed as read from their files, by the
+        digest's own algorithm: a checkpoint of an earlier version's too), once; True when they are (or it records
+        none), False when they could not be hashed without loading it (no mapped pieces)."""
         if self.digest is None or self._checked:
             return True
-        if self.mapped_pieces is None or digests.parse(self.digest, self.origin)[0] != digests.ALGO:
+        if self.mapped_pieces is None:
             return False
         with _CHECKING[id(self) % len(_CHECKING)]:  # sliced on several threads at once: hashed once, the others wait
             if not self._checked:
-                if self.mapped_pieces() is None:
+                pieces = self.mapped_pieces()
+                if pieces is None:
                     return False
-                self.bytes_digest()  # raises where they differ
+                self.check_digest(_hashed(pieces, digests.parse(self.digest, self.origin)[0]))  # raises where they differ
                 self._checked = True
         return True
 
@@ -245,14 +260,7 @@ class LazyTensor:
         pieces = self.mapped_pieces() if self.mapped_pieces is not None else None
         if pieces is None or (self.digest is not None and digests.parse(self.digest, self.origin)[0] != digests.ALGO):
             return tensor_digest(self.load())
-        from .safetensors_io import hash_pieces  # (it imports this module)
-
-        try:  # read from their files, not through a mapping (SIGBUS if one was cut short meanwhile)
-            computed = digests.label(digests.ALGO, hash_pieces(pieces).hex())
-        finally:
-            for piece in pieces:
-                if piece.release is not None:
-                    piece.release()
+        computed = _hashed(pieces, digests.ALGO)
         self.check_digest(computed)
         return computed
 

@@ -86,3 +86,34 @@ def test_diff_compares_bytes_not_the_recorded_digests():
     assert _compare("z", _lazy(torch.tensor([0.0]), None), _lazy(torch.tensor([-0.0]), None), 0.0).status == "differs"
     bf = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     assert _compare("t", _lazy(bf.t(), None), _lazy(bf.t().contiguous(), None), 0.0).status == "exact"
+
+
+def test_an_earlier_versions_tensor_is_checked_from_its_file_by_its_own_algorithm_before_it_is_sliced(tmp_path):
+    """A tensor whose manifest records a BLAKE3 digest (a checkpoint of an earlier version) is checked once, hashed
+    by that algorithm from its file, before its slices are handed out: not loaded whole for every slice, as it was
+    while only this version's algorithm was hashed so (a ZeRO target cuts every tensor into each rank's slices).
+    Bytes that differ from the record are still refused."""
+    import dataclasses
+
+    import pytest
+    from safetensors.torch import save_file
+
+    from interop.errors import CorruptCheckpointError
+    from interop.safetensors_io import SafetensorsFile
+    from interop.tensors import raw_bytes
+
+    w = torch.randn(64, 32)
+    save_file({"w": w}, tmp_path / "w.safetensors")
+    stored = SafetensorsFile(str(tmp_path / "w.safetensors"))
+
+    def whole():
+        raise AssertionError("loaded whole to be checked")
+
+    def recorded(value):
+        return dataclasses.replace(stored.lazy("w"), loader=whole, digest=digests.of_bytes(raw_bytes(value), "blake3"))
+
+    lazy = recorded(w)
+    for lo, hi in ((0, 100), (100, 2048)):
+        assert torch.equal(lazy.flat_slice(lo, hi).load(), w.reshape(-1)[lo:hi])
+    with pytest.raises(CorruptCheckpointError, match="tensor bytes differ from the digest its manifest records"):
+        recorded(w + 1).flat_slice(0, 100).load()
