@@ -407,15 +407,14 @@ READ_RUN = 8 << 20  # a mapped piece's bytes read from its file at a time (piece
 
 
 def piece_runs(piece: Piece, sources: dict[str, int]) -> Iterator[memoryview]:
-    """``piece``'s bytes in order, READ_RUN at a time: read from its file into one buffer where it is a view of a
+    """``piece``'s bytes in order: read from its file READ_RUN at a time into one buffer where it is a view of a
     mapped file (each run good until the next is asked for; a file cut short since it was mapped is an error naming
-    it, where reading its mapping would kill the process with SIGBUS), else the views of its memory."""
-    n = piece.data.nbytes
+    it, where reading its mapping would kill the process with SIGBUS), else its memory in one run."""
     fd = source_fd(piece, sources)
     if fd is None:
-        data = piece.bytes_view
-        yield from (data[lo:lo + READ_RUN] for lo in range(0, n, READ_RUN))
+        yield piece.bytes_view
         return
+    n = piece.data.nbytes
     path, offset, _ = piece.source
     buffer = memoryview(bytearray(min(n, READ_RUN)))
     for lo in range(0, n, READ_RUN):
