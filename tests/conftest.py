@@ -29,6 +29,27 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+# the end of a child script that tries each of its ``reads`` ((name, callable) pairs) and prints what became of it
+EACH_READ = """
+from interop.errors import CorruptCheckpointError
+for what, read in reads:
+    try:
+        read()
+        print(what, "read")
+    except CorruptCheckpointError as exc:
+        print(what, exc)
+"""
+
+
+def reads_in_a_child(script: str, *args: str) -> list[tuple[str, str]]:
+    """(name, what it printed) of each read ``script`` (ending in EACH_READ) tried, run in a child process: a read
+    that met a signal (SIGBUS from a mapping cut short) would take the test run with it; here it fails the test."""
+    result = subprocess.run([sys.executable, "-c", script + EACH_READ, *args], env=worker_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    return [tuple(line.split(" ", 1)) for line in result.stdout.splitlines()]
+
+
 def torchrun_cmd(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     if nnodes == 1 and port is None:
