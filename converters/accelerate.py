@@ -44,7 +44,7 @@ from .engine_checkpoint import carried_components, component_state, owning_check
 from .models.adapters import has_peft_names, peft_model_near
 from .models.facts import meta_model, tied_groups
 from .hf import config_near
-from .param_order import EngineOrder, engine_order, with_initial_optimizer
+from .param_order import GROUP_RULES, EngineOrder, engine_order, positional_fits, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
 from .torch_zip import materialize
 
@@ -114,44 +114,56 @@ def _optimizer_from_dcp(directory: str) -> OptimizerState:
     return optimizer_from_tree(unflatten_lists(reader.nested(("optimizer",))), reader.directory)
 
 
-def _param_names(directory: str, manifest: Manifest | None, config, model: dict, groups: list[dict]) -> list[list[str]]:
-    """Which parameter each integer id of ``optimizer.bin`` is. Our trainer records it; otherwise it is the
-    model's trainable parameters in module order, split by weight decay as trainers do, checked by shape."""
+def _param_names(path: str, manifest: Manifest | None, config, model: dict, groups: list[dict], per_id: dict,
+                 own: str | None) -> list[list[str]]:
+    """Which parameter each integer id of a torch optimizer file is. Our trainers record it; otherwise it is the
+    model's parameters in module order, split as the code that built the optimizer splits them: ``own``, the
+    engine's own rule (transformers' Trainer for its optimizer.pt), where it fits, else the one rule of
+    :data:`GROUP_RULES` that fits the file's group sizes and state shapes."""
     recorded = ((manifest.optimizer or {}) if manifest else {}).get("param_names")
     if recorded:
         return recorded
+    directory, name = os.path.dirname(path), os.path.basename(path)
     # a peft model's optimizer holds its trainable parameters (the adapters): peft's model of it says which
     meta = peft_model_near(directory, config, list(model)) if has_peft_names(LogicalCheckpoint(model=model)) else meta_model(config)
     if meta is None:
         raise ConversionError(
-            f"{directory}: optimizer.bin keeps parameters by position only, and there is no config.json to tell "
+            f"{directory}: {name} keeps parameters by position only, and there is no config.json to tell "
             "their names; pass the model's config with --config CONFIG.json (or the model's directory)"
         )
-    named = [(n, tuple(p.shape)) for n, p in meta.named_parameters() if n in model and p.requires_grad]
+
+    def shapes_at(i: Any) -> list[tuple[int, ...]]:
+        entries = per_id.get(i)
+        return [tuple(v.shape) for v in entries.values() if isinstance(v, torch.Tensor) and v.dim() > 0] if isinstance(entries, dict) else []
+
+    state_shapes = [[shapes_at(i) for i in g["params"]] for g in groups]
+    rules = (own, *(r for r in GROUP_RULES if r != own)) if own else tuple(GROUP_RULES)
+    fits = positional_fits(meta, {n: tuple(t.spec.shape) for n, t in model.items()}, state_shapes, rules)
+    if len(fits) == 1 or (fits and fits[0][0] in (own, "single")):
+        return fits[0][1]
     sizes = [len(g["params"]) for g in groups]
-    if len(groups) == 1 and sizes[0] == len(named):
-        return [[n for n, _ in named]]
-    if len(groups) == 2 and sum(sizes) == len(named):
-        decay = [n for n, s in named if len(s) >= 2]
-        rest = [n for n, s in named if len(s) < 2]
-        if [len(decay), len(rest)] == sizes:
-            return [decay, rest]
+    if fits:
+        raise ConversionError(
+            f"{directory}: {name} keeps parameters by position only, and its groups of {sizes} fit more than one way of "
+            f"grouping them that puts different parameters at the same positions ({GROUP_RULES[fits[0][0]]}; "
+            f"{GROUP_RULES[fits[1][0]]}); save with an interop trainer, which records the names")
     raise ConversionError(
-        f"{directory}: cannot tell which parameter each of optimizer.bin's {sum(sizes)} entries is (groups of {sizes}, "
-        f"model has {len(named)} parameters); save with an interop trainer, which records the names"
+        f"{directory}: cannot tell which parameter each of {name}'s {sum(sizes)} entries is (groups of {sizes}; the "
+        f"model has {len(list(meta.parameters()))} parameters, and no known way of grouping them gives these groups); "
+        "save with an interop trainer, which records the names"
     )
 
 
-def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: bool) -> OptimizerState:
+def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: bool, own: str | None = None) -> OptimizerState:
     """A torch optimizer state dict saved by position (accelerate's optimizer.bin, transformers' optimizer.pt),
-    by parameter name: the manifest's ``param_names``, or the model's parameters split as trainers split them."""
-    directory = os.path.dirname(path)
+    by parameter name: the manifest's ``param_names``, or the model's parameters split as the engine (``own``,
+    a rule of :data:`GROUP_RULES`) or its users split them."""
     state = load_accelerate_file(path, trust_pickle)
     try:
         groups, per_id = state["param_groups"], state["state"]
     except (KeyError, TypeError):
         raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state'/'param_groups')") from None
-    names = _param_names(directory, manifest, config, model, groups)
+    names = _param_names(path, manifest, config, model, groups, per_id, own)
     if [len(g["params"]) for g in groups] != [len(n) for n in names]:
         raise CorruptCheckpointError(path, f"param groups of {[len(g['params']) for g in groups]} parameters, names for {[len(n) for n in names]}")
     by_id = {i: n for g, ns in zip(groups, names) for i, n in zip(g["params"], ns)}

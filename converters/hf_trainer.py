@@ -40,8 +40,8 @@ from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optim
 from .detection import HF_TRAINER_KEY, TRAINER_STATE, is_hf_trainer_checkpoint, locate_hf_trainer as locate  # noqa: F401
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .models.facts import in_module_names, in_stored_names, tied_groups
-from .models.adapters import ADAPTER_CONFIG, has_peft_names, in_peft_names, write_adapter_files
-from .param_order import EngineOrder, engine_order
+from .models.adapters import ADAPTER_CONFIG, engine_model, has_peft_names, in_peft_names, write_adapter_files
+from .param_order import EngineOrder, engine_order, regroup, trainer_decay_names
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
 
 NATIVE_KEY = HF_TRAINER_KEY  # our trainer's native component: a transformers Trainer checkpoint directory
@@ -112,7 +112,7 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     if not peft:
         model = in_module_names(LogicalCheckpoint(model=model, config=config)).model
     optim_path = os.path.join(directory, OPTIM_PT)
-    optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle) if os.path.isfile(optim_path) else None
+    optimizer = optimizer_from_torch_file(optim_path, manifest, config, model, trust_pickle, own="trainer") if os.path.isfile(optim_path) else None
     extra: dict[str, Any] = {TRAINER_STATE_KEY: trainer_state_json}
     sched_path = os.path.join(directory, SCHEDULER_PT)
     if os.path.isfile(sched_path):
@@ -136,12 +136,12 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     return ckpt
 
 
-def _trainer_view(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, EngineOrder, EngineOrder]:
-    """The checkpoint under the module's (a peft model's) names, its parameter order, and that order with the
-    param groups Trainer makes."""
+def _trainer_view(ckpt: LogicalCheckpoint) -> tuple[LogicalCheckpoint, EngineOrder, EngineOrder, list[str]]:
+    """The checkpoint under the module's (a peft model's) names, its parameter order, that order with the param
+    groups Trainer makes, and the notes regrouping it gave."""
     module = in_peft_names(in_module_names(ckpt))
     order = engine_order(module)
-    return module, order, trainer_groups(order, module)
+    return (module, order, *trainer_groups(order, module))
 
 
 def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
@@ -156,7 +156,8 @@ def write_native(ckpt: LogicalCheckpoint, directory: str) -> list[str]:
     # Trainer.train(resume_from_checkpoint=...) loads it with load_state_dict(strict=False), which would leave
     # any tensor save_pretrained names otherwise (a MoE model's per-expert tensors) as initialised, silently;
     # from_pretrained takes the module's names as well
-    module, source_order, order = _trainer_view(ckpt)
+    module, source_order, order, regrouped = _trainer_view(ckpt)
+    notes += regrouped
     write_sharded(directory, "", "model", model_entries(module), sys.maxsize, hashed=False)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(ckpt.config, f, indent=2)
@@ -197,12 +198,36 @@ def trainer_state(ckpt: LogicalCheckpoint) -> Any:
     return state
 
 
-def trainer_groups(order: EngineOrder, module: LogicalCheckpoint) -> EngineOrder:
-    """The optimizer groups as ``Trainer.create_optimizer`` makes them: decay and no-decay, both present even when
-    one is empty (a LoRA run's adapters are all matrices), so its optimizer.load_state_dict finds both."""
-    if len(order.groups) != 1 or not order.groups[0] or any(len(module.model[n].spec.shape) < 2 for n in order.groups[0]):
-        return order
-    return replace(order, groups=[*order.groups, []], hyper=[*order.hyper, {**order.hyper[0], "weight_decay": 0.0}])
+def trainer_groups(order: EngineOrder, module: LogicalCheckpoint) -> tuple[EngineOrder, list[str]]:
+    """The optimizer groups as ``Trainer.create_optimizer`` makes them: decay and no decay by transformers' own rule,
+    both present even when one is empty (a LoRA run's adapters are all matrices), since its
+    ``optimizer.load_state_dict`` takes only the groups it built. A run grouped otherwise (one that decayed every
+    matrix, where Trainer spares 2-D biases and decays 1-D weights) is regrouped, with a note naming the parameters
+    whose weight decay that changes; returns the order and its notes."""
+    decay = trainer_decay_names(engine_model(module))
+    trainable = [n for n in order.module_keys if any(n in g for g in order.groups)]
+    if not decay or not trainable:  # no model to ask: the source's groups, with Trainer's empty no-decay group
+        if len(order.groups) != 1 or not order.groups[0] or any(len(module.model[n].spec.shape) < 2 for n in order.groups[0]):
+            return order, []
+        return replace(order, groups=[*order.groups, []], hyper=[*order.hyper, {**order.hyper[0], "weight_decay": 0.0}]), []
+    wanted = [[n for n in trainable if n in decay], [n for n in trainable if n not in decay]]
+    same = [g for g in wanted if g] == [g for g in order.groups if g]
+    source = order if same else regroup(order, module, "decay")
+    held = {tuple(g): h for g, h in zip(source.groups, source.hyper) if g}
+    other = next(iter(held.values()))  # an empty group's hyper-parameters: the other's (no decay for no-decay's)
+    hyper = [held.get(tuple(g)) or {**other, **({"weight_decay": 0.0} if i else {})} for i, g in enumerate(wanted)]
+    new = replace(order, groups=wanted, hyper=hyper)
+    if same or module.optimizer is None:  # the same groups, or groups that were a default rather than a run's
+        return new, []
+    decay_of = lambda o: {n: h.get("weight_decay") for g, h in zip(o.groups, o.hyper) for n in g}  # noqa: E731
+    before, after = decay_of(order), decay_of(new)
+    changed = [n for n in trainable if before[n] != after[n]]
+    note = (f"optimizer groups: regrouped as transformers' Trainer makes them ({len(wanted[0])} decay, "
+            f"{len(wanted[1])} no decay), the only groups its resume loads")
+    if changed:
+        note += f"; weight decay changes for {len(changed)} parameter(s): " + ", ".join(
+            f"{n} {before[n]} -> {after[n]}" for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
+    return new, [note]
 
 
 def _with_groups(scheduler: Any, before: int, after: int) -> Any:

@@ -18,7 +18,7 @@ from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.tensors import LazyTensor, TensorSpec
 
 from .models.adapters import engine_model
-from .models.facts import meta_model, parameter_layout
+from .models.facts import parameter_layout
 
 ADAMW_DEFAULTS = {
     "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
@@ -40,15 +40,63 @@ class EngineOrder:
 GROUPINGS = ("source", "single", "decay")
 
 
-def decay_parameter_names(config: dict[str, Any] | None, names: list[str]) -> set[str]:
-    """Which of ``names`` transformers' Trainer puts in its weight-decay group (``get_decay_parameter_names``:
-    not biases, not norms); without a config, the parameters of two or more dimensions."""
-    model = meta_model(config)
+def trainer_decay_names(model: torch.nn.Module | None) -> set[str]:
+    """The parameters transformers' Trainer puts in its weight-decay group (``get_decay_parameter_names``: not
+    biases, not norms, by module class and by name); empty without a model."""
     if model is None:
         return set()
     import transformers
 
     return set(transformers.Trainer.get_decay_parameter_names(None, model))  # ``self`` is unused there
+
+
+# How the code that builds an optimizer splits a model's parameters into a decay and a no-decay group, for a file
+# that keeps them by position only (a torch optimizer's state dict). transformers' Trainer's rule is asked of
+# transformers; the others live in users' scripts, not in any library, so they are written out here:
+GROUP_RULES = {
+    "trainer": "transformers' Trainer's (get_decay_parameter_names)",
+    "matrices": "decay for parameters of two or more dimensions (nanoGPT, torchtitan, interop's trainers)",
+    # transformers' examples/pytorch/*_no_trainer.py (accelerate scripts), now and in older copies of them
+    "examples": 'no decay for names holding "bias" or "layer_norm.weight" (transformers\' no_trainer examples)',
+    "examples-bert": 'no decay for names holding "bias" or "LayerNorm.weight" (older copies of those examples)',
+}
+_NO_DECAY_SUBSTRINGS = {"examples": ("bias", "layer_norm.weight"), "examples-bert": ("bias", "LayerNorm.weight")}
+
+
+def _split(rule: str, names: list[str], model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
+    if rule == "trainer":
+        decay = trainer_decay_names(model)
+    elif rule == "matrices":
+        decay = {n for n in names if len(shapes[n]) >= 2}
+    else:
+        decay = {n for n in names if not any(s in n for s in _NO_DECAY_SUBSTRINGS[rule])}
+    return [[n for n in names if n in decay], [n for n in names if n not in decay]]
+
+
+def positional_fits(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], state_shapes: list[list[list[tuple[int, ...]]]],
+                    rules: tuple[str, ...] = tuple(GROUP_RULES)) -> list[tuple[str, list[list[str]]]]:
+    """Which parameter each position of a torch optimizer's groups holds, where the file names none: each of
+    ``rules`` (one group: the parameters in module order) whose groups have the file's sizes and put a parameter of
+    the state's shape at every position, distinct assignments only, in ``rules``' order. ``shapes``: the
+    checkpoint's tensors under the module's names; ``state_shapes[g][k]``: the shapes of the state held at group
+    ``g``'s ``k``-th position (none before the first step)."""
+    named = [(n, p) for n, p in model.named_parameters() if n in shapes]
+    sizes = [len(g) for g in state_shapes]
+    # the parameters an optimizer holds: those trainable as the model is built, or every one: from_pretrained
+    # loads each parameter trainable, one its module builds frozen too (Ernie 4.5 MoE's e_score_correction_bias)
+    held: list[list[str]] = []
+    for names in ([n for n, p in named if p.requires_grad], [n for n, _ in named]):
+        if names not in held:
+            held.append(names)
+    fits: list[tuple[str, list[list[str]]]] = []
+    for names in held:
+        for rule in (rules if len(sizes) == 2 else ("single",) if len(sizes) == 1 else ()):
+            split = [names] if rule == "single" else _split(rule, names, model, shapes)
+            if [len(g) for g in split] != sizes or any(fit == split for _, fit in fits):
+                continue
+            if all(s == shapes[n] for group, held_shapes in zip(split, state_shapes) for n, at in zip(group, held_shapes) for s in at):
+                fits.append((rule, split))
+    return fits
 
 
 def regroup(order: EngineOrder, ckpt: LogicalCheckpoint, grouping: str, hyper: dict[str, Any] | None = None) -> EngineOrder:
@@ -65,7 +113,7 @@ def regroup(order: EngineOrder, ckpt: LogicalCheckpoint, grouping: str, hyper: d
     if grouping == "single":
         groups, hypers = [trainable], [base]
     elif grouping == "decay":
-        decay = decay_parameter_names(ckpt.config, trainable) or {n for n in trainable if len(ckpt.model[n].spec.shape) >= 2}
+        decay = trainer_decay_names(engine_model(ckpt)) or {n for n in trainable if len(ckpt.model[n].spec.shape) >= 2}
         decayed = next((h for h, g in zip(order.hyper, order.groups) if g and g[0] in decay), base)
         groups = [[n for n in trainable if n in decay], [n for n in trainable if n not in decay]]
         hypers = [dict(decayed), {**decayed, "weight_decay": 0.0}]

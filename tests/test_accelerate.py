@@ -566,7 +566,7 @@ def test_bare_save_state_directories(runs, tmp_path):
         (bare / "config.json").write_text(json.dumps(config))
         ours = read_accelerate(str(ckpt))
         if layout == "ddp":
-            with pytest.raises(ConversionError, match=r"cannot tell which parameter each of optimizer\.bin's 17 entries is \(groups of \[12, 5\], model has 20"):
+            with pytest.raises(ConversionError, match=r"cannot tell which parameter each of optimizer\.bin's 17 entries is \(groups of \[12, 5\]; the model has 20 parameters, and no known way"):
                 read_accelerate(str(bare))
             continue
         theirs = read_accelerate(str(bare))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from converters.registry import detect, read
 from interop.errors import CorruptCheckpointError
 from trainers.base import BaseTrainer, TrainerConfig
 
+from . import architectures
 from .conftest import held_commit_cmd, native_files, worker_env
 
 SIZES = ["--steps", "4", "--batch-size", "4", "--seq-len", "16"]
@@ -86,3 +88,112 @@ def test_truncated_optimizer_file_is_named(runs, tmp_path):
     optim.write_bytes(optim.read_bytes()[:1000])
     with pytest.raises(CorruptCheckpointError, match="optimizer.pt"):
         read(str(ckpt))
+
+
+# --- optimizer.pt of any architecture: Trainer groups by transformers' rule, not by dimensions ------------------
+# GPT-OSS: 1-D attention sinks Trainer decays, 2-D expert biases it does not; T5: a 2-D relative_attention_bias it
+# does not decay; Ernie 4.5 MoE: a 2-D e_score_correction_bias built frozen, which from_pretrained makes trainable
+TRAINER_ARCHITECTURES = ["gpt_oss", "t5", "ernie4_5_moe"]
+SLOW_TRAINER_ARCHITECTURES = ["llava", "deepseek_v3", "bert", "opt"]
+ERNIE = ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", dict(architectures.LLAMA, head_dim=6, moe_num_experts=4, moe_k=2,
+                                                         moe_intermediate_size=20, moe_layer_start_index=1))
+
+
+def saved_model(root, name: str):
+    """``architectures.saved`` and the model's class; Ernie 4.5 MoE too, which is not in the grid of every target
+    (its engine loads are unmeasured)."""
+    import transformers
+
+    specs = {ERNIE[0]: ERNIE} if name == ERNIE[0] else {}
+    with mock.patch.dict(architectures.ARCHITECTURES, specs):
+        _, hf = architectures.saved(root, name)
+        return getattr(transformers, architectures.ARCHITECTURES[name][1]), hf
+
+
+def trainer_on(model, out, steps: int = 1):
+    """transformers' own Trainer on ``model`` (weight decay on: its two groups differ), a few rows of data."""
+    import transformers
+
+    ids = (torch.arange(8 * 7).reshape(8, 7) * 5) % model.config.get_text_config().vocab_size
+    rows = [{"input_ids": r, "labels": r, **({"decoder_input_ids": r} if model.config.is_encoder_decoder else {})} for r in ids]
+    args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=steps, per_device_train_batch_size=2,
+                                          save_strategy="steps", save_steps=steps, weight_decay=0.1, learning_rate=1e-2)
+    return transformers.Trainer(model=model, args=args, train_dataset=rows)
+
+
+def optimizer_by_module_name(ckpt) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    """A read checkpoint's optimizer groups and exp_avg under the module's names (MoE experts fused as the module holds them)."""
+    from converters.models.facts import in_module_names
+
+    module = in_module_names(ckpt)
+    return [g["params"] for g in module.optimizer.param_groups], {n: t.load() for n, t in module.optimizer.tensors["exp_avg"].items()}
+
+
+def trainer_optimizer(trainer) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"]] for g in trainer.optimizer.param_groups]
+    return groups, {names[id(p)]: s["exp_avg"] for p, s in trainer.optimizer.state.items()}
+
+
+@pytest.mark.parametrize("name", TRAINER_ARCHITECTURES + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW_TRAINER_ARCHITECTURES])
+def test_a_transformers_trainer_checkpoint_reads_by_name_for_any_architecture(tmp_path, name):
+    """Trainer's checkpoint-N (no manifest: Trainer's files only): optimizer.pt numbers the parameters in the two
+    groups transformers' get_decay_parameter_names makes, which for these models are not matrices / the rest; each
+    parameter's state reads under its own name, exactly Trainer's."""
+    cls, hf = saved_model(tmp_path, name)
+    model = cls.from_pretrained(hf)
+    trainer = trainer_on(model, tmp_path / "run")
+    trainer.train()
+    groups, state = trainer_optimizer(trainer)
+    _, ckpt = read(str(tmp_path / "run" / "checkpoint-1"))
+    got_groups, got = optimizer_by_module_name(ckpt)
+    assert got_groups == groups
+    assert got.keys() == state.keys() and all(torch.equal(got[n], state[n]) for n in state)
+
+
+def test_our_trainer_records_the_groups_trainer_made(tmp_path):
+    """The Hugging Face trainer on GPT-OSS (--init-from): its manifest names the parameters of Trainer's own two
+    groups, so the checkpoint reads by the recorded names exactly as the same files without our manifest read."""
+    import shutil
+
+    saved_model(tmp_path, "gpt_oss")
+    hf_run("--init-from", str(tmp_path / "gpt_oss" / "hf"), "--steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "run"))
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    bare = shutil.copytree(ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    (ours_groups, ours), (bare_groups, theirs) = (optimizer_by_module_name(read(str(p))[1]) for p in (ckpt, bare))
+    assert ours_groups == bare_groups and [len(g) for g in ours_groups] == [18, 19]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
+def test_to_hf_trainer_regroups_a_run_as_trainer_resumes_it(tmp_path):
+    """A run that decayed every matrix (the base trainer on GPT-OSS) --to hf-trainer: optimizer.pt holds Trainer's
+    own groups, so Trainer's resume loads it (with scheduler.pt beside it, it loads optimizer.pt and refuses groups
+    of other sizes) and each parameter's state is the run's; a note names the parameters whose weight decay moves.
+    A model without optimizer state gets Trainer's groups too, and reads back."""
+    import transformers
+
+    from converters import registry
+    from interop.manifest import read_manifest
+
+    saved_model(tmp_path, "gpt_oss")
+    hf = tmp_path / "gpt_oss" / "hf"
+    BaseTrainer(TrainerConfig(steps=2, batch_size=2, seq_len=8, save_every=2, init_from=str(hf), output_dir=str(tmp_path / "base"))).train()
+    _, source = read(str(tmp_path / "base" / "checkpoint-2"))
+    out = tmp_path / "out"
+    registry.writer("hf-trainer").write(source, str(out), registry.Options())
+    notes = read_manifest(str(out)).notes
+    assert any(n.startswith("optimizer groups: regrouped as transformers' Trainer makes them (18 decay, 19 no decay)")
+               and "; weight decay changes for 6 parameter(s): model.layers.0.self_attn.sinks 0.0 -> 0.1, "
+               "model.layers.0.mlp.experts.gate_up_proj_bias 0.1 -> 0.0" in n for n in notes), notes
+    model = transformers.GptOssForCausalLM.from_pretrained(out)
+    trainer = trainer_on(model, tmp_path / "scratch", steps=3)
+    trainer.create_optimizer_and_scheduler(num_training_steps=3)
+    trainer._load_optimizer_and_scheduler(str(out))  # what train(resume_from_checkpoint=out) runs first
+    groups, state = trainer_optimizer(trainer)
+    want_groups, want = optimizer_by_module_name(source)
+    assert sorted(sum(groups, [])) == sorted(sum(want_groups, [])) and groups != want_groups
+    assert state.keys() == want.keys() and all(torch.equal(state[n], want[n]) for n in want)
+    trainer_on(transformers.GptOssForCausalLM.from_pretrained(out), tmp_path / "resumed", steps=3).train(resume_from_checkpoint=str(out))
+
+    registry.writer("hf-trainer").write(registry.read(str(hf))[1], str(tmp_path / "fresh"), registry.Options())
+    assert [len(g["params"]) for g in registry.read(str(tmp_path / "fresh"))[1].optimizer.param_groups] == [18, 19]

@@ -207,16 +207,15 @@ def freeze(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     return model
 
 
-def param_group_names(model: torch.nn.Module, keep_empty: bool = False) -> list[list[str]]:
+def param_group_names(model: torch.nn.Module) -> list[list[str]]:
     """Decay for matrices, none for biases, norms and other 1-D parameters (the usual convention); trainable
-    parameters only, in module order; an empty group left out (LoRA's adapters are all matrices) unless
-    ``keep_empty`` (transformers' Trainer makes both groups). A checkpoint records these names: optimizers keep
-    parameters by position."""
+    parameters only, in module order; an empty group left out (LoRA's adapters are all matrices). A checkpoint
+    records these names: optimizers keep parameters by position."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(n)
-    return [decay, no_decay] if keep_empty else [g for g in (decay, no_decay) if g] or [decay]
+    return [g for g in (decay, no_decay) if g] or [decay]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from interop.errors import CorruptCheckpointError, LoadFailedError, TopologyErro
 from interop.sharding import ShardingMetadata, Strategy
 from interop.state import NativeLoad
 
-from .base import BETAS, TrainerConfig, build_model, check_adapter, configure_logging, described, import_checkpoint, model_metadata, param_group_names, run
+from .base import BETAS, TrainerConfig, build_model, check_adapter, configure_logging, described, import_checkpoint, model_metadata, run
 from .base import parse_config as base_parse_config
 from .staging import deferred_writes, run_all
 from .state import DataPosition, TokenDataset, TrainerState
@@ -212,9 +212,21 @@ class HFTrainer:
         return {
             "model": model_metadata(config, architecture, adapter, frozen),
             "sharding": ShardingMetadata(strategy=Strategy.SINGLE, world_size=1, precision=self.cfg.dtype).to_json(),
-            # Trainer.create_optimizer's two groups, an empty one too (a LoRA run's adapters are all matrices)
-            "optimizer": {"class": "AdamW", "param_names": param_group_names(self.model, keep_empty=True)},
+            "optimizer": {"class": "AdamW", "param_names": self._optimizer_names()},
         }
+
+    def _optimizer_names(self) -> list[list[str]]:
+        """The names of the parameters in each of the optimizer's groups, in its order: optimizer.pt keeps them by
+        position. Taken from Trainer's optimizer itself (its groups are transformers' decay rule's, not the base
+        trainer's: they differ for a model with 2-D biases or 1-D weights that are no norm, GPT-OSS's sinks);
+        before it exists, Trainer's rule asked directly (both groups, an empty one too: a LoRA run's adapters)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        optimizer = self.trainer.optimizer
+        if optimizer is not None:
+            return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        decay = set(self.trainer.get_decay_parameter_names(self.model))
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        return [[n for n in trainable if n in decay], [n for n in trainable if n not in decay]]
 
     # --- the loop ----------------------------------------------------------------------------------
     def _after_step(self, step: int, control) -> None:
