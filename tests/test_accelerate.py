@@ -643,3 +643,55 @@ def test_fsdp2_async_save_writes_what_a_blocking_save_writes_and_resumes(tmp_pat
     resumed = last_json(acc_run(2, "train", *LONG, "--fsdp", "--output-dir", str(tmp_path / "resumed"),
                                 "--resume", str(tmp_path / "staged" / "checkpoint-3")))
     assert resumed["losses"] == blocking["losses"][3:]
+
+
+def test_a_bare_save_state_grouped_as_transformers_examples_reads_by_name(tmp_path, tiny_llama):
+    """accelerate's own save_state of a script that groups as transformers' *_no_trainer.py examples do (no decay
+    for names holding "bias" or "layer_norm.weight": every Llama weight decays, its norms too, and the no-decay group
+    is empty), with the model's config.json beside it: optimizer.bin's ids are named by that rule, each
+    parameter's state exactly the optimizer's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    model = tiny_llama()
+    no_decay = ["bias", "layer_norm.weight"]
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+    ], lr=1e-2)
+    try:
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        ids = torch.arange(16).reshape(2, 8) % model.config.vocab_size
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        accelerator.save_state(str(tmp_path / "state"))
+    finally:
+        AcceleratorState._reset_state(True)
+    (tmp_path / "state" / "config.json").write_text(model.config.to_json_string())
+    ckpt = read_accelerate(str(tmp_path / "state"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [g["params"] for g in ckpt.optimizer.param_groups] == [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    assert [len(g["params"]) for g in ckpt.optimizer.param_groups] == [len(names), 0]
+    held = ckpt.optimizer.tensors["exp_avg"]
+    assert len(held) == len(names) and all(torch.equal(held[names[id(p)]].load(), s["exp_avg"]) for p, s in optimizer.state.items())
+
+
+def test_positional_groups_two_rules_fit_differently_is_told_by_the_state_or_not_at_all():
+    """A model where decaying matrices and Trainer's rule give groups of the same sizes holding different
+    parameters (a 2-D bias, a 1-D weight that is no norm): with optimizer state, its shapes tell which placement is
+    the file's; before the first step nothing does, and both placements come back, for the reader to refuse."""
+    from converters.param_order import positional_fits
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(3, 3, bias=False)
+    model.gate = torch.nn.Module()
+    model.gate.bias = torch.nn.Parameter(torch.zeros(2, 3))
+    model.scale = torch.nn.Parameter(torch.ones(3))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    rules = ("matrices", "trainer")
+    unknown = positional_fits(model, shapes, [[[], []], [[]]], rules)
+    # module order: the root's own parameter first
+    assert unknown == [("matrices", [["proj.weight", "gate.bias"], ["scale"]]), ("trainer", [["scale", "proj.weight"], ["gate.bias"]])]
+    trainers = positional_fits(model, shapes, [[[(3,)], [(3, 3)]], [[(2, 3)]]], rules)
+    assert trainers == [("trainer", [["scale", "proj.weight"], ["gate.bias"]])]
