@@ -130,6 +130,23 @@ class Written:
     notes: list[str] = field(default_factory=list)
 
 
+def trained_though_built_frozen(ckpt: LogicalCheckpoint, optimizer: dict | None) -> list[str]:
+    """A note for parameters the engine's files train that the model's own modules build frozen: from_pretrained
+    makes every loaded weight trainable, these too (transformers sets ``requires_grad`` anew as it loads), so a
+    model loaded that way trains them, and one built from its config does not: a loader that places optimizer
+    entries by position (ZeRO's flat groups, optimizer.bin, optimizer.pt) then finds one group too short."""
+    from .models.facts import built_frozen
+
+    trained = {n for g in (optimizer or {}).get("param_names") or [] for n in g}
+    names = [n for n in built_frozen(ckpt.config) if n in trained]
+    if not names:
+        return []
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return [f"optimizer: {names[0]}{more} trained, as after from_pretrained (which makes every loaded weight trainable), "
+            "though the model's modules build them frozen: a model built from its config needs requires_grad_(True) on "
+            "them before loading these files"]
+
+
 def write_engine_checkpoint(
     ckpt: LogicalCheckpoint,
     dst: str,
@@ -149,7 +166,7 @@ def write_engine_checkpoint(
         written = write_files(out)  # each file hashed as it is finished (save_torch says so), beside the next ones
         if not isinstance(written, Written):
             written = Written(notes=list(written or []))
-        notes = list(written.notes)
+        notes = list(written.notes) + trained_though_built_frozen(ckpt, optimizer)
         at = os.path.join(out, written.at) if written.at else out
         files: dict[str, FileRecord] = tree_records(at, NATIVE_TOP, ahead=ahead)
         carried = ckpt

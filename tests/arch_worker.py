@@ -80,6 +80,8 @@ def check(engine: str, stage: int, hf_dir: str, dst: str) -> dict:
     cls = model_class(config)
     torch.manual_seed(1234)  # other weights than the checkpoint's: the load must replace every one
     model = cls._from_config(config).eval()
+    for p in model.parameters():  # trainable as from_pretrained leaves every loaded weight, one a module builds frozen
+        p.requires_grad_(p.is_floating_point())  # too (Ernie 4.5 MoE's e_score_correction_bias: our note says so)
     fsdp = engine == "fsdp2"
     module, loaded, gather = deepspeed_load(stage, model, dst) if engine == "deepspeed" else accelerate_load(model, dst, fsdp)
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=gather):

@@ -172,3 +172,23 @@ def test_a_model_transformers_cannot_build_is_refused_by_engine_targets(tmp_path
     done = subprocess.run(cli + [str(tmp_path / "uni"), "--to", "universal"], capture_output=True, text=True, env=worker_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "note: transformers" in done.stdout and "no tied weights known" in done.stdout
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_a_parameter_built_frozen_is_trained_as_from_pretrained_leaves_it_with_a_note(tmp_path, engine):
+    """Ernie 4.5 MoE's modules build e_score_correction_bias frozen and from_pretrained makes it trainable: the
+    engine files (positional: ZeRO's flat groups, optimizer.bin) train it, as a model loaded by from_pretrained
+    does, and a note says so and what a model built from its config needs (requires_grad_, which the engine's
+    load here does first); DeepSpeed's and accelerate's own loads then give every weight and the logits."""
+    from interop.manifest import read_manifest
+
+    name = "ernie4_5_moe"
+    frozen = "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
+    stage = 2 if engine == "deepspeed" else 0
+    results = engine_load(tmp_path, [name], engine, stage)
+    check_loaded(results, [name])
+    out = tmp_path / name / f"{engine}{stage}"
+    at = next(p.parent for p in out.rglob("manifest.json"))
+    assert [n for n in read_manifest(str(at)).notes if n.startswith(f"optimizer: {frozen} trained, as after from_pretrained")] == [
+        f"optimizer: {frozen} trained, as after from_pretrained (which makes every loaded weight trainable), though the model's "
+        "modules build them frozen: a model built from its config needs requires_grad_(True) on them before loading these files"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -95,19 +94,14 @@ def test_truncated_optimizer_file_is_named(runs, tmp_path):
 # does not decay; Ernie 4.5 MoE: a 2-D e_score_correction_bias built frozen, which from_pretrained makes trainable
 TRAINER_ARCHITECTURES = ["gpt_oss", "t5", "ernie4_5_moe"]
 SLOW_TRAINER_ARCHITECTURES = ["llava", "deepseek_v3", "bert", "opt"]
-ERNIE = ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", dict(architectures.LLAMA, head_dim=6, moe_num_experts=4, moe_k=2,
-                                                         moe_intermediate_size=20, moe_layer_start_index=1))
 
 
 def saved_model(root, name: str):
-    """``architectures.saved`` and the model's class; Ernie 4.5 MoE too, which is not in the grid of every target
-    (its engine loads are unmeasured)."""
+    """``architectures.saved``, and the model's class."""
     import transformers
 
-    specs = {ERNIE[0]: ERNIE} if name == ERNIE[0] else {}
-    with mock.patch.dict(architectures.ARCHITECTURES, specs):
-        _, hf = architectures.saved(root, name)
-        return getattr(transformers, architectures.ARCHITECTURES[name][1]), hf
+    _, hf = architectures.saved(root, name)
+    return getattr(transformers, architectures.spec(name)[1]), hf
 
 
 def trainer_on(model, out, steps: int = 1):

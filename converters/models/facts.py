@@ -122,7 +122,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 3  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 4  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ class _Answers:
     # module tensors save_pretrained splits into stored ones (MoE experts): their shape, and where each stored
     # tensor lies in them (None where transformers' operations are no views and must run on the values)
     splits: dict[str, fusion.SplitPlan]
+    built_frozen: tuple[str, ...] = ()  # parameters the model's modules build with requires_grad=False
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -153,7 +154,8 @@ class _Answers:
                 "buffers": list(self.buffers),
                 "splits": {k: {"shape": list(p.shape), "patterns": list(p.patterns), "views": None if p.views is None else
                                [[v.stored, list(v.shape), list(v.stride), v.offset] for v in p.views]}
-                           for k, p in self.splits.items()}}
+                           for k, p in self.splits.items()},
+                "built_frozen": list(self.built_frozen)}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -211,7 +213,7 @@ class _Answers:
         facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
                            tuple(strings(raw["ignore_unexpected"])))
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
-                   tuple(strings(raw["buffers"])), splits)
+                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])))
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -227,7 +229,8 @@ def _asked(key: str) -> _Answers | ConversionError:
     pieces = [v.stored for p in splits.values() for v in p.views or ()]  # the stored names the splits give
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys([*stored.values(), *pieces])},
                     bool(_live_converters(key)), _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
-                    tuple(n for n in model.state_dict() if n not in named), splits)
+                    tuple(n for n in model.state_dict() if n not in named), splits,
+                    tuple(n for n, p in model.named_parameters() if not p.requires_grad))
 
 
 def _split_plans(key: str, to_module: Callable[[str], tuple[str, str | None]],
@@ -300,6 +303,14 @@ def parameter_layout(config: dict[str, Any] | None) -> tuple[tuple[str, ...], tu
     order: the order an engine sees them in. None without a model transformers can build."""
     answers = _kept(config)
     return (answers.parameters, answers.buffers) if answers is not None else None
+
+
+def built_frozen(config: dict[str, Any] | None) -> tuple[str, ...]:
+    """The parameters the model's own modules build frozen (``requires_grad=False``, as Ernie 4.5 MoE's
+    ``e_score_correction_bias``), module names; from_pretrained makes every loaded floating-point weight trainable,
+    these too. Empty for a model transformers cannot build."""
+    answers = _kept(config)
+    return answers.built_frozen if answers is not None else ()
 
 
 def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int]]:
