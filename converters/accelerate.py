@@ -138,9 +138,13 @@ def _param_names(path: str, manifest: Manifest | None, config, model: dict, grou
 
     state_shapes = [[shapes_at(i) for i in g["params"]] for g in groups]
     rules = (own, *(r for r in GROUP_RULES if r != own)) if own else tuple(GROUP_RULES)
-    fits = positional_fits(meta, {n: tuple(t.spec.shape) for n, t in model.items()}, state_shapes, rules)
+    shapes = {n: tuple(t.spec.shape) for n, t in model.items()}
+    fits = positional_fits(meta, shapes, state_shapes, rules)
     if len(fits) == 1 or (fits and fits[0][0] in (own, "single")):
         return fits[0][1]
+    by_sizes = [] if fits else positional_fits(meta, shapes, [[[] for _ in g] for g in state_shapes], rules)
+    if by_sizes:  # the groups fit, a state's shape does not: the check of each entry names it
+        return by_sizes[0][1]
     sizes = [len(g["params"]) for g in groups]
     if fits:
         raise ConversionError(
@@ -154,15 +158,31 @@ def _param_names(path: str, manifest: Manifest | None, config, model: dict, grou
     )
 
 
+def _torch_optimizer_parts(path: str, state: Any) -> tuple[list[dict], dict[int, dict]]:
+    """A torch optimizer state dict's param groups and per-parameter state, their shape checked: each group a dict
+    whose ``params`` are parameter ids, each id in one group, each state entry a dict."""
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("state"), dict):
+        raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state' map and 'param_groups' list)")
+    groups, per_id, seen = state["param_groups"], state["state"], set()
+    for g, group in enumerate(groups):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise CorruptCheckpointError(path, f"param group {g} does not list parameter ids (integers)")
+        for i in ids:
+            if i in seen:
+                raise CorruptCheckpointError(path, f"parameter id {i} is listed twice in the param groups")
+            seen.add(i)
+    wrong = next((i for i, e in per_id.items() if type(i) is not int or not isinstance(e, dict)), None)
+    if wrong is not None:
+        raise CorruptCheckpointError(path, f"the optimizer state of parameter id {wrong!r} is not a map of its state")
+    return groups, per_id
+
+
 def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: bool, own: str | None = None) -> OptimizerState:
     """A torch optimizer state dict saved by position (accelerate's optimizer.bin, transformers' optimizer.pt),
     by parameter name: the manifest's ``param_names``, or the model's parameters split as the engine (``own``,
     a rule of :data:`GROUP_RULES`) or its users split them."""
-    state = load_accelerate_file(path, trust_pickle)
-    try:
-        groups, per_id = state["param_groups"], state["state"]
-    except (KeyError, TypeError):
-        raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state'/'param_groups')") from None
+    groups, per_id = _torch_optimizer_parts(path, load_accelerate_file(path, trust_pickle))
     names = _param_names(path, manifest, config, model, groups, per_id, own)
     if [len(g["params"]) for g in groups] != [len(n) for n in names]:
         raise CorruptCheckpointError(path, f"param groups of {[len(g['params']) for g in groups]} parameters, names for {[len(n) for n in names]}")

@@ -4,6 +4,7 @@ Trainer's own files (resumed by Trainer itself, exactly), and they read as the b
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -191,3 +192,30 @@ def test_to_hf_trainer_regroups_a_run_as_trainer_resumes_it(tmp_path):
 
     registry.writer("hf-trainer").write(registry.read(str(hf))[1], str(tmp_path / "fresh"), registry.Options())
     assert [len(g["params"]) for g in registry.read(str(tmp_path / "fresh"))[1].optimizer.param_groups] == [18, 19]
+
+
+DAMAGED_OPTIMIZER = {  # what is done to optimizer.pt's state dict -> the one line naming the problem
+    "a group's ids are not integers": (lambda o: o["param_groups"][0].update(params=5), "param group 0 does not list parameter ids"),
+    "the groups are no list": (lambda o: o.update(param_groups={"a": 1}), "not a torch optimizer state dict"),
+    "an id in two groups": (lambda o: o["param_groups"][1].update(params=o["param_groups"][0]["params"][:5]),
+                            "parameter id 0 is listed twice in the param groups"),
+    "a state entry is no map": (lambda o: o["state"].update({0: 7}), "the optimizer state of parameter id 0 is not a map"),
+    "a state of another shape": (lambda o: o["state"][0].update(exp_avg=torch.zeros(3)),
+                                 "optimizer state of 'model.embed_tokens.weight' does not have its shape"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_OPTIMIZER))
+def test_a_damaged_optimizer_state_dict_is_named(runs, tmp_path, damage):
+    """A Trainer checkpoint (no manifest: nothing records the names) whose optimizer.pt holds a state dict of the
+    wrong shape: one error naming the file and what is wrong, not a TypeError from deep inside the reader."""
+    import shutil
+
+    out, _, _ = runs
+    ckpt = shutil.copytree(out / "hf" / "checkpoint-2", tmp_path / "bare", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    change, message = DAMAGED_OPTIMIZER[damage]
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    change(state)
+    torch.save(state, ckpt / "optimizer.pt")
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{ckpt / 'optimizer.pt'}: {message}")):
+        read(str(ckpt))
