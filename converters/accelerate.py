@@ -24,6 +24,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Any
 
 from interop.lazy_import import torch
@@ -35,6 +36,7 @@ from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, 
 from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.safetensors_io import read_hf_safetensors
+from interop.structure import Is, Keys, ListOf, Maybe, TupleOf, check
 from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
@@ -46,7 +48,7 @@ from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import GROUP_RULES, EngineOrder, engine_order, positional_fits, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
-from .torch_zip import materialize
+from .torch_zip import TENSOR, TORCH_OPTIMIZER, materialize
 
 log = logging.getLogger(__name__)
 
@@ -159,23 +161,18 @@ def _param_names(path: str, manifest: Manifest | None, config, model: dict, grou
 
 
 def _torch_optimizer_parts(path: str, state: Any) -> tuple[list[dict], dict[int, dict]]:
-    """A torch optimizer state dict's param groups and per-parameter state, their shape checked: each group a dict
-    whose ``params`` are parameter ids, each id in one group, each state entry a dict."""
-    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("state"), dict):
-        raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state' map and 'param_groups' list)")
-    groups, per_id, seen = state["param_groups"], state["state"], set()
-    for g, group in enumerate(groups):
-        ids = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-            raise CorruptCheckpointError(path, f"param group {g} does not list parameter ids (integers)")
-        for i in ids:
+    """A torch optimizer state dict's param groups and per-parameter state, their structure checked
+    (:data:`TORCH_OPTIMIZER`), each parameter id in one group only."""
+    if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
+        raise CorruptCheckpointError(path, "not a torch optimizer state dict (no 'state' and 'param_groups')")
+    check(path, state, TORCH_OPTIMIZER)
+    seen: set[int] = set()
+    for group in state["param_groups"]:
+        for i in group["params"]:
             if i in seen:
                 raise CorruptCheckpointError(path, f"parameter id {i} is listed twice in the param groups")
             seen.add(i)
-    wrong = next((i for i, e in per_id.items() if type(i) is not int or not isinstance(e, dict)), None)
-    if wrong is not None:
-        raise CorruptCheckpointError(path, f"the optimizer state of parameter id {wrong!r} is not a map of its state")
-    return groups, per_id
+    return state["param_groups"], state["state"]
 
 
 def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: bool, own: str | None = None) -> OptimizerState:
@@ -215,8 +212,15 @@ def scale_scheduler(state: dict[str, Any], from_factor: int, to_factor: int, whe
     return state
 
 
-def rng_from_accelerate(states: dict[str, Any]) -> dict[str, Any]:
-    """accelerate's random_states_<rank>.pkl as interop.rng.RNGState's state dict."""
+# random.getstate() and numpy's RandomState.get_state(), as every framework's RNG file pickles them
+PYTHON_RNG = TupleOf(Integral, ListOf(Integral), Maybe(Real))
+NUMPY_RNG = TupleOf(str, Is(lambda v: hasattr(v, "shape") and hasattr(v, "dtype"), "an array"), Integral, Integral, Real)
+RANDOM_STATES_FILE = Keys(random_state=PYTHON_RNG, numpy_random_seed=NUMPY_RNG, torch_manual_seed=TENSOR)
+
+
+def rng_from_accelerate(states: dict[str, Any], path: str) -> dict[str, Any]:
+    """accelerate's random_states_<rank>.pkl (``path``) as interop.rng.RNGState's state dict."""
+    check(path, states, RANDOM_STATES_FILE)
     out = {
         "python": python_state_dict(states["random_state"]),
         "numpy": numpy_state_dict(states["numpy_random_seed"]),
@@ -279,8 +283,8 @@ def read_accelerate(path: str, trust_pickle: bool = False, verify_digests: bool 
     components = carried_components(owner, manifest, NATIVE_KEY)
     if RNG not in components:
         rank_state[RNG] = [
-            rng_from_accelerate(load_accelerate_file(os.path.join(directory, f"random_states_{r}.pkl"), trust_pickle))
-            for r in range(files.num_processes)
+            rng_from_accelerate(load_accelerate_file(path, trust_pickle), path)
+            for path in (os.path.join(directory, f"random_states_{r}.pkl") for r in range(files.num_processes))
         ]
     step = manifest.step if manifest else _step_of(directory, optimizer, trust_pickle)
     source = dict((manifest.source or {}) if manifest else {})

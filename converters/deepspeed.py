@@ -40,6 +40,7 @@ from interop.manifest import MANIFEST, Manifest
 from interop.dtypes import dtype_from_name
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
+from interop.structure import Absent, Keys, ListOf, MapOf, Maybe, OneOf, check
 from interop.verify import open_checkpoint
 
 from . import deepspeed_moe
@@ -48,7 +49,7 @@ from .engine_checkpoint import at_once, carried_components, owning_checkpoint, n
 from .models.facts import tied_groups
 from .hf import config_near
 from .pickle_safety import is_mapped, load_torch_file
-from .torch_zip import as_torch, copy_into, dtype_name_of, is_tensor, lazy_of, materialize, piece_of
+from .torch_zip import NUMBER, TENSOR, TORCH_OPTIMIZER, as_torch, copy_into, dtype_name_of, is_tensor, lazy_of, materialize, piece_of
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,10 @@ def native_files(tag_dir: str) -> NativeFiles:
     return NativeFiles(tag_dir, [optim[r] for r in range(world)], model, bool(kinds.pop()))
 
 
+_ENABLED = Maybe(Keys(enabled=Maybe(OneOf(bool, int, str))))
+DS_CONFIG_READ = Keys(zero_optimization=Maybe(Keys(stage=Absent(int))), bf16=_ENABLED, bfloat16=_ENABLED, fp16=_ENABLED)
+
+
 def precision_of_config(ds_config: dict[str, Any] | None) -> str:
     cfg = ds_config or {}
     if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
@@ -194,6 +199,8 @@ def describe(path: str, trust_pickle: bool = False, keep_states: bool = False) -
     ``rank0_states`` with ``keep_states``, for a reader that goes on to read them)."""
     files = native_files(locate(path))
     states = load_ds_file(files.model[0], trust_pickle)
+    if isinstance(states, dict):
+        check(files.model[0], states, Keys(ds_config=Maybe(DS_CONFIG_READ)))
     ds_config = states.get("ds_config") if isinstance(states, dict) else None
     stage = int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 3 if len(files.model) > 1 else 2))
     if len(files.model) > 1 or ZERO3_MODEL_FILE.match(os.path.basename(files.model[0])):
@@ -266,6 +273,21 @@ def _shape(s: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in s)
 
 
+# What the readers below use of DeepSpeed's files (runtime/engine.py's _save_checkpoint and _save_zero_checkpoint,
+# zero/stage_1_and_2.py's and stage3.py's state_dict), checked once each file is loaded
+SHAPE = ListOf(int)  # a torch.Size
+MODEL_STATES = Keys(
+    param_shapes=ListOf(MapOf(str, SHAPE)), frozen_param_shapes=Maybe(MapOf(str, SHAPE)),
+    frozen_param_fragments=Maybe(MapOf(str, TENSOR)), buffer_names=Maybe(ListOf(str)), shared_params=Maybe(MapOf(str, str)),
+    module=Maybe(MapOf(str, object)), dp_world_size=Maybe(int), global_steps=Maybe(int), num_experts=Maybe(OneOf(int, ListOf(int))),
+    ds_config=Maybe(DS_CONFIG_READ),
+)
+_BASE_STATE = OneOf(TORCH_OPTIMIZER, ListOf(MapOf(str, Maybe(OneOf(TENSOR, NUMBER)))))  # rigid, or elastic (per group)
+_ZERO_COMMON = dict(partition_count=OneOf(int, ListOf(int)), param_alignment_paddings=Maybe(ListOf(ListOf(int))))
+OPTIM_STATES_ZERO12 = Keys(optimizer_state_dict=Keys(single_partition_of_fp32_groups=ListOf(TENSOR), base_optimizer_state=_BASE_STATE, **_ZERO_COMMON))
+OPTIM_STATES_ZERO3 = Keys(optimizer_state_dict=Keys(fp32_flat_groups=ListOf(TENSOR), optimizer_state_dict=_BASE_STATE, **_ZERO_COMMON))
+
+
 @dataclass
 class _Optim:
     """One rank's ZeRO optimizer file, normalised across ZeRO-1/2, BF16_Optimizer and ZeRO-3."""
@@ -282,6 +304,9 @@ class _Optim:
 
 def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
     sd = load_ds_file(path, trust_pickle)
+    if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
+        raise CorruptCheckpointError(path, "not a ZeRO optimizer file: missing 'optimizer_state_dict'")
+    check(path, sd, OPTIM_STATES_ZERO3 if zero3 else OPTIM_STATES_ZERO12)
     try:
         osd = sd["optimizer_state_dict"]
         if zero3:
@@ -293,6 +318,8 @@ def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
         count = osd["partition_count"]
     except (KeyError, TypeError) as exc:
         raise CorruptCheckpointError(path, f"not a ZeRO optimizer file: missing {exc}") from None
+    if isinstance(count, (list, tuple)) and not count:
+        raise CorruptCheckpointError(path, "optimizer_state_dict.partition_count is an empty list, not a rank count")
     per_group = [int(c) for c in count] if isinstance(count, (list, tuple)) else None
     count = max(per_group) if per_group else int(count)
     if isinstance(base, dict):  # a torch optimizer state dict (the default, "rigid" layout)
@@ -456,6 +483,7 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
         ms = rank0 if i == 0 else load_ds_file(p, trust_pickle)
         if not isinstance(ms, dict) or "param_shapes" not in ms:
             raise CorruptCheckpointError(p, "not a DeepSpeed model-states file (no param_shapes)")
+        check(p, ms, MODEL_STATES)
         saved_world = ms.get("dp_world_size")
         if saved_world is not None and int(saved_world) != world:
             raise TopologyError(f"{p}: saved by {saved_world} ranks, but the directory holds {world} optimizer files (two world sizes mixed)")
@@ -562,8 +590,12 @@ def _state_layout(ckpt: DeepSpeedCheckpoint) -> tuple[list[str], dict[int, dict[
     for o in ckpt.optims:
         for flat, state in enumerate(o.state):
             absent = tensor_keys - set(state)
-            if state and absent:
+            if absent:  # every flat group is stepped whole (a parameter without a gradient steps on zeros)
                 raise CorruptCheckpointError(o.path, f"group {flat} lacks optimizer state {sorted(absent)} that other groups have")
+            flat_key = next((k for k in tensor_keys if not (is_tensor(state[k]) and state[k].dim() > 0)), None)
+            if flat_key is not None:
+                raise CorruptCheckpointError(o.path, f"optimizer state {flat_key!r} of group {flat} is a "
+                                                     f"{type(state[flat_key]).__name__}; other groups hold a tensor of it")
     return sorted(tensor_keys), scalars
 
 
@@ -575,7 +607,7 @@ def _optimizer(ckpt: DeepSpeedCheckpoint) -> OptimizerState:
         by_group.setdefault(p.group, []).append(p.name)
     groups = []
     for g, group in enumerate(o0.param_groups or [{}] * (max(by_group, default=-1) + 1)):
-        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper = {k: materialize(v) for k, v in group.items() if k != "params"}  # a tensor lr: torch's, not a stand-in
         groups.append({**hyper, "params": by_group.get(g, [])})
     tensors: dict[str, dict[str, LazyTensor]] = {}
     for key in tensor_keys:

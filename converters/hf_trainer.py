@@ -34,15 +34,17 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.jsonio import read_json
 from interop.safetensors_io import read_hf_safetensors
+from interop.structure import Absent, Keys, ListOf, OneOf, check
 from interop.universal import model_entries, write_sharded
 
-from .accelerate import SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
+from .accelerate import NUMPY_RNG, PYTHON_RNG, SCHEDULER, fresh_rng_states, load_accelerate_file, optimizer_from_torch_file, rank_rng_states, torch_optimizer_state
 from .detection import HF_TRAINER_KEY, TRAINER_STATE, is_hf_trainer_checkpoint, locate_hf_trainer as locate  # noqa: F401
 from .engine_checkpoint import RNG, carried_components, component_state, owning_checkpoint, write_engine_checkpoint
 from .models.facts import in_module_names, in_stored_names, tied_groups
 from .models.adapters import ADAPTER_CONFIG, engine_model, has_peft_names, in_peft_names, write_adapter_files
 from .param_order import EngineOrder, engine_order, regroup, trainer_decay_names
 from .pickle_safety import numpy_allowlist, save_torch, screen_pickles
+from .torch_zip import TENSOR
 
 NATIVE_KEY = HF_TRAINER_KEY  # our trainer's native component: a transformers Trainer checkpoint directory
 OPTIM_PT, SCHEDULER_PT, RNG_PT = "optimizer.pt", "scheduler.pt", "rng_state.pth"
@@ -58,8 +60,9 @@ def screen_trainer_checkpoint(directory: str, trust_pickle: bool = False) -> Non
     screen_pickles([os.path.join(directory, n) for n in sorted(names)], trust_pickle, numpy_allowlist())
 
 
-def rng_from_hf(state: dict[str, Any]) -> dict[str, Any]:
-    """``rng_state.pth`` as ``interop.rng.RNGState``'s state dict."""
+def rng_from_hf(state: dict[str, Any], path: str) -> dict[str, Any]:
+    """``rng_state.pth`` (``path``) as ``interop.rng.RNGState``'s state dict."""
+    check(path, state, Keys(python=PYTHON_RNG, numpy=NUMPY_RNG, cpu=TENSOR, cuda=Absent(OneOf(TENSOR, ListOf(TENSOR)))))
     out = {"python": python_state_dict(state["python"]), "numpy": numpy_state_dict(state["numpy"]), "torch": state["cpu"]}
     if "cuda" in state:
         cuda = state["cuda"]
@@ -118,7 +121,8 @@ def read_hf_trainer(path: str, trust_pickle: bool = False, verify_digests: bool 
     if os.path.isfile(sched_path):
         extra[SCHEDULER] = load_accelerate_file(sched_path, trust_pickle)
     rng_files = sorted((f for f in os.listdir(directory) if f.startswith("rng_state")), key=lambda f: (len(f), f))
-    rank_state = {RNG: [rng_from_hf(load_accelerate_file(os.path.join(directory, f), trust_pickle)) for f in rng_files]} if rng_files else {}
+    rank_state = {RNG: [rng_from_hf(load_accelerate_file(p, trust_pickle), p) for p in (os.path.join(directory, f) for f in rng_files)]
+                  } if rng_files else {}
     components = carried_components(owner, manifest, NATIVE_KEY)
     world = max(1, len(rng_files))
     source = dict((manifest.source or {}) if manifest else {})

@@ -33,6 +33,7 @@ from interop.dtypes import dtype_from_name, dtype_name, is_floating, itemsize
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
+from interop.structure import Absent, Is, Keys, ListOf, MapOf, Maybe, OneOf, check
 from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, sub_pieces, zeros
 from interop.universal import scalar_entry, scalar_value
 
@@ -48,7 +49,7 @@ from .megatron_pieces import RankPieces, fused_dtype
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
-from .torch_zip import StoredTensor, as_torch, dtype_name_of, is_tensor, materialize
+from .torch_zip import NUMBER, TENSOR, TORCH_OPTIMIZER, StoredTensor, as_torch, dtype_name_of, is_tensor, materialize
 
 if TYPE_CHECKING:
     from .dcp import Tiles
@@ -192,6 +193,24 @@ def locate(path: str, args: dict[str, Any] | None = None, check: bool = True) ->
 
 
 # --- reading --------------------------------------------------------------------------------------------------
+# What the reader uses of a rank's model_optim_rng.pt (megatron/training/checkpointing.py's save_checkpoint):
+# the model (or each virtual-pipeline chunk's, model0, model1, ...), the arguments, the optimizer (a MoE's chained
+# optimizers: a list) and the RNG states; checked once the file is loaded
+_STATE_MAP = MapOf(str, object)
+RANK_STATE = Keys(
+    model=Absent(_STATE_MAP), iteration=Maybe(int), checkpoint_version=Maybe(NUMBER), rng_state=Maybe(ListOf(object)),
+    args=Maybe(Is(lambda a: isinstance(a, dict) or hasattr(a, "__dict__"), "Megatron's arguments (a namespace)")),
+    optimizer=Maybe(OneOf(_STATE_MAP, ListOf(_STATE_MAP))),
+)
+
+
+def _rank_state(path: str, state: Any) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(path, f"is a {type(state).__name__}, not a Megatron rank's state dict")
+    check(path, state, Keys(RANK_STATE, **{k: _STATE_MAP for k in state if re.fullmatch(r"model\d+", str(k))}))
+    return state
+
+
 def _model_chunks(state: dict[str, Any], path: str) -> list[dict[str, Any]]:
     if "model" in state:
         return [state["model"]]
@@ -419,6 +438,9 @@ class _RankModel:
 
     names: list[str]  # global Megatron names, canonical (no aliases)
     tensors: dict[str, torch.Tensor]
+    # tied copies, after every name in module order: the last pipeline stage's output_layer.weight, a parameter of
+    # its own there (megatron-core's shared_embedding_or_output_weight), which that stage's optimizer numbers too
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _expert_at(name: str) -> tuple[int, int] | None:
@@ -475,7 +497,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
         path = files.all_paths[(t, p, e)]
         if len(cs) != vpp:
             raise CorruptCheckpointError(path, f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
-        names, tensors = [], {}
+        names, tensors, copies = [], {}, {}
         for v, chunk in enumerate(cs):
             for key, value in chunk.items():
                 if not is_tensor(value):
@@ -502,6 +524,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 rule = canon.get(name)
                 if rule is None:
                     if name == "output_layer.weight":  # tied: the last stage's copy of the embedding
+                        copies[name] = value
                         continue
                     raise ConversionError(
                         f"{path}: tensor {key!r} has no Hugging Face name (Megatron-LM from before megatron-core?)"
@@ -510,7 +533,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     raise CorruptCheckpointError(path, f"holds {rule.megatron} twice (as {key!r} too)")
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
-        out[(t, p, e)] = _RankModel(names, tensors)
+        out[(t, p, e)] = _RankModel(names, tensors, copies)
     return out
 
 
@@ -561,6 +584,23 @@ def _check_experts(arch: MegatronArch, files: LegacyFiles, args: dict[str, Any],
                               f"{files.tp}; legacy files are read with the two equal (Megatron-LM's default)")
 
 
+def _same_state_kinds(optim3: dict, paths: dict) -> None:
+    """Every parameter's optimizer state holds the same keys, each a tensor of its shape or a scalar alike, on every
+    rank: the conversion takes each key's kind from one entry and reads the others' as that."""
+    first = None
+    held = [key for key, (per_name, _, _) in optim3.items() if per_name]
+    empty = [key for key in optim3 if key not in held]
+    if held and empty:
+        raise CorruptCheckpointError(paths[empty[0]], f"holds no optimizer state, where {paths[held[0]]} holds it")
+    for key, (per_name, _, _) in optim3.items():
+        for name, entries in per_name.items():
+            kinds = {k: "a tensor" if is_tensor(v) and v.dim() > 0 else "a scalar" for k, v in entries.items()}
+            if first is None:
+                first = (kinds, name)
+            elif kinds != first[0]:
+                raise CorruptCheckpointError(paths[key], f"optimizer state of {name} is {kinds}, where {first[1]}'s is {first[0]}")
+
+
 def _merge_expert_ranks(files: LegacyFiles, ranks3: dict, optim3: dict) -> tuple[dict, dict]:
     """Each (TP, PP) rank's model and optimizer with the experts of every expert-parallel rank: the expert groups
     of rank e > 0 (its only groups) extend the last groups of rank 0's."""
@@ -595,23 +635,29 @@ def is_no_decay(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def _group_members(groups: list[dict[str, Any]], rank: _RankModel, path: str) -> list[list[str]]:
-    """Which Megatron parameters each optimizer group numbers, in order (ids run over the groups in turn)."""
-    params = rank.names
-    decay = [n for n in params if not is_no_decay(n, tuple(rank.tensors[n].shape))]
-    no_decay = [n for n in params if is_no_decay(n, tuple(rank.tensors[n].shape))]
-    members: list[list[str]] = []
-    for g in groups:
-        zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
-        pool = no_decay if zero_wd else decay
-        count = len(g["params"])
-        if count > len(pool):
-            raise ConversionError(f"{path}: optimizer group of {count} parameters; the model has {len(pool)} of that kind")
-        members.append(pool[:count])
-        del pool[:count]
-    left = decay + no_decay
-    if left:
-        raise ConversionError(f"{path}: parameters in no optimizer group: {left[:3]}")
-    return members
+    """Which Megatron parameters each optimizer group numbers, in order (ids run over the groups in turn): the
+    rank's tied copy too where the groups number it (Megatron-LM's own files), else only its names."""
+    shapes = {n: tuple(t.shape) for n, t in {**rank.tensors, **rank.copies}.items()}
+    problem = ""
+    for params in ([*rank.names, *rank.copies], rank.names) if rank.copies else (rank.names,):
+        decay = [n for n in params if not is_no_decay(n, shapes[n])]
+        no_decay = [n for n in params if is_no_decay(n, shapes[n])]
+        members: list[list[str]] = []
+        for g in groups:
+            zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
+            pool = no_decay if zero_wd else decay
+            count = len(g["params"])
+            if count > len(pool):
+                problem = problem or f"optimizer group of {count} parameters; the model has {len(pool)} of that kind"
+                break
+            members.append(pool[:count])
+            del pool[:count]
+        else:
+            left = decay + no_decay
+            if not left:
+                return members
+            problem = problem or f"parameters in no optimizer group: {left[:3]}"
+    raise ConversionError(f"{path}: {problem}")
 
 
 def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, torch.Tensor]]:
@@ -635,11 +681,17 @@ def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple
     for part, names in zip(opt, (dense, experts)):
         if not names:
             continue  # an expert-parallel rank other than 0: its dense optimizer is rank 0's replica
-        got = _one_optimizer(part, _RankModel(names, {n: rank.tensors[n] for n in names}), path)
+        got = _one_optimizer(part, _RankModel(names, {n: rank.tensors[n] for n in names}, rank.copies if names is dense else {}), path)
         per_name.update(got[0])
         groups += got[1]
         master.update(got[2])
     return per_name, groups, master
+
+
+# Megatron's mixed-precision optimizer (megatron/core/optimizer/optimizer.py, Float16OptimizerWithFloat16Params's
+# state_dict): torch's state dict inside, and the fp32 master copies of each group's parameters beside it
+MEGATRON_TORCH = Keys(TORCH_OPTIMIZER, param_groups=ListOf(Keys(params=ListOf(int), weight_decay=Maybe(NUMBER), wd_mult=Maybe(NUMBER))))
+MEGATRON_OPTIMIZER = Keys(optimizer=MEGATRON_TORCH, fp32_from_fp16_params=Maybe(ListOf(ListOf(TENSOR))))
 
 
 def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, torch.Tensor]]:
@@ -647,6 +699,7 @@ def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dic
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
     if not isinstance(inner, dict) or "param_groups" not in inner:
         raise CorruptCheckpointError(path, "optimizer entry is neither torch's state dict nor Megatron's mixed-precision dict")
+    check(path, opt, MEGATRON_OPTIMIZER if inner is not opt else MEGATRON_TORCH)
     groups = inner["param_groups"]
     members = _group_members(groups, rank, path)
     by_id = [n for m in members for n in m]
@@ -654,13 +707,22 @@ def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dic
     for pid, entries in inner.get("state", {}).items():
         if not isinstance(pid, int) or pid >= len(by_id):
             raise CorruptCheckpointError(path, f"optimizer state for parameter id {pid!r}, which no group holds")
-        per_name[by_id[pid]] = entries
+        name = by_id[pid]
+        shape = tuple((rank.tensors[name] if name in rank.tensors else rank.copies[name]).shape)
+        wrong = next((k for k, v in entries.items() if is_tensor(v) and v.dim() > 0 and tuple(v.shape) != shape), None)
+        if wrong is not None:
+            raise CorruptCheckpointError(path, f"optimizer state {wrong!r} of {name} is {list(entries[wrong].shape)}, not its shape {list(shape)}")
+        per_name[name] = entries
     if "fp32_from_fp16_params" in opt:
         flat = [t for g in opt["fp32_from_fp16_params"] for t in g]
         if len(flat) != len(by_id):
             raise CorruptCheckpointError(path, f"{len(flat)} fp32 master copies for {len(by_id)} parameters")
         master = dict(zip(by_id, flat))
-    named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(groups, members)]
+    for copy in rank.copies:  # numbered, and the embedding's replica: its state is the embedding's
+        per_name.pop(copy, None)
+        master.pop(copy, None)
+    named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [n for n in m if n not in rank.copies]}
+                    for g, m in zip(groups, members)]
     return per_name, named_groups, master
 
 
@@ -746,7 +808,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     first = files.paths[(0, 0)]
     # the rank files as stand-ins: each tensor's bytes are read, and checked against the manifest, only where used
     # (an HF export reads the fp32 masters, not the moments)
-    head = load_megatron_file(first, trust_pickle, stored=True)
+    head = _rank_state(first, load_megatron_file(first, trust_pickle, stored=True))
     args = head.get("args")
     if args is not None:
         args_d = vars(args) if not isinstance(args, dict) else args
@@ -761,7 +823,8 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
                                      "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
     _check_experts(arch, files, args_d, first)
-    states3 = {key: (head if key == (0, 0, 0) else load_megatron_file(p, trust_pickle, stored=True)) for key, p in files.all_paths.items()}
+    states3 = {key: (head if key == (0, 0, 0) else _rank_state(p, load_megatron_file(p, trust_pickle, stored=True)))
+               for key, p in files.all_paths.items()}
     all_rules = rules(arch)
     ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
     if arch.experts and any(os.path.isfile(os.path.join(os.path.dirname(p), DISTRIB_OPTIM)) for p in files.all_paths.values()):
@@ -773,6 +836,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         else _rank_optimizer(states3[key], ranks3[key], files.all_paths[key])
         for key in ranks3
     }
+    _same_state_kinds(optim3, files.all_paths)
     if arch.experts:
         for key in ranks3:
             width = {"1": arch.ffn * (2 if arch.gated else 1) // files.tp, "2": arch.ffn // files.tp}

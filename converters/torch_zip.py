@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from interop.dtypes import is_dtype_name, itemsize, unpack_scalar
 from interop.errors import CorruptCheckpointError
+from interop.structure import Is, Keys, ListOf, MapOf, Maybe, OneOf
 from interop.lazy_import import instance_of, torch
 from interop.tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
@@ -561,6 +562,16 @@ def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int |
 # --- working with either kind of tensor ----------------------------------------------------------------------
 def is_tensor(value: Any) -> bool:
     return isinstance(value, StoredTensor) or instance_of(value, "torch", "Tensor")
+
+
+TENSOR = Is(is_tensor, "a tensor")
+NUMBER = (int, float)
+# a torch optimizer's state dict, as its readers use it: param groups numbering parameters, each one's state a
+# map of tensors and numbers (AdamW's step is either)
+TORCH_OPTIMIZER = Keys(
+    param_groups=ListOf(Keys(params=ListOf(int), weight_decay=Maybe(NUMBER), lr=Maybe(OneOf(NUMBER, TENSOR)))),
+    state=MapOf(int, MapOf(str, OneOf(TENSOR, NUMBER, bool))),
+)
 
 
 def dtype_name_of(value: Any) -> str:

@@ -1031,6 +1031,71 @@ def test_overlapping_offsets_in_plain_hf_dir(base, tmp_path, capsys):
 # =====================================================================================================
 # 5. bad input: one line, exit 2, no traceback
 # =====================================================================================================
+# A value of another type deep inside an engine's pickled file (a bare checkpoint: no manifest, so no digest
+# catches it; damaged, hand-edited, or another version's layout): the conversion either succeeds (a value nothing
+# reads, or one it reads as it is) or stops with one line naming the file, never an error from deep in a reader
+STRUCTURE_VALUES = [None, 7, -1, "x", [], {}, 1.5, [1, 2], {"a": 1}, "tensor"]
+STRUCTURE_ROWS = [pytest.param("deepspeed", 2, 12, id="zero2"), pytest.param("accelerate", None, 12, id="accelerate"),
+                  pytest.param("hf_trainer", None, 12, id="hf_trainer"), pytest.param("megatron", None, 12, id="megatron"),
+                  pytest.param("deepspeed", 3, 60, id="zero3-slow", marks=[pytest.mark.slow]),
+                  *[pytest.param(e, st, 60, id=f"{e}-slow", marks=[pytest.mark.slow])
+                    for e, st in (("deepspeed", 2), ("accelerate", None), ("hf_trainer", None), ("megatron", None))]]
+
+
+def _value_paths(obj, prefix=()):
+    """Every key path inside nested dicts and lists (long lists, a tensor's rows, left whole)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) and len(obj) < 64 else ()
+    for key, value in items:
+        yield prefix + (key,)
+        yield from _value_paths(value, prefix + (key,))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine,stage,cases", STRUCTURE_ROWS)
+def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckpt, base, tmp_path, capsys, engine, stage, cases):
+    if engine == "megatron":
+        source = tmp_path / "megatron"
+        assert main(["convert", str(base / "run"), str(source), "--to", "megatron", "--tp", "2", "--pp", "2"]) == 0
+    else:
+        source = engine_ckpt(engine, stage)
+    config = json.loads(next(Path(source).rglob("manifest.json")).read_text())["model"]["config"]
+    bare = shutil.copytree(source, tmp_path / "bare", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    pickled = sorted(p.relative_to(bare) for p in bare.rglob("*") if p.suffix in (".pt", ".bin", ".pkl", ".pth"))
+    for d in {p.parent for p in pickled} | {Path(".")}:
+        (bare / d / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "convert", bare, tmp_path / "clean", "--to", "universal")
+    assert code == 0, err
+    rng = random.Random(f"{engine}{stage}")
+    named = refused = 0
+    for case in range(cases):
+        ckpt = copy(bare, tmp_path / f"case{case}")
+        rel = rng.choice(pickled)
+        obj = torch.load(ckpt / rel, weights_only=False)  # the test's own file
+        paths = list(_value_paths(obj))
+        if not paths:  # training_args.bin: a pickled object, never read
+            continue
+        at = rng.choice(paths)
+        value = rng.choice(STRUCTURE_VALUES)
+        value = torch.zeros(2) if value == "tensor" else value
+        holder = obj
+        for key in at[:-1]:
+            holder = holder[key]
+        holder[at[-1]] = value
+        torch.save(obj, ckpt / rel)
+        dst = tmp_path / f"out{case}"
+        code, _, err = run_cli(capsys, "convert", ckpt, dst, "--to", "universal")
+        what = f"{rel}: {at} := {value!r}"
+        if code != 0:  # one line: the file where a reader finds it (a target that cannot hold a value says so)
+            assert_one_line_error(code, err)
+            assert "unexpected" not in err, (what, err)
+            assert not dst.exists(), what
+            named += str(ckpt) in err
+            refused += 1
+        shutil.rmtree(ckpt)
+        shutil.rmtree(dst, ignore_errors=True)
+    assert refused > 0 and named >= refused - 1, (named, refused)  # the changes do reach the readers, which name the file
+
+
 BAD_JSON = {"truncated": b'{"model_type": "llama", ', "not-utf8": b'{"model_type": "\xff\xfe"}',
             "nan": None}
 

@@ -195,11 +195,11 @@ def test_to_hf_trainer_regroups_a_run_as_trainer_resumes_it(tmp_path):
 
 
 DAMAGED_OPTIMIZER = {  # what is done to optimizer.pt's state dict -> the one line naming the problem
-    "a group's ids are not integers": (lambda o: o["param_groups"][0].update(params=5), "param group 0 does not list parameter ids"),
-    "the groups are no list": (lambda o: o.update(param_groups={"a": 1}), "not a torch optimizer state dict"),
+    "a group's ids are not integers": (lambda o: o["param_groups"][0].update(params=5), "param_groups[0].params is an int, not a list of (an int)"),
+    "the groups are no list": (lambda o: o.update(param_groups={"a": 1}), "param_groups is a dict, not a list of (a map)"),
     "an id in two groups": (lambda o: o["param_groups"][1].update(params=o["param_groups"][0]["params"][:5]),
                             "parameter id 0 is listed twice in the param groups"),
-    "a state entry is no map": (lambda o: o["state"].update({0: 7}), "the optimizer state of parameter id 0 is not a map"),
+    "a state entry is no map": (lambda o: o["state"].update({0: 7}), "state[0] is an int, not a map of ("),
     "a state of another shape": (lambda o: o["state"][0].update(exp_avg=torch.zeros(3)),
                                  "optimizer state of 'model.embed_tokens.weight' does not have its shape"),
 }
