@@ -24,6 +24,7 @@ import mmap
 import os
 import pickle
 import struct
+import sys
 import threading
 import zipfile
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ from typing import Any, Callable
 from interop.dtypes import is_dtype_name, itemsize, unpack_scalar
 from interop.errors import CorruptCheckpointError
 from interop.structure import Is, Keys, ListOf, MapOf, Maybe, OneOf
-from interop.lazy_import import instance_of, torch
+from interop.lazy_import import torch
 from interop.tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 # torch's legacy storage classes, as data.pkl names them, and the dtype each holds (torch.serialization).
@@ -561,7 +562,10 @@ def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int |
 
 # --- working with either kind of tensor ----------------------------------------------------------------------
 def is_tensor(value: Any) -> bool:
-    return isinstance(value, StoredTensor) or instance_of(value, "torch", "Tensor")
+    if isinstance(value, StoredTensor):
+        return True
+    loaded = sys.modules.get("torch")  # (instance_of, without its tuple: asked of every optimizer state entry)
+    return loaded is not None and isinstance(value, loaded.Tensor)
 
 
 TENSOR = Is(is_tensor, "a tensor")
@@ -570,7 +574,7 @@ NUMBER = (int, float)
 # map of tensors and numbers (AdamW's step is either)
 TORCH_OPTIMIZER = Keys(
     param_groups=ListOf(Keys(params=ListOf(int), weight_decay=Maybe(NUMBER), lr=Maybe(OneOf(NUMBER, TENSOR)))),
-    state=MapOf(int, MapOf(str, OneOf(TENSOR, NUMBER, bool))),
+    state=MapOf(int, MapOf(str, Maybe(OneOf(TENSOR, NUMBER, bool)))),  # None: an optimizer's unset slot
 )
 
 
