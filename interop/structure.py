@@ -3,8 +3,9 @@ file holding a value of another type (damaged, hand-edited, or from a version of
 layout) is one error naming the file and the key, not a TypeError from deep inside the reader.
 
 A spec is a type or tuple of types (``int`` never matches a bool), :class:`Is` (a test), :class:`Keys` (a mapping
-with these keys; each required unless :class:`Maybe` or :class:`Absent`), :class:`ListOf`, :class:`TupleOf`, :class:`MapOf` or :class:`OneOf`. Only what readers use is
-described; other keys pass unchecked, as the engines' own loaders ignore them too.
+with these keys; each required unless :class:`Maybe` or :class:`Absent`), :class:`ListOf`, :class:`TupleOf`,
+:class:`MapOf` or :class:`OneOf`. Only what readers use is described; other keys pass unchecked, as the engines'
+own loaders ignore them too.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class MapOf:
 
 @dataclass(frozen=True)
 class OneOf:
+    """A value that is any of these specs."""
+
     specs: tuple[Any, ...]
 
     def __init__(self, *specs: Any):
