@@ -35,6 +35,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
+from interop.structure import Absent, Is, Keys, ListOf, MapOf, Maybe, OneOf, check
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
@@ -48,7 +49,7 @@ from .megatron import (
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
-from .torch_zip import as_torch, is_tensor, materialize
+from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
 from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index
 from .megatron_pieces import RankPieces, fused_dtype
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
@@ -56,6 +57,14 @@ from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as loc
 log = logging.getLogger(__name__)
 
 COMMON = "common.pt"
+# What the reader uses of common.pt: the arguments, the iteration, and each of megatron-core's optimizers' param
+# groups (a mixed-precision optimizer's one level down; a MoE's chained ones keyed 0 and 1); checked once loaded
+# (each key where present: the distributed optimizer's holds only its param_state_sharding_type here)
+_TORCH_PART = Keys(param_groups=Absent(ListOf(Keys(wd_mult=Maybe(NUMBER), weight_decay=Maybe(NUMBER), step=Absent(OneOf(NUMBER, TENSOR))))),
+                   state=Maybe(Keys(common_step=Maybe(OneOf(NUMBER, TENSOR)))))
+_PART = Keys(_TORCH_PART, optimizer=Absent(_TORCH_PART))
+COMMON_STATE = Keys(args=Maybe(Is(lambda a: isinstance(a, dict) or hasattr(a, "__dict__"), "Megatron's arguments (a namespace)")),
+                    iteration=Maybe(int), optimizer=Maybe(OneOf(_PART, MapOf(int, _PART))))
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
 CHAINED = "chained_"  # megatron-core's ChainedOptimizer: chained_<i>.optimizer.state.<key>.<name> for its i-th optimizer
@@ -94,6 +103,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if not os.path.isfile(common_path):
         raise MissingFileError(common_path, "missing: torch_dist keeps args and iteration there")
     common = load_megatron_file(common_path, trust_pickle, stored=True)  # its tensors (a step) read without torch
+    if not isinstance(common, dict):
+        raise CorruptCheckpointError(common_path, f"is a {type(common).__name__}, not megatron-core's common state dict")
+    check(common_path, common, COMMON_STATE)
     args = common.get("args")
     if args is None:
         raise CorruptCheckpointError(common_path, "holds no 'args': the model's shape is unknown")

@@ -141,7 +141,9 @@ def _problem(value: Any, spec: Any, where: str) -> tuple[str, str, str] | None:
     if isinstance(spec, OneOf):
         if any(_ok(value, s) for s in spec.specs):
             return None
-        return where, _kind(value), _describe(spec)
+        problems = [_problem(value, s, where) for s in spec.specs]
+        deepest = max(problems, key=lambda p: len(p[0]))  # an alternative of the value's own kind, wrong inside
+        return deepest if len(deepest[0]) > len(where) else (where, _kind(value), _describe(spec))
     if isinstance(spec, Keys):
         if not isinstance(value, Mapping):
             return where, _kind(value), "a map"

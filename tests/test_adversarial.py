@@ -1037,9 +1037,11 @@ def test_overlapping_offsets_in_plain_hf_dir(base, tmp_path, capsys):
 STRUCTURE_VALUES = [None, 7, -1, "x", [], {}, 1.5, [1, 2], {"a": 1}, "tensor"]
 STRUCTURE_ROWS = [pytest.param("deepspeed", 2, 12, id="zero2"), pytest.param("accelerate", None, 12, id="accelerate"),
                   pytest.param("hf_trainer", None, 12, id="hf_trainer"), pytest.param("megatron", None, 12, id="megatron"),
+                  pytest.param("megatron-dist", None, 12, id="megatron-dist"),
                   pytest.param("deepspeed", 3, 60, id="zero3-slow", marks=[pytest.mark.slow]),
                   *[pytest.param(e, st, 60, id=f"{e}-slow", marks=[pytest.mark.slow])
-                    for e, st in (("deepspeed", 2), ("accelerate", None), ("hf_trainer", None), ("megatron", None))]]
+                    for e, st in (("deepspeed", 2), ("accelerate", None), ("hf_trainer", None), ("megatron", None),
+                                  ("megatron-dist", None))]]
 
 
 def _value_paths(obj, prefix=()):
@@ -1053,9 +1055,9 @@ def _value_paths(obj, prefix=()):
 @pytest.mark.dist
 @pytest.mark.parametrize("engine,stage,cases", STRUCTURE_ROWS)
 def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckpt, base, tmp_path, capsys, engine, stage, cases):
-    if engine == "megatron":
-        source = tmp_path / "megatron"
-        assert main(["convert", str(base / "run"), str(source), "--to", "megatron", "--tp", "2", "--pp", "2"]) == 0
+    if engine.startswith("megatron"):  # our writer's files, in Megatron-LM's layout (a tied model on 2 stages)
+        source = tmp_path / engine
+        assert main(["convert", str(base / "run"), str(source), "--to", engine, "--tp", "2", "--pp", "2"]) == 0
     else:
         source = engine_ckpt(engine, stage)
     config = json.loads(next(Path(source).rglob("manifest.json")).read_text())["model"]["config"]
@@ -1066,7 +1068,7 @@ def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckp
     code, _, err = run_cli(capsys, "convert", bare, tmp_path / "clean", "--to", "universal")
     assert code == 0, err
     rng = random.Random(f"{engine}{stage}")
-    named = refused = 0
+    refused, unnamed = 0, []
     for case in range(cases):
         ckpt = copy(bare, tmp_path / f"case{case}")
         rel = rng.choice(pickled)
@@ -1089,11 +1091,14 @@ def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckp
             assert_one_line_error(code, err)
             assert "unexpected" not in err, (what, err)
             assert not dst.exists(), what
-            named += str(ckpt) in err
             refused += 1
+            if str(ckpt) not in err:
+                unnamed.append((what, err.strip()))
         shutil.rmtree(ckpt)
         shutil.rmtree(dst, ignore_errors=True)
-    assert refused > 0 and named >= refused - 1, (named, refused)  # the changes do reach the readers, which name the file
+    # the changes reach the readers, which name the file; the one refusal that names none is the universal format's
+    # own limit (a tensor put into a param group, which the readers carry as the value it is)
+    assert refused > 0 and [u for u in unnamed if "optimizer param groups hold tensors" not in u[1]] == [], unnamed
 
 
 BAD_JSON = {"truncated": b'{"model_type": "llama", ', "not-utf8": b'{"model_type": "\xff\xfe"}',
