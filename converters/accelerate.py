@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
-from interop.lazy_import import torch
 
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import LogicalCheckpoint, OptimizerState
@@ -48,7 +47,7 @@ from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import GROUP_RULES, EngineOrder, engine_order, positional_fits, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
-from .torch_zip import TENSOR, TORCH_OPTIMIZER, materialize
+from .torch_zip import TENSOR, TORCH_OPTIMIZER, materialize, state_shapes
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +133,13 @@ def _param_names(path: str, manifest: Manifest | None, config, model: dict, grou
             "their names; pass the model's config with --config CONFIG.json (or the model's directory)"
         )
 
-    def shapes_at(i: Any) -> list[tuple[int, ...]]:
-        entries = per_id.get(i)
-        return [tuple(v.shape) for v in entries.values() if isinstance(v, torch.Tensor) and v.dim() > 0] if isinstance(entries, dict) else []
-
-    state_shapes = [[shapes_at(i) for i in g["params"]] for g in groups]
+    held = [[list(state_shapes(per_id.get(i, {})).values()) for i in g["params"]] for g in groups]
     rules = (own, *(r for r in GROUP_RULES if r != own)) if own else tuple(GROUP_RULES)
     shapes = {n: tuple(t.spec.shape) for n, t in model.items()}
-    fits = positional_fits(meta, shapes, state_shapes, rules)
+    fits = positional_fits(meta, shapes, held, rules)
     if len(fits) == 1 or (fits and fits[0][0] in (own, "single")):
         return fits[0][1]
-    by_sizes = [] if fits else positional_fits(meta, shapes, [[[] for _ in g] for g in state_shapes], rules)
+    by_sizes = [] if fits else positional_fits(meta, shapes, [[[] for _ in g] for g in held], rules)
     if by_sizes:  # the groups fit, a state's shape does not: the check of each entry names it
         return by_sizes[0][1]
     sizes = [len(g["params"]) for g in groups]
@@ -189,7 +184,7 @@ def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: 
         raise CorruptCheckpointError(path, f"optimizer state for parameter ids no param group holds: {unknown[:5]}")
     for i, entries in per_id.items():
         name = by_id[i]
-        if name in model and any(v.dim() > 0 and tuple(v.shape) != model[name].spec.shape for v in entries.values() if isinstance(v, torch.Tensor)):
+        if name in model and any(s != model[name].spec.shape for s in state_shapes(entries).values()):
             raise CorruptCheckpointError(path, f"optimizer state of {name!r} does not have its shape {list(model[name].spec.shape)}")
     named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ns} for g, ns in zip(groups, names)]
     return OptimizerState("AdamW", named_groups, *split_optimizer_state({by_id[i]: e for i, e in per_id.items()}, path))

@@ -306,18 +306,11 @@ def _parse_optim(path: str, trust_pickle: bool, zero3: bool) -> _Optim:
     sd = load_ds_file(path, trust_pickle)
     if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
         raise CorruptCheckpointError(path, "not a ZeRO optimizer file: missing 'optimizer_state_dict'")
-    check(path, sd, OPTIM_STATES_ZERO3 if zero3 else OPTIM_STATES_ZERO12)
-    try:
-        osd = sd["optimizer_state_dict"]
-        if zero3:
-            fp32 = list(osd["fp32_flat_groups"])
-            base = osd["optimizer_state_dict"]
-        else:
-            fp32 = list(osd["single_partition_of_fp32_groups"])
-            base = osd["base_optimizer_state"]
-        count = osd["partition_count"]
-    except (KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(path, f"not a ZeRO optimizer file: missing {exc}") from None
+    check(path, sd, OPTIM_STATES_ZERO3 if zero3 else OPTIM_STATES_ZERO12)  # every key below there, of its type
+    osd = sd["optimizer_state_dict"]
+    fp32 = list(osd["fp32_flat_groups"] if zero3 else osd["single_partition_of_fp32_groups"])
+    base = osd["optimizer_state_dict"] if zero3 else osd["base_optimizer_state"]
+    count = osd["partition_count"]
     if isinstance(count, (list, tuple)) and not count:
         raise CorruptCheckpointError(path, "optimizer_state_dict.partition_count is an empty list, not a rank count")
     per_group = [int(c) for c in count] if isinstance(count, (list, tuple)) else None

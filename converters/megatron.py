@@ -49,7 +49,7 @@ from .megatron_pieces import RankPieces, fused_dtype
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
 from . import torch_zip
-from .torch_zip import NUMBER, TENSOR, TORCH_OPTIMIZER, StoredTensor, as_torch, dtype_name_of, is_tensor, materialize
+from .torch_zip import NUMBER, TENSOR, TORCH_OPTIMIZER, StoredTensor, as_torch, dtype_name_of, is_tensor, materialize, state_shapes
 
 if TYPE_CHECKING:
     from .dcp import Tiles
@@ -197,9 +197,10 @@ def locate(path: str, args: dict[str, Any] | None = None, check: bool = True) ->
 # the model (or each virtual-pipeline chunk's, model0, model1, ...), the arguments, the optimizer (a MoE's chained
 # optimizers: a list) and the RNG states; checked once the file is loaded
 _STATE_MAP = MapOf(str, object)
+MEGATRON_ARGS = Is(lambda a: isinstance(a, dict) or hasattr(a, "__dict__"), "Megatron's arguments (a namespace)")
 RANK_STATE = Keys(
     model=Absent(_STATE_MAP), iteration=Maybe(int), checkpoint_version=Maybe(NUMBER), rng_state=Maybe(ListOf(object)),
-    args=Maybe(Is(lambda a: isinstance(a, dict) or hasattr(a, "__dict__"), "Megatron's arguments (a namespace)")),
+    args=Maybe(MEGATRON_ARGS),
     optimizer=Maybe(OneOf(_STATE_MAP, ListOf(_STATE_MAP))),
 )
 
@@ -709,9 +710,9 @@ def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dic
             raise CorruptCheckpointError(path, f"optimizer state for parameter id {pid!r}, which no group holds")
         name = by_id[pid]
         shape = tuple((rank.tensors[name] if name in rank.tensors else rank.copies[name]).shape)
-        wrong = next((k for k, v in entries.items() if is_tensor(v) and v.dim() > 0 and tuple(v.shape) != shape), None)
+        wrong = next(((k, s) for k, s in state_shapes(entries).items() if s != shape), None)
         if wrong is not None:
-            raise CorruptCheckpointError(path, f"optimizer state {wrong!r} of {name} is {list(entries[wrong].shape)}, not its shape {list(shape)}")
+            raise CorruptCheckpointError(path, f"optimizer state {wrong[0]!r} of {name} is {list(wrong[1])}, not its shape {list(shape)}")
         per_name[name] = entries
     if "fp32_from_fp16_params" in opt:
         flat = [t for g in opt["fp32_from_fp16_params"] for t in g]

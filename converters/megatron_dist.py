@@ -35,7 +35,7 @@ from interop.sharding import ShardingMetadata, Strategy
 from interop.dtypes import dtype_name
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
-from interop.structure import Absent, Is, Keys, ListOf, MapOf, Maybe, OneOf, check
+from interop.structure import Absent, Keys, ListOf, MapOf, Maybe, OneOf, check
 from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
@@ -44,7 +44,7 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
+    MEGATRON_ARGS, expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
@@ -63,8 +63,7 @@ COMMON = "common.pt"
 _TORCH_PART = Keys(param_groups=Absent(ListOf(Keys(wd_mult=Maybe(NUMBER), weight_decay=Maybe(NUMBER), step=Absent(OneOf(NUMBER, TENSOR))))),
                    state=Maybe(Keys(common_step=Maybe(OneOf(NUMBER, TENSOR)))))
 _PART = Keys(_TORCH_PART, optimizer=Absent(_TORCH_PART))
-COMMON_STATE = Keys(args=Maybe(Is(lambda a: isinstance(a, dict) or hasattr(a, "__dict__"), "Megatron's arguments (a namespace)")),
-                    iteration=Maybe(int), optimizer=Maybe(OneOf(_PART, MapOf(int, _PART))))
+COMMON_STATE = Keys(args=Maybe(MEGATRON_ARGS), iteration=Maybe(int), optimizer=Maybe(OneOf(_PART, MapOf(int, _PART))))
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
 CHAINED = "chained_"  # megatron-core's ChainedOptimizer: chained_<i>.optimizer.state.<key>.<name> for its i-th optimizer

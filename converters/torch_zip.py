@@ -24,7 +24,6 @@ import mmap
 import os
 import pickle
 import struct
-import sys
 import threading
 import zipfile
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,7 @@ from typing import Any, Callable
 from interop.dtypes import is_dtype_name, itemsize, unpack_scalar
 from interop.errors import CorruptCheckpointError
 from interop.structure import Is, Keys, ListOf, MapOf, Maybe, OneOf
-from interop.lazy_import import torch
+from interop.lazy_import import instance_of, torch
 from interop.tensors import LazyTensor, Piece, TensorSpec, unfilled_bytes
 
 # torch's legacy storage classes, as data.pkl names them, and the dtype each holds (torch.serialization).
@@ -562,10 +561,13 @@ def load(path: str, allow: list[Any] | None = None, base: int = 0, length: int |
 
 # --- working with either kind of tensor ----------------------------------------------------------------------
 def is_tensor(value: Any) -> bool:
-    if isinstance(value, StoredTensor):
-        return True
-    loaded = sys.modules.get("torch")  # (instance_of, without its tuple: asked of every optimizer state entry)
-    return loaded is not None and isinstance(value, loaded.Tensor)
+    return isinstance(value, StoredTensor) or instance_of(value, "torch", "Tensor")
+
+
+def state_shapes(entries: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shapes of one parameter's optimizer state tensors (either kind), its scalars (a 0-dim step) left out:
+    what must be the parameter's own shape."""
+    return {k: tuple(v.shape) for k, v in entries.items() if is_tensor(v) and v.dim() > 0}
 
 
 TENSOR = Is(is_tensor, "a tensor")

@@ -40,4 +40,7 @@ def instance_of(obj: Any, module: str, *names: str) -> bool:
     """``isinstance(obj, module.name...)`` without importing ``module``: nothing is an instance of a class of a
     module no one has imported."""
     loaded = sys.modules.get(module)
-    return loaded is not None and isinstance(obj, tuple(getattr(loaded, n) for n in names))
+    if loaded is None:
+        return False
+    # one class, no tuple built: asked of every entry of an optimizer's state (tens of thousands for a large MoE)
+    return isinstance(obj, getattr(loaded, names[0]) if len(names) == 1 else tuple(getattr(loaded, n) for n in names))

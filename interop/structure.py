@@ -39,13 +39,17 @@ class ListOf:
 
 
 @dataclass(frozen=True)
-class TupleOf:
-    """A list or tuple of exactly these items (``random.getstate()``'s triple)."""
+class _Specs:
+    """A spec made of several, given one by one."""
 
     specs: tuple[Any, ...]
 
     def __init__(self, *specs: Any):
         object.__setattr__(self, "specs", specs)
+
+
+class TupleOf(_Specs):
+    """A list or tuple of exactly these items (``random.getstate()``'s triple)."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,8 @@ class MapOf:
     value: Any
 
 
-@dataclass(frozen=True)
-class OneOf:
+class OneOf(_Specs):
     """A value that is any of these specs."""
-
-    specs: tuple[Any, ...]
-
-    def __init__(self, *specs: Any):
-        object.__setattr__(self, "specs", specs)
 
 
 @dataclass(frozen=True)
