@@ -48,7 +48,7 @@ from .engine_checkpoint import Written, at_once, carried_components, component_s
 from .megatron_pieces import RankPieces, fused_dtype
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import is_mapped, load_torch_file, numpy_allowlist, save_torch
-from . import torch_zip
+from . import megatron_buffer as buffer, torch_zip
 from .torch_zip import NUMBER, TENSOR, TORCH_OPTIMIZER, StoredTensor, as_torch, dtype_name_of, is_tensor, materialize, state_shapes
 
 if TYPE_CHECKING:
@@ -728,30 +728,13 @@ def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dic
 
 
 DISTRIB_OPTIM = "distrib_optim.pt"  # --use-distributed-optimizer: the optimizer's state, beside model_optim_rng.pt
-PARAM_ALIGNMENT = 64  # megatron-core's _ParamAndGradBuffer starts each parameter at a multiple of 64 (distributed optimizer)
-
-
-def distributed_layout(params: list[tuple[str, tuple[int, ...]]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """Where each parameter lies in megatron-core's flat buffer of one model chunk with the distributed optimizer
-    (``param_and_grad_buffer.py``): in reverse module order, each start rounded up to a multiple of 64, one
-    bucket (the default, no --overlap-grad-reduce). Returns {name: (start, end)} and the unpadded length, which
-    ``distrib_optim.pt`` stores per buffer: the bucket's end padding (a multiple of the DP size) is not saved, so
-    the file is the same for every data-parallel size."""
-    index, offset = {}, 0
-    for name, shape in reversed(params):
-        offset = -(-offset // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
-        numel = 1
-        for d in shape:
-            numel *= d
-        index[name] = (offset, offset + numel)
-        offset += numel
-    return index, offset
-
-
-def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: str, trust_pickle: bool):
+def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: str, trust_pickle: bool,
+                           shared: frozenset[str], bucket_size: int | None):
     """One rank's optimizer saved by megatron-core's DistributedOptimizer: the param groups (and step) stay in
     model_optim_rng.pt, the fp32 main params and Adam moments of the whole TP x PP rank are in distrib_optim.pt
-    (gathered from every DP rank), flat in the buffer layout of :func:`distributed_layout`."""
+    (gathered from every DP rank), flat in the buffer's layout (:mod:`.megatron_buffer`; ``shared``: the tied
+    embedding's names, ``bucket_size``: the run's). The last stage's tied copy has its place there too; its state
+    is the embedding's, as in the plain optimizer."""
     path = os.path.join(os.path.dirname(model_path), DISTRIB_OPTIM)
     saved = load_megatron_file(path, trust_pickle)
     if isinstance(saved, list) and len(saved) == 1:
@@ -767,11 +750,13 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) and flat[k].dim() == 1
                                              for k in ("param", "exp_avg", "exp_avg_sq")):
         raise CorruptCheckpointError(path, f"buffer {dtypes} lacks flat param / exp_avg / exp_avg_sq tensors")
-    params = [(n, tuple(rank.tensors[n].shape)) for n in rank.names]
-    index, total = distributed_layout(params)
+    params = [(n, tuple(rank.tensors[n].shape)) for n in rank.names] + [(n, tuple(t.shape)) for n, t in rank.copies.items()]
+    index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
+        bucketing = f"buckets of {bucket_size} elements" if bucket_size else "one bucket"
         raise CorruptCheckpointError(path, f"holds {flat.get('numel_unpadded')} elements per tensor; this rank's parameters "
-                                     f"lay out to {total} (another model, or a bucketed --overlap-grad-reduce layout)")
+                                     f"lay out to {total} in {bucketing}, as the saved args' --overlap-grad-reduce and "
+                                     "--ddp-bucket-size give (another model)")
     opt = state.get("optimizer")
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
@@ -832,7 +817,8 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         raise ConversionError(f"{first}: a MoE run's distributed optimizer (distrib_optim.pt of its dense and expert buffers) is "
                               "not read here; save it without --use-distributed-optimizer, or with --ckpt-format torch_dist")
     optim3 = {
-        key: _distributed_optimizer(states3[key], ranks3[key], files.all_paths[key], trust_pickle)
+        key: _distributed_optimizer(states3[key], ranks3[key], files.all_paths[key], trust_pickle,
+                                    buffer.shared_names(arch, files.pp, key[1]), buffer.run_bucket_size(args_d, key[1]))
         if os.path.isfile(os.path.join(os.path.dirname(files.all_paths[key]), DISTRIB_OPTIM))
         else _rank_optimizer(states3[key], ranks3[key], files.all_paths[key])
         for key in ranks3
@@ -1080,7 +1066,7 @@ def write_megatron(
     source's other components beside the rank folders. Each rank's tensors stream into its file from the source
 (:mod:`.megatron_pieces`): memory holds the tensors in flight, not a stage.
     ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
-    beside each rank's file (for any data-parallel size: see :func:`distributed_layout`). A MoE model's experts
+    beside each rank's file (for any data-parallel size: see :mod:`.megatron_buffer`). A MoE model's experts
     split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts."""
     arch, padded, dtype = target_shape(ckpt, tp)
     ep = expert_parallel_size(ckpt, arch, ep)
@@ -1105,11 +1091,11 @@ def write_megatron(
         hf_config=dict(ckpt.config), seed=DEFAULT_SEED, no_save_rng=False,
         **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if arch.experts else {}),
     ))
-    if distributed_optimizer and (te_names or (arch.tied and pp > 1)):
-        # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused
-        # norms and a last stage's tied copy (its own bucket) are other layouts
-        raise ConversionError("--use-distributed-optimizer is written for --transformer-impl local and untied or "
-                              "single-stage embeddings; convert without it (Megatron-LM loads the plain optimizer too)")
+    if distributed_optimizer and te_names:
+        # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused norms
+        # are another order
+        raise ConversionError("--use-distributed-optimizer is written for --transformer-impl local; convert without it "
+                              "(Megatron-LM loads the plain optimizer too)")
     hyper = megatron_hyper(opt)
     model = ckpt.model
     mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
@@ -1133,7 +1119,7 @@ def write_megatron(
             d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
             os.makedirs(d)
             if distributed_optimizer and opt is not None:
-                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt)
+                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt, buffer.shared_names(arch, pp, p))
                 save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
             save_torch(state, os.path.join(d, FILE))
             return d
@@ -1159,11 +1145,13 @@ def write_megatron(
 
 
 def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], dtype: torch.dtype,
-                       opt: OptimizerState) -> tuple[dict[str, Any], dict[Any, Any]]:
+                       opt: OptimizerState, shared: frozenset[str]) -> tuple[dict[str, Any], dict[Any, Any]]:
     """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
-    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps)."""
+    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps), in
+    one bucket but for the tied embedding's own (``shared``): the run that loads it has no --overlap-grad-reduce."""
     local = dict(zip(stage.names, _local_names(stage, t)))
-    index, total = distributed_layout([(n, stage.model[t][local[n]].spec.shape) for n in stage.names])
+    params = [(n, stage.model[t][local[n]].spec.shape) for n in stage.names]
+    index, total = buffer.coalesced(buffer.buckets(params, shared))
     parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
     at = 0
     for (a, b), i, name in sorted((index[name], i, name) for i, name in enumerate(stage.names)):

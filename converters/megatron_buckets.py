@@ -1,11 +1,12 @@
 """megatron-core's DistributedOptimizer state in torch_dist's ``dp_reshardable`` layout (Megatron-LM's default
 with ``--use-distributed-optimizer --ckpt-format torch_dist``).
 
-Each TP x PP rank (``dp_group_idx_<G>``, G its rank in the model-parallel group: TP fastest) stores its gradient
-buffer's bucket as three flat fp32 tensors, ``optimizer.distributed.dp_group_idx_<G>.gbuf_idx_0.dtype_(<param
-dtype>, <grad dtype>).bucket_idx_0.{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of
-``megatron.distributed_layout`` (reverse module order, 64-aligned starts, gaps unspecified), and beside them the
-objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` and ``optimizer`` (the param groups, with the step).
+Each TP x PP rank (``dp_group_idx_<G>``, G its rank in the model-parallel group: TP fastest) stores each bucket of
+its gradient buffer as three flat fp32 tensors, ``optimizer.distributed.dp_group_idx_<G>.gbuf_idx_0.dtype_(<param
+dtype>, <grad dtype>).bucket_idx_<k>.{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of
+:mod:`.megatron_buffer` (reverse module order, 64-aligned starts, gaps unspecified; buckets of --overlap-grad-reduce
+and a tied embedding's own), and beside them the objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` and
+``optimizer`` (the param groups, with the step).
 
 The layout follows the model's module order, which the files do not record; the local spec's and Transformer
 Engine's differ in where a layer's input norm sits. Reading tries both and keeps the one under which every 1-D
@@ -26,7 +27,7 @@ from interop.lazy_import import torch
 from interop.errors import ConversionError, CorruptCheckpointError
 from interop.tensors import LazyTensor, TensorSpec
 
-from .megatron import distributed_layout
+from .megatron_buffer import buckets, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
 from .megatron_map import Rule, rules, split, stage_rules, tied_output_rule
 
@@ -70,18 +71,23 @@ def rank_params(arch: MegatronArch, order: list[Rule], tp: int, pp: int, full_sh
     return out
 
 
-def layout(params: list[tuple[Rule, tuple[int, ...]]], bucket: str) -> tuple[dict[str, Region], int]:
-    index, total = distributed_layout([(f"{i}", shape) for i, (_, shape) in enumerate(params)])
+def layout(params: list[tuple[Rule, tuple[int, ...]]], stem: str, shared: frozenset[str],
+           bucket_size: int | None) -> tuple[dict[str, Region], list[int]]:
+    """A TP x PP rank's regions in its buckets (``stem`` + ``bucket_idx_<k>``) and each bucket's length.
+    ``shared``: the tied embedding's Megatron names on this rank."""
+    parts = buckets([(f"{i}", shape) for i, (_, shape) in enumerate(params)],
+                    frozenset(f"{i}" for i, (rule, _) in enumerate(params) if rule.megatron in shared), bucket_size)
     regions = {}
-    for i, (rule, shape) in enumerate(params):
-        a, b = index[f"{i}"]
-        regions.setdefault(rule.megatron, Region(bucket, a, b, shape))  # the tied copy keeps the embedding's own
-    return regions, total
+    for k, part in enumerate(parts):
+        for i, (a, b) in part.index.items():
+            rule, shape = params[int(i)]
+            regions[rule.megatron] = Region(f"{stem}bucket_idx_{k}", a, b, shape)
+    return regions, [part.numel_unpadded for part in parts]
 
 
-def bucket_keys(tensor_keys: list[str], groups: int, where: str) -> dict[int, str]:
-    """G -> the one bucket's key stem of each TP x PP rank; one line naming what else the files hold."""
-    found: dict[int, set[str]] = {g: set() for g in range(groups)}
+def bucket_keys(tensor_keys: list[str], groups: int, where: str) -> dict[int, list[str]]:
+    """G -> each TP x PP rank's buckets' key stems, in bucket order; one line naming what else the files hold."""
+    found: dict[int, dict[str, set[int]]] = {g: {} for g in range(groups)}
     for key in tensor_keys:
         for g in range(groups):
             prefix = GROUP_PREFIX.format(g)
@@ -89,25 +95,29 @@ def bucket_keys(tensor_keys: list[str], groups: int, where: str) -> dict[int, st
                 m = BUCKET.match(key[len(prefix):])
                 if m is None:
                     raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor")
-                found[g].add(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.bucket_idx_{m.group(3)}")
+                found[g].setdefault(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.", set()).add(int(m.group(3)))
     out = {}
-    for g, stems in found.items():
-        if not stems:
+    for g, buffers in found.items():
+        if not buffers:
             raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket for model-parallel rank {g} "
                                          f"(args say {groups} TP x PP ranks)")
-        if len(stems) > 1:
-            raise ConversionError(f"{where}: model-parallel rank {g} has {len(stems)} gradient buckets or buffers "
-                                  f"({sorted(stems)[:2]}...); one bucket of one dtype is read (no --overlap-grad-reduce "
-                                  "bucketing, one model chunk); save with --dist-ckpt-optim-fully-reshardable")
-        out[g] = stems.pop()
+        if len(buffers) > 1:
+            raise ConversionError(f"{where}: model-parallel rank {g} has {len(buffers)} gradient buffers "
+                                  f"({sorted(buffers)[:2]}...); one buffer of one dtype is read (one model chunk, one "
+                                  "precision); save with --dist-ckpt-optim-fully-reshardable")
+        (stem, indices), = buffers.items()
+        if indices != set(range(len(indices))):
+            raise CorruptCheckpointError(where, f"model-parallel rank {g} holds buckets {sorted(indices)}, not 0..{len(indices) - 1}")
+        out[g] = [f"{stem}bucket_idx_{k}" for k in range(len(indices))]
     return out
 
 
 def read_layout(reader, arch: MegatronArch, tp: int, pp: int, full_shape: Callable[[Rule], tuple[int, ...]],
-                model_full: Callable[[Rule], torch.Tensor], where: str) -> dict[str, list[Region]]:
-    """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model."""
+                model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any]) -> dict[str, list[Region]]:
+    """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model; the
+    buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
     stems = bucket_keys(reader.tensor_keys(), tp * pp, where)
-    for key in (f"{s}.{k}" for s in stems.values() for k in FLAT_KEYS):
+    for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
         if key not in reader.tensor_keys():
             raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
     tried = []
@@ -116,11 +126,13 @@ def read_layout(reader, arch: MegatronArch, tp: int, pp: int, full_shape: Callab
         regions: dict[str, list[Region | None]] = {}
         fits = True
         for g, params in per_rank.items():
-            placed, total = layout(params, stems[g])
-            size = reader.spec(f"{stems[g]}.param").shape
-            if tuple(size) != (total,):
+            p = g // tp
+            placed, sizes = layout(params, stems[g][0][: -len("bucket_idx_0")], shared_names(arch, pp, p),
+                                   run_bucket_size(args, p))
+            held = [tuple(reader.spec(f"{stem}.param").shape) for stem in stems[g]]
+            if held != [(n,) for n in sizes]:
                 fits = False
-                tried.append(f"{name}: rank {g} lays out to {total}, the bucket holds {tuple(size)}")
+                tried.append(f"{name}: rank {g} lays out to buckets of {sizes}, the checkpoint holds {[h[0] if len(h) == 1 else h for h in held]}")
                 break
             for meg, region in placed.items():
                 regions.setdefault(meg, [None] * tp)[g % tp] = region
@@ -172,45 +184,52 @@ def sharded_object(value: Any) -> io.BytesIO:
     return buffer
 
 
-def bucket_stem(group: int, dtype: torch.dtype) -> str:
+def buffer_stem(group: int, dtype: torch.dtype) -> str:
+    """The key stem of a TP x PP rank's buffer; its buckets append ``bucket_idx_<k>``."""
     grad = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
-    return f"{GROUP_PREFIX.format(group)}gbuf_idx_0.dtype_{(dtype, grad)}.bucket_idx_0"
+    return f"{GROUP_PREFIX.format(group)}gbuf_idx_0.dtype_{(dtype, grad)}."
 
 
 def write_entries(arch: MegatronArch, tp: int, pp: int, dtype: torch.dtype, groups: list[dict[str, Any]],
                   full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor]) -> dict[str, Any]:
-    """The DCP entries of every TP x PP rank's bucket in the local spec's module order: lazy flat tensors
+    """The DCP entries of every TP x PP rank's bucket in the local spec's module order (one: the loading run has no
+    --overlap-grad-reduce): lazy flat tensors
     built from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary
     padded) and the objects megatron-core asks for beside them."""
     if arch.tied and pp > 1:
+        # the tied embedding's own buckets: megatron-core 0.16.1's dp_reshardable save fails on them here ("out of
+        # bounds chunk" where the first stage's other bucket ends in an alignment gap), so no run of it judged ours
         raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
-                              "use --dist-optim-layout fully_reshardable")
+                              "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
     per_rank = rank_params(arch, order, tp, pp, full_shape)
-    placed = {g: layout(params, bucket_stem(g, dtype)) for g, params in per_rank.items()}
-    built: dict[tuple[int, str], list[torch.Tensor]] = {}
+    placed = {g: layout(params, buffer_stem(g, dtype), shared_names(arch, pp, g // tp), None) for g, params in per_rank.items()}
+    built: dict[tuple[int, str], list[dict[str, torch.Tensor]]] = {}
 
-    def flats(p: int, key: str) -> list[torch.Tensor]:
-        """Stage ``p``'s TP ranks' flat tensors of ``key``, built together (each full tensor loaded once)."""
+    def flats(p: int, key: str) -> list[dict[str, torch.Tensor]]:
+        """Stage ``p``'s TP ranks' flat bucket tensors of ``key``, built together (each full tensor loaded once)."""
         if (p, key) not in built:
             built.clear()
             ranks = [t + tp * p for t in range(tp)]
-            bufs = [torch.zeros(placed[g][1], dtype=torch.float32) for g in ranks]
+            bufs = [{f"{buffer_stem(g, dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
+                     for k, n in enumerate(placed[g][1])} for g in ranks]
             for rule, _ in per_rank[ranks[0]]:
                 for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), tp)):
                     r = placed[ranks[t]][0][rule.megatron]
-                    bufs[t][r.start:r.end] = piece.reshape(-1)
+                    bufs[t][r.bucket][r.start:r.end] = piece.reshape(-1)
             built[(p, key)] = bufs
         return built[(p, key)]
 
     out: dict[str, Any] = {}
     dtypes = (dtype, torch.float32)
-    for g, (_, total) in placed.items():
-        stem, prefix = bucket_stem(g, dtype), GROUP_PREFIX.format(g)
-        for key in FLAT_KEYS:
-            out[f"{stem}.{key}"] = LazyTensor(TensorSpec((total,), torch.float32),
-                                              lambda g=g, key=key: flats(g // tp, key)[g % tp], origin=f"{stem}.{key}")
+    for g, (_, sizes) in placed.items():
+        prefix = GROUP_PREFIX.format(g)
+        for k, n in enumerate(sizes):
+            stem = f"{buffer_stem(g, dtype)}bucket_idx_{k}"
+            for key in FLAT_KEYS:
+                out[f"{stem}.{key}"] = LazyTensor(TensorSpec((n,), torch.float32),
+                                                  lambda g=g, key=key, stem=stem: flats(g // tp, key)[g % tp][stem], origin=f"{stem}.{key}")
         out[OBJECT.format(prefix + "optimizer")] = sharded_object({"param_groups": groups})
-        out[OBJECT.format(prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(total / NUMEL_PAD) * NUMEL_PAD]}])
-        out[OBJECT.format(prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: [total]}])
+        out[OBJECT.format(prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(n / NUMEL_PAD) * NUMEL_PAD for n in sizes]}])
+        out[OBJECT.format(prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: sizes}])
     return out

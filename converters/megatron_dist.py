@@ -165,7 +165,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     model: dict[str, LazyTensor] = {}
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
         tp, pp = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
-        regions = buckets.read_layout(reader, arch, tp, pp, full_shape, lambda r: stored_full(r, names[r.megatron]), directory)
+        regions = buckets.read_layout(reader, arch, tp, pp, full_shape, lambda r: stored_full(r, names[r.megatron]), directory,
+                                     args_d)
 
         def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
             pieces = [lambda r=r: buckets.region_tensor(reader, r, skey) for r in regions[rule.megatron]]

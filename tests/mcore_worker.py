@@ -105,7 +105,7 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=2, hidden_size=48, ffn_hidden_size=100, num_attention_heads=4, group_query_attention=True,
         num_query_groups=2, kv_channels=12, max_position_embeddings=64, seq_length=SEQ, position_embedding_type="rope",
-        rotary_base=10000, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, untie_embeddings_and_output_weights=True,
+        rotary_base=10000, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, untie_embeddings_and_output_weights=not TIED,
         add_bias_linear=False, add_qkv_bias=False, vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=DTYPE, bf16=BF16, fp16=False,
         ckpt_format="torch", attention_backend=AttnBackend.auto, iteration=1,
@@ -113,6 +113,9 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
 
 
 BF16 = os.environ.get("MCORE_BF16") == "1"
+TIED = os.environ.get("MCORE_TIED") == "1"  # the output layer shares the embedding (Megatron-LM without --untie-...)
+# --overlap-grad-reduce --ddp-bucket-size N: the distributed optimizer's buffer in buckets of about N parameters
+BUCKET = int(os.environ.get("MCORE_BUCKET", "0")) or None
 RNG_RESTORED = [False]  # whether a load restored the checkpoint's RNG (OUT/rng.json)
 DTYPE = torch.bfloat16 if BF16 else torch.float32
 
@@ -133,7 +136,7 @@ def build(tp: int, pp: int):
     )
     model = GPTModel(
         cfg, get_gpt_layer_local_spec(), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
-        share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=TIED, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     )
     if BF16:  # what Megatron-LM's get_model does for --bf16
         from megatron.core.transformer.module import Float16Module
@@ -152,6 +155,7 @@ def forward(model, tokens: torch.Tensor, labels: torch.Tensor | None = None):
     states (sent on, as Megatron's pipeline schedule does), and the hidden states it received."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.utils import get_attr_wrapped_model
 
     b, s = tokens.shape
     pos = torch.arange(s).expand(b, s)
@@ -161,7 +165,7 @@ def forward(model, tokens: torch.Tensor, labels: torch.Tensor | None = None):
         received = torch.empty(s, b, 48, dtype=DTYPE)
         dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
         received.requires_grad_(True)
-        model.set_input_tensor(received)
+        get_attr_wrapped_model(model, "set_input_tensor")(received)
     out = model(tokens, pos, attention_mask=mask, labels=labels)
     if not ps.is_pipeline_last_stage():
         dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
@@ -238,7 +242,8 @@ def distributed_optimizer(model):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=BUCKET is not None, bucket_size=BUCKET)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                              clip_grad=0.0, use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(config, [ddp])
@@ -248,16 +253,29 @@ def distributed_optimizer(model):
 
 
 def data_parallel_step(ddp, optimizer, step: int) -> float:
-    """One step with each data-parallel rank on its rows of the batch; the loss is the whole batch's mean."""
+    """One step with each data-parallel rank on its rows of the batch; the loss is the whole batch's mean (on the
+    last pipeline stage; the backward pass crosses stages as gradients sent back). Then Megatron-LM's
+    finalize_model_grads: the data-parallel reduction, and a tied embedding's gradients summed over the first and
+    last stages."""
     from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
 
     rows = batch(step)[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    out, _ = forward(ddp, rows[:, :-1], rows[:, 1:])
-    mean = out.float().mean()
-    mean.backward()
+    out, received = forward(ddp, rows[:, :-1], rows[:, 1:])
+    if ps.is_pipeline_last_stage():
+        mean = out.float().mean()
+        mean.backward()
+    else:
+        mean = torch.zeros(())
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        torch.autograd.backward(out, grad)
+    if received is not None:
+        dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     ddp.finish_grad_sync()
+    _allreduce_word_embedding_grads([ddp], ddp.config)
     ok, _, _ = optimizer.step()
     assert ok
     loss = mean.detach().clone()
@@ -265,21 +283,32 @@ def data_parallel_step(ddp, optimizer, step: int) -> float:
     return float(loss) / ps.get_data_parallel_world_size()
 
 
-def save_distributed(path: str) -> list[float]:
+def distributed_args(tp: int, pp: int) -> argparse.Namespace:
+    """megatron_args with Megatron-LM's --use-distributed-optimizer [--overlap-grad-reduce --ddp-bucket-size N]."""
+    from megatron.core import parallel_state as ps
+
+    args = megatron_args(tp, pp)
+    args.use_distributed_optimizer, args.data_parallel_size = True, ps.get_data_parallel_world_size()
+    args.overlap_grad_reduce, args.ddp_bucket_size = BUCKET is not None, BUCKET
+    return args
+
+
+def save_distributed(path: str, tp: int, pp: int) -> list[float]:
     """Megatron-LM's save_checkpoint with --use-distributed-optimizer --ckpt-format torch, after one step."""
     from megatron.core import parallel_state as ps
 
     distributed_optimizer_patches()
-    ddp, optimizer = distributed_optimizer(build(1, 1))
+    ddp, optimizer = distributed_optimizer(build(tp, pp))
     losses = [data_parallel_step(ddp, optimizer, 0)]
-    file = legacy_path(path, 1, 1, 1)
+    file = legacy_path(path, tp, pp, 1)
     os.makedirs(os.path.dirname(file), exist_ok=True)
     optimizer.save_parameter_state(os.path.join(os.path.dirname(file), "distrib_optim.pt"))  # data-parallel rank 0 writes
     if ps.get_data_parallel_rank() == 0:
-        args = megatron_args(1, 1)
-        args.use_distributed_optimizer = True
+        args = distributed_args(tp, pp)
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": ddp.module.state_dict_for_save_checkpoint(),
                     "optimizer": optimizer.state_dict()}, file)
+    dist.barrier()
+    if dist.get_rank() == 0:
         with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("1")
     losses += [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
@@ -326,8 +355,8 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
         dist.barrier()
         group = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**metadata, **group})
-        args = megatron_args(tp, pp)
-        args.use_distributed_optimizer, args.ckpt_format = True, "torch_dist"
+        args = distributed_args(tp, pp)
+        args.ckpt_format = "torch_dist"
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model_sd}
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata={**metadata, **group})
         dist_checkpointing.save(state, directory, content_metadata=metadata)
@@ -464,7 +493,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     if scenario in ("save-legacy-distopt", "load-legacy-distopt"):
-        write_results(out, save_distributed(path) if scenario.startswith("save") else load_distributed(path, tp, pp))
+        write_results(out, save_distributed(path, tp, pp) if scenario.startswith("save") else load_distributed(path, tp, pp))
         dist.barrier()
         dist.destroy_process_group()
         return

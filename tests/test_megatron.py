@@ -482,12 +482,29 @@ def test_dp_reshardable_buckets_round_trip_and_a_wrong_module_order_is_refused(t
         pytest.raises(CorruptCheckpointError, read_megatron_dist, str(tmp_path / "broken")).value)
 
 
-def test_distributed_layout_is_megatron_cores():
-    """The flat buffer: reverse module order, each start rounded up to 64 (megatron-core's _ParamAndGradBuffer)."""
-    from converters.megatron import distributed_layout
+def test_the_distributed_optimizer_buffer_is_megatron_cores():
+    """megatron-core's _ParamAndGradBuffer, step by step: reverse module order, each start rounded up to 64 from its
+    bucket's start; a shared (tied) embedding in a bucket of its own, the bucket closed before it keeping its
+    alignment gap; --overlap-grad-reduce's bucket closed once it holds bucket_size. distrib_optim.pt concatenates
+    the buckets' unpadded parts."""
+    from converters.megatron_buffer import Bucket, buckets, coalesced, run_bucket_size
 
-    index, total = distributed_layout([("a", (3, 5)), ("b", (7,)), ("c", (100,))])
-    assert index == {"c": (0, 100), "b": (128, 135), "a": (192, 207)} and total == 207
+    params = [("a", (3, 5)), ("b", (7,)), ("c", (100,))]
+    assert buckets(params) == [Bucket({"c": (0, 100), "b": (128, 135), "a": (192, 207)}, 207)]
+    assert coalesced(buckets(params)) == ({"c": (0, 100), "b": (128, 135), "a": (192, 207)}, 207)
+    # the first stage's tied embedding is last in reverse order: the bucket before it ends at its aligned start
+    assert buckets(params, shared={"a"}) == [Bucket({"c": (0, 100), "b": (128, 135)}, 192), Bucket({"a": (0, 15)}, 15)]
+    # the last stage's copy is first: closed right after it, the next bucket counting from 0 again
+    assert buckets(params, shared={"c"}) == [Bucket({"c": (0, 100)}, 100), Bucket({"b": (0, 7), "a": (64, 79)}, 79)]
+    assert coalesced(buckets(params, shared={"c"})) == ({"c": (0, 100), "b": (100, 107), "a": (164, 179)}, 179)
+    assert buckets(params, bucket_size=120) == [Bucket({"c": (0, 100), "b": (128, 135)}, 135), Bucket({"a": (0, 15)}, 15)]
+    assert buckets(params, bucket_size=100) == [Bucket({"c": (0, 100)}, 100), Bucket({"b": (0, 7), "a": (64, 79)}, 79)]
+    # the bucket size of the run, from Megatron-LM's args: only with --overlap-grad-reduce, on the first stage
+    assert run_bucket_size({"overlap_grad_reduce": False, "ddp_bucket_size": 10}, 0) is None
+    assert run_bucket_size({"overlap_grad_reduce": True, "ddp_bucket_size": 10}, 1) is None
+    assert run_bucket_size({"overlap_grad_reduce": True, "ddp_bucket_size": 10}, 0) == 10
+    assert run_bucket_size({"overlap_grad_reduce": True, "data_parallel_size": 8}, 0) == 40_000_000
+    assert run_bucket_size({"overlap_grad_reduce": True, "data_parallel_size": 64}, 0) == 64_000_000
 
 
 def test_bf16_torch_dist_keeps_the_fp32_masters_bit_exact(tmp_path):

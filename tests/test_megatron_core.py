@@ -292,3 +292,52 @@ def test_torch_dist_distributed_optimizer_continues_on_another_layout(tmp_path, 
         assert json.load(f) == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
     # at the TP x PP it was written for, Megatron-LM's load asks for each rank's rng_state object and restores it
     assert json.loads((tmp_path / "resumed" / "rng.json").read_text()) == {"restored": True}
+
+
+# --- the distributed optimizer's buffer: a tied embedding's buckets, --overlap-grad-reduce's buckets -----------------
+def convert(src, dst, *extra: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(src), str(dst), *extra], capture_output=True,
+                          text=True, env=worker_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def resumed_losses(scenario: str, ckpt, out, tp: int, pp: int, **extra: str) -> list[float]:
+    megatron_run(scenario, ckpt, out, tp, pp, **extra)
+    with open(out / "losses.json") as f:
+        return json.load(f)
+
+
+def test_a_tied_model_on_two_stages_with_the_distributed_optimizer_reads_and_loads(tmp_path):
+    """megatron-core, embedding tied to the output layer, at PP2 with --use-distributed-optimizer: the last stage
+    keeps its own copy of the embedding (output_layer.weight), in a bucket of its own in distrib_optim.pt. Read
+    (-> universal -> TP2 at one stage, which megatron-core loads and trains on with the uninterrupted run's
+    losses), and written back at PP2 (megatron-core's load_parameter_state takes it, the same losses)."""
+    tied = {"MCORE_TIED": "1"}
+    uninterrupted = resumed_losses("save-legacy-distopt", tmp_path / "ckpt", tmp_path / "out", 1, 2, **tied)
+    convert(tmp_path / "ckpt", tmp_path / "uni", "--to", "universal")
+    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+        convert(tmp_path / "uni", tmp_path / name, "--to", "megatron", "--tp", str(tp), "--pp", str(pp), "--transformer-impl",
+                "local", "--use-distributed-optimizer")
+        resumed = resumed_losses("load-legacy-distopt", tmp_path / name, tmp_path / f"resumed-{name}", tp, pp, **tied)
+        assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5), name
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=pytest.mark.slow)])
+def test_overlap_grad_reduce_buckets_are_read(tmp_path, fmt):
+    """megatron-core with --overlap-grad-reduce --ddp-bucket-size 7000 at DP2 (Megatron-LM's production setting; its
+    default bucket is 40M parameters): the distributed optimizer's state in six buckets, torch_dist's dp_reshardable
+    layout (a tensor per bucket) or distrib_optim.pt (the buckets concatenated, their end padding dropped). Read
+    with the bucket size the saved args give -> universal -> TP2 -> megatron-core (no buckets) trains on with the
+    uninterrupted run's losses."""
+    bucket = {"MCORE_BUCKET": "7000", "MCORE_DISTOPT_LAYOUT": "dp_reshardable"}
+    scenario = "save-dist-distopt" if fmt == "torch_dist" else "save-legacy-distopt"
+    uninterrupted = resumed_losses(scenario, tmp_path / "ckpt", tmp_path / "out", 1, 1, **bucket)
+    if fmt == "torch_dist":
+        from converters.dcp import DCPReader
+
+        keys = DCPReader(str(tmp_path / "ckpt" / "iter_0000001")).tensor_keys()
+        assert len({k.rsplit(".", 1)[0] for k in keys if ".bucket_idx_" in k}) == 6
+    convert(tmp_path / "ckpt", tmp_path / "uni", "--to", "universal")
+    convert(tmp_path / "uni", tmp_path / "ours", "--to", "megatron", "--tp", "2", "--transformer-impl", "local", "--use-distributed-optimizer")
+    resumed = resumed_losses("load-legacy-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1)
+    assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
