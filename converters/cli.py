@@ -94,7 +94,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "merge_adapters", "adapter_config", "base_model")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "overlap_grad_reduce", "ddp_bucket_size", "merge_adapters", "adapter_config", "base_model")},
         config=config_arg.load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -461,6 +461,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("Megatron")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="Megatron: name norms as Transformer Engine's fused layers hold them (default) or as the local spec")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron: the loading run's --overlap-grad-reduce, whose gradient buckets lay out the distributed "
+                        "optimizer's state (distrib_optim.pt, dp_reshardable); buckets of --ddp-bucket-size, else "
+                        "Megatron-LM's default of 40M parameters (max(40M, 1M x DP): pass --ddp-bucket-size for DP > 40)")
+    g.add_argument("--ddp-bucket-size", type=_positive_int, metavar="N", help="Megatron: the loading run's --ddp-bucket-size")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

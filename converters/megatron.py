@@ -1060,6 +1060,7 @@ def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | 
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
     progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False, ep: int | None = None,
+    ddp: dict[str, Any] | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
@@ -1067,7 +1068,9 @@ def write_megatron(
 (:mod:`.megatron_pieces`): memory holds the tensors in flight, not a stage.
     ``distributed_optimizer``: the optimizer state as --use-distributed-optimizer saves it, ``distrib_optim.pt``
     beside each rank's file (for any data-parallel size: see :mod:`.megatron_buffer`). A MoE model's experts
-    split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts."""
+    split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts.
+    ``ddp``: the loading run's Megatron-LM data-parallel flags (``overlap_grad_reduce``, ``ddp_bucket_size``), which
+    set distrib_optim.pt's buckets; recorded in the args."""
     arch, padded, dtype = target_shape(ckpt, tp)
     ep = expert_parallel_size(ckpt, arch, ep)
     if arch.experts and distributed_optimizer:
@@ -1089,7 +1092,7 @@ def write_megatron(
         ckpt_format="torch", transformer_impl="transformer_engine" if te_names else "local", world_size=tp * pp * ep,
         data_parallel_size=ep, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
         hf_config=dict(ckpt.config), seed=DEFAULT_SEED, no_save_rng=False,
-        **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if arch.experts else {}),
+        **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if arch.experts else {}), **(ddp or {}),
     ))
     if distributed_optimizer and te_names:
         # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused norms
@@ -1119,7 +1122,8 @@ def write_megatron(
             d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
             os.makedirs(d)
             if distributed_optimizer and opt is not None:
-                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt, buffer.shared_names(arch, pp, p))
+                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt, buffer.shared_names(arch, pp, p),
+                                                                     buffer.run_bucket_size(vars(args), p))
                 save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
             save_torch(state, os.path.join(d, FILE))
             return d
@@ -1145,13 +1149,13 @@ def write_megatron(
 
 
 def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], dtype: torch.dtype,
-                       opt: OptimizerState, shared: frozenset[str]) -> tuple[dict[str, Any], dict[Any, Any]]:
+                       opt: OptimizerState, shared: frozenset[str], bucket_size: int | None) -> tuple[dict[str, Any], dict[Any, Any]]:
     """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
-    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps), in
-    one bucket but for the tied embedding's own (``shared``): the run that loads it has no --overlap-grad-reduce."""
+    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps), in the
+    loading run's buckets (:func:`.megatron_buffer.buckets`)."""
     local = dict(zip(stage.names, _local_names(stage, t)))
     params = [(n, stage.model[t][local[n]].spec.shape) for n in stage.names]
-    index, total = buffer.coalesced(buffer.buckets(params, shared))
+    index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
     at = 0
     for (a, b), i, name in sorted((index[name], i, name) for i, name in enumerate(stage.names)):

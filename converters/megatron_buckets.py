@@ -191,9 +191,10 @@ def buffer_stem(group: int, dtype: torch.dtype) -> str:
 
 
 def write_entries(arch: MegatronArch, tp: int, pp: int, dtype: torch.dtype, groups: list[dict[str, Any]],
-                  full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor]) -> dict[str, Any]:
-    """The DCP entries of every TP x PP rank's bucket in the local spec's module order (one: the loading run has no
-    --overlap-grad-reduce): lazy flat tensors
+                  full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor],
+                  args: dict[str, Any]) -> dict[str, Any]:
+    """The DCP entries of every TP x PP rank's buckets in the local spec's module order (as the written ``args``'
+    --overlap-grad-reduce and --ddp-bucket-size make them): lazy flat tensors
     built from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary
     padded) and the objects megatron-core asks for beside them."""
     if arch.tied and pp > 1:
@@ -203,7 +204,8 @@ def write_entries(arch: MegatronArch, tp: int, pp: int, dtype: torch.dtype, grou
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
     per_rank = rank_params(arch, order, tp, pp, full_shape)
-    placed = {g: layout(params, buffer_stem(g, dtype), shared_names(arch, pp, g // tp), None) for g, params in per_rank.items()}
+    placed = {g: layout(params, buffer_stem(g, dtype), shared_names(arch, pp, g // tp), run_bucket_size(args, g // tp))
+              for g, params in per_rank.items()}
     built: dict[tuple[int, str], list[dict[str, torch.Tensor]]] = {}
 
     def flats(p: int, key: str) -> list[dict[str, torch.Tensor]]:

@@ -380,12 +380,13 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
                         distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine",
-                        ep: int | None = None) -> None:
+                        ep: int | None = None, ddp: dict[str, Any] | None = None) -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time.
     ``distributed_optimizer``: the DistributedOptimizer's layout, ``fully_reshardable`` (per tensor, loads at
-    any DP x TP x PP) or ``dp_reshardable`` (flat buckets of the local spec at exactly ``tp`` x ``pp``)."""
+    any DP x TP x PP) or ``dp_reshardable`` (flat buckets of the local spec at exactly ``tp`` x ``pp``, as the
+    loading run's Megatron-LM data-parallel flags ``ddp`` make them: ``overlap_grad_reduce``, ``ddp_bucket_size``)."""
     if distributed_optimizer not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
         raise ConversionError(f"unknown distributed-optimizer layout {distributed_optimizer!r}")
     flat = distributed_optimizer == buckets.DP_RESHARDABLE
@@ -446,6 +447,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         **({"expert_model_parallel_size": ep} if arch.experts else {}),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
+        **(ddp or {}),
     ))
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
     ckpt.notes.extend(rng_notes)
@@ -464,7 +466,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                                           "chained_optim_avoid_prefix": True}  # what Megatron-LM's load asks the optimizer for
             if flat:  # the groups are an object of each TP x PP rank's, beside its buckets
                 common["optimizer"] = {"param_state_sharding_type": distributed_optimizer}
-                state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding))
+                state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding, vars(args)))
             else:
                 common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": distributed_optimizer}
         elif chained:
@@ -516,7 +518,7 @@ def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[
 
 
 def _bucket_entries(arch, tp: int, pp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
-                    padding: dict[str, torch.Tensor]) -> dict[str, Any]:
+                    padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
     def full_shape(rule: Rule) -> tuple[int, ...]:
         shape = state[stacked_name(rule.megatron)].spec.shape
@@ -527,4 +529,4 @@ def _bucket_entries(arch, tp: int, pp: int, dtype: torch.dtype, groups, state, m
             return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
         return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
 
-    return buckets.write_entries(arch, tp, pp, dtype, groups, full_shape, full_tensor)
+    return buckets.write_entries(arch, tp, pp, dtype, groups, full_shape, full_tensor, args)

@@ -314,12 +314,22 @@ def _megatron_ep(ckpt: LogicalCheckpoint, o: Options) -> int | None:
     return int(value) if value else None
 
 
+def _megatron_ddp(o: Options) -> dict[str, Any]:
+    """The loading run's Megatron-LM --overlap-grad-reduce and --ddp-bucket-size (the distributed optimizer's buckets)."""
+    size = o.extra.get("ddp_bucket_size")
+    if size and not o.extra.get("overlap_grad_reduce"):
+        raise ConfigurationError("--ddp-bucket-size sizes --overlap-grad-reduce's buckets (Megatron-LM ignores it without): "
+                                 "pass both, as the loading run does")
+    return {"overlap_grad_reduce": bool(o.extra.get("overlap_grad_reduce")), "ddp_bucket_size": int(size) if size else None}
+
+
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
     megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite,
                                       distributed_optimizer=layout, pp=layout_value(ckpt, o, "pp", 1),
-                                      transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o))
+                                      transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o),
+                                      ddp=_megatron_ddp(o))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
@@ -354,7 +364,8 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
                               "distributed optimizer is distrib_optim.pt: --use-distributed-optimizer")
     ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
-                            distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")), ep=_megatron_ep(ckpt, o))
+                            distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")), ep=_megatron_ep(ckpt, o),
+                            ddp=_megatron_ddp(o))
 
 
 register(

@@ -323,12 +323,13 @@ def test_a_tied_model_on_two_stages_with_the_distributed_optimizer_reads_and_loa
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=pytest.mark.slow)])
-def test_overlap_grad_reduce_buckets_are_read(tmp_path, fmt):
+def test_overlap_grad_reduce_buckets_are_read_and_written(tmp_path, fmt):
     """megatron-core with --overlap-grad-reduce --ddp-bucket-size 7000 at DP2 (Megatron-LM's production setting; its
     default bucket is 40M parameters): the distributed optimizer's state in six buckets, torch_dist's dp_reshardable
     layout (a tensor per bucket) or distrib_optim.pt (the buckets concatenated, their end padding dropped). Read
     with the bucket size the saved args give -> universal -> TP2 -> megatron-core (no buckets) trains on with the
-    uninterrupted run's losses."""
+    uninterrupted run's losses. And written for a run with those buckets (the same flags to convert), which
+    megatron-core loads with them: without the flags it refuses ours (its buckets are not ours)."""
     bucket = {"MCORE_BUCKET": "7000", "MCORE_DISTOPT_LAYOUT": "dp_reshardable"}
     scenario = "save-dist-distopt" if fmt == "torch_dist" else "save-legacy-distopt"
     uninterrupted = resumed_losses(scenario, tmp_path / "ckpt", tmp_path / "out", 1, 1, **bucket)
@@ -341,3 +342,21 @@ def test_overlap_grad_reduce_buckets_are_read(tmp_path, fmt):
     convert(tmp_path / "uni", tmp_path / "ours", "--to", "megatron", "--tp", "2", "--transformer-impl", "local", "--use-distributed-optimizer")
     resumed = resumed_losses("load-legacy-distopt", tmp_path / "ours", tmp_path / "resumed", 2, 1)
     assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+
+    flags = ["--overlap-grad-reduce", "--ddp-bucket-size", "7000"]
+    if fmt == "torch_dist":
+        convert(tmp_path / "uni", tmp_path / "bucketed", "--to", "megatron-dist", "--tp", "1", "--dist-optim-layout", "dp_reshardable",
+                "--transformer-impl", "local", *flags)
+        resumed = resumed_losses("load-dist-distopt", tmp_path / "bucketed", tmp_path / "resumed-bucketed", 1, 1, **bucket)
+    else:
+        convert(tmp_path / "uni", tmp_path / "bucketed", "--to", "megatron", "--tp", "2", "--transformer-impl", "local",
+                "--use-distributed-optimizer", *flags)
+        resumed = resumed_losses("load-legacy-distopt", tmp_path / "bucketed", tmp_path / "resumed-bucketed", 2, 1, **bucket)
+    assert resumed == pytest.approx(uninterrupted[1:], rel=0, abs=1e-5)
+    convert(tmp_path / "bucketed", tmp_path / "back", "--to", "universal")  # our args record the buckets: read back exactly
+    assert_universal_equal(tmp_path / "uni", tmp_path / "back")
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(tmp_path / "uni"), str(tmp_path / "half"), "--to",
+                           "megatron", "--use-distributed-optimizer", "--ddp-bucket-size", "7000"], capture_output=True, text=True,
+                          env=worker_env(), cwd=ROOT)
+    assert done.returncode != 0 and "--ddp-bucket-size sizes --overlap-grad-reduce's buckets" in done.stderr
+    assert not (tmp_path / "half").exists()
