@@ -158,11 +158,14 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
     if common.get("optimizer") is not None and not isinstance(common["optimizer"], dict):
         raise CorruptCheckpointError(common_path, f"optimizer entry is a {type(common['optimizer']).__name__}, not Megatron's state dict")
-    sharding_type = (common.get("optimizer") or {}).get("param_state_sharding_type")
+    sharding_type = _sharding_type(common.get("optimizer") or {}, common_path)
     if sharding_type not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
         raise ConversionError(f"{common_path}: the distributed optimizer's {sharding_type!r} layout is not supported; "
                               f"save with --dist-ckpt-optim-fully-reshardable ({FULLY_RESHARDABLE}) or --ckpt-format torch")
     model: dict[str, LazyTensor] = {}
+    if sharding_type == buckets.DP_RESHARDABLE and arch.experts:
+        raise ConversionError(f"{common_path}: a MoE model's distributed optimizer in the dp_reshardable layout (its expert "
+                              "optimizer's buckets) is not read here; save with --dist-ckpt-optim-fully-reshardable")
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
         tp, pp = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
         regions = buckets.read_layout(reader, arch, tp, pp, full_shape, lambda r: stored_full(r, names[r.megatron]), directory,
@@ -262,6 +265,17 @@ def is_expert(rule: Rule) -> bool:
     return len(stack_index(rule.megatron)) == 2
 
 
+def _sharding_type(saved: dict, common_path: str) -> str | None:
+    """The distributed optimizer's layout common.pt names (None: megatron-core's own optimizer): a ChainedOptimizer's
+    (a MoE model's dense and expert optimizers) each name it, the same."""
+    if saved and all(isinstance(k, int) for k in saved):
+        kinds = {part.get("param_state_sharding_type") if isinstance(part, dict) else None for part in saved.values()}
+        if len(kinds) != 1:
+            raise CorruptCheckpointError(common_path, f"optimizer chains parts of different layouts: {sorted(map(str, kinds))}")
+        return kinds.pop()
+    return saved.get("param_state_sharding_type")
+
+
 def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[tuple[dict[str, Any], list[Rule]]]:
     """The optimizer's state dicts and the parameters each holds. A MoE model's is megatron-core's
     ChainedOptimizer: ``{0: dense optimizer's, 1: expert optimizer's}`` (get_megatron_optimizer keeps expert
@@ -269,9 +283,6 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
     if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
         if not all(isinstance(part, dict) for part in saved.values()):
             raise CorruptCheckpointError(common_path, "optimizer chains parts that are not megatron-core's optimizer state dicts")
-        if any(part.get("param_state_sharding_type") for part in saved.values()):
-            raise ConversionError(f"{common_path}: a MoE model's distributed optimizer (its expert optimizer's layout) is not "
-                                  "read here; save with megatron-core's own optimizer layout (without --use-distributed-optimizer)")
         split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
         if sorted(saved) != [0, 1] or not split[1]:
             raise CorruptCheckpointError(common_path, f"optimizer chains {len(saved)} optimizers; megatron-core chains a "
@@ -395,10 +406,9 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
     ep = expert_parallel_size(ckpt, arch, ep)
-    if arch.experts and distributed_optimizer and (flat or ckpt.optimizer is not None):  # flat: buckets even without Adam
-        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
-                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
-                              "layout, which Megatron-LM loads into either)")
+    if arch.experts and flat:  # flat: buckets even without Adam
+        raise ConversionError("the dp_reshardable layout of a MoE model (its expert optimizer's buckets) is not written here; "
+                              "use --dist-optim-layout fully_reshardable")
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
@@ -409,8 +419,8 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     # experts' (1), each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
     chained = ep > 1 and opt is not None
 
-    def prefix(rule: Rule) -> str:
-        return f"{CHAINED}{int(is_expert(rule))}." if chained else ""
+    def prefix(rule: Rule) -> str:  # fully_reshardable: no prefix (the content metadata's chained_optim_avoid_prefix)
+        return f"{CHAINED}{int(is_expert(rule))}." if chained and not distributed_optimizer else ""
 
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
@@ -467,6 +477,10 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             if flat:  # the groups are an object of each TP x PP rank's, beside its buckets
                 common["optimizer"] = {"param_state_sharding_type": distributed_optimizer}
                 state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding, vars(args)))
+            elif chained:  # each of the ChainedOptimizer's DistributedOptimizers: its groups, the layout it names
+                expert_groups = _expert_groups(groups[0], [r for r in all_rules if is_expert(r)], state)
+                common["optimizer"] = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": distributed_optimizer}
+                                       for i, g in enumerate((groups, expert_groups))}
             else:
                 common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": distributed_optimizer}
         elif chained:

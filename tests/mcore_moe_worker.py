@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.mcore_family_worker import transformer_config  # noqa: E402
 from tests.mcore_worker import (  # noqa: E402
-    STEPS, adam, cpu_patches, distributed_optimizer_patches, init_state_fn, megatron_param_groups, train_step,
+    STEPS, adam, cpu_patches, data_parallel_step, distributed_optimizer_patches, init_state_fn, megatron_param_groups, train_step,
 )
 
 
@@ -109,6 +109,34 @@ def chained_optimizer(model):
     return ChainedOptimizer([FP32Optimizer(adam(p), config, init_state_fn) for p in parts if p])
 
 
+DISTOPT = os.environ.get("MCORE_DISTOPT")  # fully_reshardable | dp_reshardable: --use-distributed-optimizer, torch_dist
+
+
+def distributed(model):
+    """What Megatron-LM builds for --use-distributed-optimizer: megatron-core's DistributedDataParallel (the expert
+    parameters in buffers of their own, over the expert data-parallel group) and get_megatron_optimizer's
+    ChainedOptimizer of two DistributedOptimizers (dense, experts), the groups' hyper-parameters as the plain run's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tests.mcore_worker import LR
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                             clip_grad=0.0, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    for g in optimizer.param_groups:
+        g["weight_decay"], g["lr"] = config.weight_decay * g.get("wd_mult", 1.0), LR
+    return ddp, optimizer
+
+
+def distopt_metadata() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"distrib_optim_sharding_type": DISTOPT, "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
 def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:
     """The arguments of a Megatron-LM run of its own (no Hugging Face model type or config)."""
     own = {k: v for k, v in vars(args).items() if k not in ("hf_model_type", "hf_config")}
@@ -150,11 +178,17 @@ def save(model, optimizer, args, directory: str, iteration: int) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path)
     dist.barrier()
-    sharded = model.sharded_state_dict()
+    metadata = distopt_metadata() if DISTOPT else None
+    sharded = getattr(model, "module", model).sharded_state_dict(metadata=metadata)
     state = {"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(sharded)
-    dist_checkpointing.save(state, path)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    if DISTOPT:
+        args.use_distributed_optimizer, args.ckpt_format = True, "torch_dist"
+        content = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+        dist_checkpointing.save(state, path, content_metadata=content)
+    else:
+        dist_checkpointing.save(state, path)
     if dist.get_rank() == 0:
         with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
@@ -190,7 +224,10 @@ def main() -> None:
     optimizer = None
     if scenario != "logits":
         distributed_optimizer_patches()  # ChainedOptimizer's step takes the grad norm with a CUDA buffer
-        optimizer = chained_optimizer(model)
+        if DISTOPT:
+            model, optimizer = distributed(model)
+        else:
+            optimizer = chained_optimizer(model)
     if legacy:
         megatron_lm_restore_rng(state["rng_state"], args.seed)
         result = model.load_state_dict(state["model"], strict=True)
@@ -199,14 +236,28 @@ def main() -> None:
             assert isinstance(state["optimizer"], list) == (ep > 1), type(state["optimizer"])  # a ChainedOptimizer of two at EP > 1
             optimizer.load_state_dict(state["optimizer"])
     else:
-        sharded = model.sharded_state_dict()
+        metadata = distopt_metadata() if DISTOPT and scenario == "load-train" else None
+        if metadata is not None:
+            assert dist_checkpointing.load_content_metadata(source) == {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+            for inner in optimizer.chained_optimizers:  # what TE/Apex's Adam allocates up front (mcore_worker.dist_distributed)
+                for g in inner.optimizer.param_groups:
+                    for p in g["params"]:
+                        inner.optimizer.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(0.0)}
+        sharded = getattr(model, "module", model).sharded_state_dict(metadata=metadata)
         request = {"model": sharded}
         if scenario == "load-train":
-            request["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+            request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True, metadata=metadata)
         loaded = dist_checkpointing.load(request, source)
-        model.load_state_dict(loaded["model"], strict=True)
+        getattr(model, "module", model).load_state_dict(loaded["model"], strict=True)
         if scenario == "load-train":
-            optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():
+                optimizer.load_state_dict(loaded["optimizer"])
+            if DISTOPT:
+                for inner in optimizer.chained_optimizers:  # torch's AdamW keeps the step per parameter (see mcore_worker)
+                    for g in inner.optimizer.param_groups:
+                        for p in g["params"]:
+                            inner.optimizer.state[p]["step"] = torch.tensor(float(g["step"]))
+    step = data_parallel_step if DISTOPT else train_step
     experts = [n for n, _ in model.named_parameters() if ".mlp.experts." in n]  # SequentialMLP's per expert, GroupedMLP's 2
     with open(os.path.join(directory, f"rank{dist.get_rank()}.json"), "w") as f:  # each rank its own file: prints interleave
         json.dump({"rank": dist.get_rank(), "ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts)}, f)
@@ -225,12 +276,12 @@ def main() -> None:
         model.train()
         losses = []
         if scenario == "train-save":
-            train_step(model, optimizer, 0)
+            step(model, optimizer, 0)
             if save_as in ("torch", "both"):
                 save_legacy(model, optimizer, own_args(args, tp, ep, 1), out, 1, tp, ep)
             if save_as in ("torch_dist", "both"):
                 save(model, optimizer, own_args(args, tp, ep, 1), out + ("_dist" if save_as == "both" else ""), 1)
-        losses += [train_step(model, optimizer, step) for step in range(1, STEPS)]
+        losses += [step(model, optimizer, i) for i in range(1, STEPS)]
         if dist.get_rank() == 0:
             with open(os.path.join(out, "losses.json"), "w") as f:
                 json.dump(losses, f)

@@ -1,9 +1,10 @@
 """Megatron MoE checkpoints (torch_dist): a Mixtral's router and SequentialMLP experts written as megatron-core
 stacks them (``decoder.layers.mlp.experts.experts.linear_fc1.weight``: [layers, experts, ...]), loaded by
 megatron-core's own MoE GPT model at EP2 and at TP2 on gloo with transformers' logits, and megatron-core's own save
-of it at EP2 read back exactly. What is not mapped (the legacy per-rank files of a MoE run, grouped-GEMM experts,
-the distributed optimizer's expert buffers) is refused in one line, never half-done; megatron-core's MoE
-optimizers (dense and expert, chained) are read and written, and megatron-core resumes from them.
+of it at EP2 read back exactly. What is not mapped (Transformer Engine's grouped-GEMM experts in legacy files, the
+distributed optimizer's flat buckets of a MoE model) is refused in one line, never half-done; megatron-core's MoE
+optimizers (dense and expert, chained; plain or distributed in the fully_reshardable layout) are read and written,
+and megatron-core resumes from them.
 
 Megatron-LM's legacy per-rank files of a MoE run (``mp_rank_TT[_PPP]_EEE``: each expert-parallel rank's file holds
 the dense layers and its experts numbered from 0, and at EP > 1 a ChainedOptimizer's list of the dense and expert
@@ -152,37 +153,42 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
         with pytest.raises(ConversionError, match=rf"common.pt: this MoE run has {what}.*\(--{flag.replace('_', '-')} {value}\); the Megatron MoE map reads"):
             MegatronArch.from_args({**args, flag: value}, "common.pt")
 
-    # a MoE run saved with megatron-core's distributed optimizer: each chained part names its layout; refused on read
-    from converters.megatron_dist import _chained_parts
+    # the dp_reshardable layout of a MoE run (its dense and expert optimizers' buckets): refused, nothing written
+    from converters.megatron_dist import _sharding_type
+    from interop.errors import CorruptCheckpointError
 
-    with pytest.raises(ConversionError, match="common.pt: a MoE model's distributed optimizer .* is not read here"):
-        _chained_parts({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "fully_reshardable"}},
-                       [], "common.pt")
-
+    with pytest.raises(CorruptCheckpointError, match="common.pt: optimizer chains parts of different layouts"):
+        _sharding_type({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "dp_reshardable"}}, "common.pt")
     from trainers.base import BaseTrainer, TrainerConfig
 
     trained = BaseTrainer(TrainerConfig(model="mixtral", steps=1, batch_size=2, seq_len=8, save_every=1, output_dir=str(tmp_path / "run")))
     trained.train()
-    done = cli("convert", tmp_path / "run" / "checkpoint-1", tmp_path / "opt", "--to", "megatron-dist", "--use-distributed-optimizer")
+    done = cli("convert", tmp_path / "run" / "checkpoint-1", tmp_path / "opt", "--to", "megatron-dist", "--dist-optim-layout",
+               "dp_reshardable", "--transformer-impl", "local")
     assert done.returncode == 2 and not (tmp_path / "opt").exists()
-    assert "the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not written here" in done.stderr
+    assert "the dp_reshardable layout of a MoE model (its expert optimizer's buckets) is not written here" in done.stderr
 
 
-def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path):
+@pytest.mark.parametrize("optimizer", ["megatron", "distributed"])
+def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, optimizer):
     """megatron-core trains the Mixtral one step at EP2 with its own optimizers for a MoE model (a ChainedOptimizer
-    of the dense and the expert parameters') and saves it; interop reads every expert's Adam moments from it,
-    goes through universal and back to torch_dist; megatron-core loads model and optimizer at EP2 and trains on
-    with the uninterrupted run's losses."""
+    of the dense and the expert parameters'), megatron-core's plain ones or, with --use-distributed-optimizer, two
+    DistributedOptimizers over DistributedDataParallel's dense and expert buffers (torch_dist's fully_reshardable
+    layout, as Megatron-LM saves with --dist-ckpt-optim-fully-reshardable), and saves it; interop reads every
+    expert's Adam moments from it, goes through universal and back to torch_dist; megatron-core loads model and
+    optimizer at EP2 and trains on with the uninterrupted run's losses."""
     _, _, dist = mixtral
     own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
     worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
-    env = {**worker_env(), "MCORE_EP": "2"}
+    env = {**worker_env(), "MCORE_EP": "2", **({"MCORE_DISTOPT": "fully_reshardable"} if optimizer == "distributed" else {})}
     run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
-    assert cli("convert", own, tmp_path / "u", "--to", "universal").returncode == 0
+    done = cli("convert", own, tmp_path / "u", "--to", "universal")
+    assert done.returncode == 0, done.stderr
     u = registry.read(str(tmp_path / "u"))[1]
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in u.optimizer.tensors["exp_avg"]
     assert [len(g["params"]) for g in u.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
-    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local").returncode == 0
+    target = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
+    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local", *target).returncode == 0
     report = cli("diff", own, back)
     assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
     resumed.mkdir()
