@@ -6,7 +6,9 @@ its gradient buffer as three flat fp32 tensors, ``optimizer.distributed.dp_group
 dtype>, <grad dtype>).bucket_idx_<k>.{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of
 :mod:`.megatron_buffer` (reverse module order, 64-aligned starts, gaps unspecified; buckets of --overlap-grad-reduce
 and a tied embedding's own), and beside them the objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` and
-``optimizer`` (the param groups, with the step).
+``optimizer`` (the param groups, with the step). A MoE model at EP > 1 has two optimizers, each with its own
+buffers, keys prefixed ``chained_<i>.``: the dense one's per TP x PP rank, the experts' per rank of the expert
+tensor x expert x pipeline group (:func:`rank_buffers`).
 
 The layout follows the model's module order, which the files do not record; the local spec's and Transformer
 Engine's differ in where a layer's input norm sits. Reading tries both and keeps the one under which every 1-D
@@ -29,11 +31,12 @@ from interop.tensors import LazyTensor, TensorSpec
 
 from .megatron_buffer import buckets, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
-from .megatron_map import Rule, rules, split, stage_rules, tied_output_rule
+from .megatron_map import Rule, rules, split, stack_index, stage_rules, tied_output_rule
 
 DP_RESHARDABLE = "dp_reshardable"
 FLAT_KEYS = ("param", "exp_avg", "exp_avg_sq")  # fp32 main params and Adam's moments
 GROUP_PREFIX = "optimizer.distributed.dp_group_idx_{}."
+CHAINED = "chained_"  # megatron-core's ChainedOptimizer: chained_<i>.<key> for its i-th optimizer's state
 BUCKET = re.compile(r"^gbuf_idx_(\d+)\.(dtype_\(.*\))\.bucket_idx_(\d+)\.(\w+)$")
 OBJECT = "{}/shard_0_1"  # a ShardedObject of shape (1,) in torch_dist: the key of its one shard
 NUMEL_PAD = 128  # per_bucket_numel pads each bucket for the run's DP size; only the unpadded count is checked on load
@@ -58,16 +61,46 @@ def module_orders(arch: MegatronArch) -> list[tuple[str, list[Rule]]]:
     return [("local", local), ("transformer_engine", te)]
 
 
-def rank_params(arch: MegatronArch, order: list[Rule], tp: int, pp: int, full_shape: Callable[[Rule], tuple[int, ...]]):
-    """For each TP x PP rank G = t + tp * p: its parameters in module order as (rule, TP piece shape), the last
-    stage's tied copy of the embedding included (it has its own place in the buffer)."""
+@dataclass(frozen=True)
+class Buffer:
+    """One optimizer's gradient buffer on one rank: its key prefix (``[chained_<part>.]optimizer.distributed.
+    dp_group_idx_<G>.``), its pipeline stage, and its parameters in module order as (rule, TP piece shape)."""
+
+    prefix: str
+    stage: int
+    tp_rank: int
+    experts: bool  # the expert optimizer's (no tied embedding in it)
+    params: list[tuple[Rule, tuple[int, ...]]]
+
+
+def _is_expert(rule: Rule) -> bool:
+    return len(stack_index(rule.megatron)) == 2
+
+
+def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: int,
+                 full_shape: Callable[[Rule], tuple[int, ...]]) -> list[Buffer]:
+    """Every rank's buffers. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
+    embedding included: it has its own place in the buffer). A MoE model at EP > 1 has megatron-core's
+    ChainedOptimizer: the dense parameters' (part 0, G as above) and the experts' (part 1) on each rank of the
+    expert tensor x expert x pipeline group, G = t + tp x (e + ep x p) (its order tp-ep-pp), holding the experts
+    local to expert rank e; at EP 1 one optimizer holds every parameter."""
     stages = stage_rules(order, arch, pp)
     if arch.tied and pp > 1:
         stages[-1].append(tied_output_rule(arch))
-    out: dict[int, list[tuple[Rule, tuple[int, ...]]]] = {}
+    chained = bool(arch.experts) and ep > 1
+    per = arch.experts // ep if arch.experts else 0
+
+    def prefix(part: int, g: int) -> str:
+        return (f"{CHAINED}{part}." if chained else "") + GROUP_PREFIX.format(g)
+
+    out = []
     for p, stage in enumerate(stages):
         for t in range(tp):
-            out[t + tp * p] = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in stage]
+            params = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in stage]
+            out.append(Buffer(prefix(0, t + tp * p), p, t, False, [(r, s) for r, s in params if not (chained and _is_expert(r))]))
+            for e in range(ep if chained else 0):
+                mine = [(r, s) for r, s in params if _is_expert(r) and stack_index(r.megatron)[1] // per == e]
+                out.append(Buffer(prefix(1, t + tp * (e + ep * p)), p, t, True, mine))
     return out
 
 
@@ -85,57 +118,58 @@ def layout(params: list[tuple[Rule, tuple[int, ...]]], stem: str, shared: frozen
     return regions, [part.numel_unpadded for part in parts]
 
 
-def bucket_keys(tensor_keys: list[str], groups: int, where: str) -> dict[int, list[str]]:
-    """G -> each TP x PP rank's buckets' key stems, in bucket order; one line naming what else the files hold."""
-    found: dict[int, dict[str, set[int]]] = {g: {} for g in range(groups)}
+def bucket_keys(tensor_keys: list[str], prefixes: list[str], where: str) -> dict[str, list[str]]:
+    """Each buffer's buckets' key stems, in bucket order; one line naming what else the files hold."""
+    found: dict[str, dict[str, set[int]]] = {prefix: {} for prefix in prefixes}
     for key in tensor_keys:
-        for g in range(groups):
-            prefix = GROUP_PREFIX.format(g)
-            if key.startswith(prefix):
-                m = BUCKET.match(key[len(prefix):])
-                if m is None:
-                    raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor")
-                found[g].setdefault(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.", set()).add(int(m.group(3)))
+        unchained = key.split(".", 1)[1] if key.startswith(CHAINED) else key
+        if not unchained.startswith(GROUP_PREFIX.split("{")[0]):
+            continue  # the model's, or another optimizer state's
+        prefix = next((x for x in prefixes if key.startswith(x)), None)
+        m = BUCKET.match(key[len(prefix):]) if prefix is not None else None
+        if m is None:
+            raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor of a rank the args describe")
+        found[prefix].setdefault(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.", set()).add(int(m.group(3)))
     out = {}
-    for g, buffers in found.items():
+    for prefix, buffers in found.items():
         if not buffers:
-            raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket for model-parallel rank {g} "
-                                         f"(args say {groups} TP x PP ranks)")
+            raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket {prefix}* (the args' layout has one)")
         if len(buffers) > 1:
-            raise ConversionError(f"{where}: model-parallel rank {g} has {len(buffers)} gradient buffers "
-                                  f"({sorted(buffers)[:2]}...); one buffer of one dtype is read (one model chunk, one "
-                                  "precision); save with --dist-ckpt-optim-fully-reshardable")
+            raise ConversionError(f"{where}: {prefix[:-1]} has {len(buffers)} gradient buffers ({sorted(buffers)[:2]}...); one "
+                                  "buffer of one dtype is read (one model chunk, one precision); save with "
+                                  "--dist-ckpt-optim-fully-reshardable")
         (stem, indices), = buffers.items()
         if indices != set(range(len(indices))):
-            raise CorruptCheckpointError(where, f"model-parallel rank {g} holds buckets {sorted(indices)}, not 0..{len(indices) - 1}")
-        out[g] = [f"{stem}bucket_idx_{k}" for k in range(len(indices))]
+            raise CorruptCheckpointError(where, f"{prefix[:-1]} holds buckets {sorted(indices)}, not 0..{len(indices) - 1}")
+        out[prefix] = [f"{stem}bucket_idx_{k}" for k in range(len(indices))]
     return out
 
 
-def read_layout(reader, arch: MegatronArch, tp: int, pp: int, full_shape: Callable[[Rule], tuple[int, ...]],
+def read_layout(reader, arch: MegatronArch, tp: int, pp: int, ep: int, full_shape: Callable[[Rule], tuple[int, ...]],
                 model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any]) -> dict[str, list[Region]]:
     """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model; the
     buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
-    stems = bucket_keys(reader.tensor_keys(), tp * pp, where)
-    for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
-        if key not in reader.tensor_keys():
-            raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
     tried = []
     for name, order in module_orders(arch):
-        per_rank = rank_params(arch, order, tp, pp, full_shape)
+        ranks = rank_buffers(arch, order, tp, pp, ep, full_shape)
+        stems = bucket_keys(reader.tensor_keys(), [b.prefix for b in ranks], where)
+        for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
+            if key not in reader.tensor_keys():
+                raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
         regions: dict[str, list[Region | None]] = {}
         fits = True
-        for g, params in per_rank.items():
-            p = g // tp
-            placed, sizes = layout(params, stems[g][0][: -len("bucket_idx_0")], shared_names(arch, pp, p),
-                                   run_bucket_size(args, p))
-            held = [tuple(reader.spec(f"{stem}.param").shape) for stem in stems[g]]
+        for buf in ranks:
+            stem = stems[buf.prefix][0][: -len("bucket_idx_0")]
+            shared = frozenset() if buf.experts else shared_names(arch, pp, buf.stage)
+            placed, sizes = layout(buf.params, stem, shared, run_bucket_size(args, buf.stage))
+            held = [tuple(reader.spec(f"{s}.param").shape) for s in stems[buf.prefix]]
             if held != [(n,) for n in sizes]:
                 fits = False
-                tried.append(f"{name}: rank {g} lays out to buckets of {sizes}, the checkpoint holds {[h[0] if len(h) == 1 else h for h in held]}")
+                tried.append(f"{name}: {buf.prefix[:-1]} lays out to buckets of {sizes}, the checkpoint holds "
+                             f"{[h[0] if len(h) == 1 else h for h in held]}")
                 break
             for meg, region in placed.items():
-                regions.setdefault(meg, [None] * tp)[g % tp] = region
+                regions.setdefault(meg, [None] * tp)[buf.tp_rank] = region
         if fits and _masters_match(reader, order, regions, tp, model_full, tried, name):
             return regions  # type: ignore[return-value]
     raise CorruptCheckpointError(where, "the distributed optimizer's buckets fit no known module order "
@@ -161,9 +195,9 @@ def region_tensor(reader, region: Region, key: str) -> torch.Tensor:
     return reader.read(f"{region.bucket}.{key}", (region.start,), (region.end - region.start,)).view(region.shape)
 
 
-def param_groups(reader, where: str) -> list[dict[str, Any]]:
-    """The optimizer's param groups (each with the step), from the first TP x PP rank's object."""
-    key = OBJECT.format(GROUP_PREFIX.format(0) + "optimizer")
+def param_groups(reader, prefix: str, where: str) -> list[dict[str, Any]]:
+    """An optimizer's param groups (each with the step), from its first rank's object (``prefix``: that buffer's)."""
+    key = OBJECT.format(prefix + "optimizer")
     if key not in reader.object_keys():
         raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer's param groups")
     saved = reader.read_object(key)
@@ -172,6 +206,13 @@ def param_groups(reader, where: str) -> list[dict[str, Any]]:
     if not isinstance(groups, list):
         raise CorruptCheckpointError(where, f"{key!r} is not the optimizer's state dict (no param_groups)")
     return groups
+
+
+def part_prefixes(arch: MegatronArch, ep: int) -> list[str]:
+    """The first buffer's key prefix of each of the run's optimizers: one, or a MoE model's two at EP > 1."""
+    if arch.experts and ep > 1:
+        return [f"{CHAINED}{part}.{GROUP_PREFIX.format(0)}" for part in (0, 1)]
+    return [GROUP_PREFIX.format(0)]
 
 
 # --- writing ------------------------------------------------------------------------------------------------
@@ -184,54 +225,55 @@ def sharded_object(value: Any) -> io.BytesIO:
     return buffer
 
 
-def buffer_stem(group: int, dtype: torch.dtype) -> str:
-    """The key stem of a TP x PP rank's buffer; its buckets append ``bucket_idx_<k>``."""
+def buffer_stem(prefix: str, dtype: torch.dtype) -> str:
+    """The key stem of a buffer (``prefix``: :class:`Buffer`'s); its buckets append ``bucket_idx_<k>``."""
     grad = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
-    return f"{GROUP_PREFIX.format(group)}gbuf_idx_0.dtype_{(dtype, grad)}."
+    return f"{prefix}gbuf_idx_0.dtype_{(dtype, grad)}."
 
 
-def write_entries(arch: MegatronArch, tp: int, pp: int, dtype: torch.dtype, groups: list[dict[str, Any]],
+def write_entries(arch: MegatronArch, tp: int, pp: int, ep: int, dtype: torch.dtype, groups: list[list[dict[str, Any]]],
                   full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor],
                   args: dict[str, Any]) -> dict[str, Any]:
-    """The DCP entries of every TP x PP rank's buckets in the local spec's module order (as the written ``args``'
-    --overlap-grad-reduce and --ddp-bucket-size make them): lazy flat tensors
-    built from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary
-    padded) and the objects megatron-core asks for beside them."""
+    """The DCP entries of every buffer's buckets (:func:`rank_buffers`) in the local spec's module order, as the
+    written ``args``' --overlap-grad-reduce and --ddp-bucket-size make them: lazy flat tensors built from
+    ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary padded) and the
+    objects megatron-core asks for beside them; ``groups``: each optimizer's param groups (:func:`part_prefixes`)."""
     if arch.tied and pp > 1:
         # the tied embedding's own buckets: megatron-core 0.16.1's dp_reshardable save fails on them here ("out of
         # bounds chunk" where the first stage's other bucket ends in an alignment gap), so no run of it judged ours
         raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
-    per_rank = rank_params(arch, order, tp, pp, full_shape)
-    placed = {g: layout(params, buffer_stem(g, dtype), shared_names(arch, pp, g // tp), run_bucket_size(args, g // tp))
-              for g, params in per_rank.items()}
-    built: dict[tuple[int, str], list[dict[str, torch.Tensor]]] = {}
+    buffers = rank_buffers(arch, order, tp, pp, ep, full_shape)
+    placed = {b.prefix: layout(b.params, buffer_stem(b.prefix, dtype), frozenset() if b.experts else shared_names(arch, pp, b.stage),
+                               run_bucket_size(args, b.stage)) for b in buffers}
+    where = {(rule.megatron, b.tp_rank): placed[b.prefix][0][rule.megatron] for b in buffers for rule, _ in b.params}
+    built: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
-    def flats(p: int, key: str) -> list[dict[str, torch.Tensor]]:
-        """Stage ``p``'s TP ranks' flat bucket tensors of ``key``, built together (each full tensor loaded once)."""
+    def flats(p: int, key: str) -> dict[str, torch.Tensor]:
+        """Stage ``p``'s buffers' flat bucket tensors of ``key``, built together (each full tensor loaded once)."""
         if (p, key) not in built:
             built.clear()
-            ranks = [t + tp * p for t in range(tp)]
-            bufs = [{f"{buffer_stem(g, dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
-                     for k, n in enumerate(placed[g][1])} for g in ranks]
-            for rule, _ in per_rank[ranks[0]]:
+            mine = [b for b in buffers if b.stage == p]
+            bufs = {f"{buffer_stem(b.prefix, dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
+                    for b in mine for k, n in enumerate(placed[b.prefix][1])}
+            for rule in dict.fromkeys(r for b in mine if b.tp_rank == 0 for r, _ in b.params):
                 for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), tp)):
-                    r = placed[ranks[t]][0][rule.megatron]
-                    bufs[t][r.bucket][r.start:r.end] = piece.reshape(-1)
+                    r = where[(rule.megatron, t)]
+                    bufs[r.bucket][r.start:r.end] = piece.reshape(-1)
             built[(p, key)] = bufs
         return built[(p, key)]
 
     out: dict[str, Any] = {}
     dtypes = (dtype, torch.float32)
-    for g, (_, sizes) in placed.items():
-        prefix = GROUP_PREFIX.format(g)
+    for b in buffers:
+        sizes = placed[b.prefix][1]
         for k, n in enumerate(sizes):
-            stem = f"{buffer_stem(g, dtype)}bucket_idx_{k}"
+            stem = f"{buffer_stem(b.prefix, dtype)}bucket_idx_{k}"
             for key in FLAT_KEYS:
-                out[f"{stem}.{key}"] = LazyTensor(TensorSpec((n,), torch.float32),
-                                                  lambda g=g, key=key, stem=stem: flats(g // tp, key)[g % tp][stem], origin=f"{stem}.{key}")
-        out[OBJECT.format(prefix + "optimizer")] = sharded_object({"param_groups": groups})
-        out[OBJECT.format(prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(n / NUMEL_PAD) * NUMEL_PAD for n in sizes]}])
-        out[OBJECT.format(prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: sizes}])
+                out[f"{stem}.{key}"] = LazyTensor(TensorSpec((n,), torch.float32), lambda p=b.stage, key=key, stem=stem: flats(p, key)[stem],
+                                                  origin=f"{stem}.{key}")
+        out[OBJECT.format(b.prefix + "optimizer")] = sharded_object({"param_groups": groups[int(b.experts)]})
+        out[OBJECT.format(b.prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(n / NUMEL_PAD) * NUMEL_PAD for n in sizes]}])
+        out[OBJECT.format(b.prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: sizes}])
     return out

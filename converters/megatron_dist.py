@@ -40,6 +40,7 @@ from interop.tensors import LazyTensor, TensorSpec
 from interop.universal import scalar_entry
 
 from . import megatron_buckets as buckets
+from .megatron_buckets import CHAINED  # chained_<i>.optimizer.state.<key>.<name> for the i-th optimizer
 from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
@@ -50,7 +51,7 @@ from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, layer_of, megatron_pieces, merge, rules, stack_index
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, megatron_pieces, merge, rules, stack_index
 from .megatron_pieces import RankPieces, fused_dtype
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
 
@@ -66,7 +67,6 @@ _PART = Keys(_TORCH_PART, optimizer=Absent(_TORCH_PART))
 COMMON_STATE = Keys(args=Maybe(MEGATRON_ARGS), iteration=Maybe(int), optimizer=Maybe(OneOf(_PART, MapOf(int, _PART))))
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
-CHAINED = "chained_"  # megatron-core's ChainedOptimizer: chained_<i>.optimizer.state.<key>.<name> for its i-th optimizer
 MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
 DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimizer.state.param.<model key> (fp32)
 FULLY_RESHARDABLE = "fully_reshardable"
@@ -163,13 +163,11 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         raise ConversionError(f"{common_path}: the distributed optimizer's {sharding_type!r} layout is not supported; "
                               f"save with --dist-ckpt-optim-fully-reshardable ({FULLY_RESHARDABLE}) or --ckpt-format torch")
     model: dict[str, LazyTensor] = {}
-    if sharding_type == buckets.DP_RESHARDABLE and arch.experts:
-        raise ConversionError(f"{common_path}: a MoE model's distributed optimizer in the dp_reshardable layout (its expert "
-                              "optimizer's buckets) is not read here; save with --dist-ckpt-optim-fully-reshardable")
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
-        tp, pp = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
-        regions = buckets.read_layout(reader, arch, tp, pp, full_shape, lambda r: stored_full(r, names[r.megatron]), directory,
-                                     args_d)
+        tp, pp, ep = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                         "expert_model_parallel_size"))
+        regions = buckets.read_layout(reader, arch, tp, pp, ep, full_shape, lambda r: stored_full(r, names[r.megatron]), directory,
+                                      args_d)
 
         def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
             pieces = [lambda r=r: buckets.region_tensor(reader, r, skey) for r in regions[rule.megatron]]
@@ -182,7 +180,10 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         has_master = True
         for rule in all_rules:
             model.update(lazy_flat(rule, "param", "master"))
-        optimizer = _optimizer(reader, [({"param_groups": buckets.param_groups(reader, directory)}, all_rules)], names,
+        prefixes = buckets.part_prefixes(arch, ep)
+        split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]] if len(prefixes) == 2 else [all_rules]
+        parts = [({"param_groups": buckets.param_groups(reader, prefix, directory)}, rs) for prefix, rs in zip(prefixes, split)]
+        optimizer = _optimizer(reader, parts, names,
                                ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"), common_path)
     else:
         parts = _chained_parts(common.get("optimizer") or {}, all_rules, common_path)
@@ -406,9 +407,6 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
     ep = expert_parallel_size(ckpt, arch, ep)
-    if arch.experts and flat:  # flat: buckets even without Adam
-        raise ConversionError("the dp_reshardable layout of a MoE model (its expert optimizer's buckets) is not written here; "
-                              "use --dist-optim-layout fully_reshardable")
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
@@ -474,11 +472,13 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             groups = [{**g, "step": float(step_value or 0.0)} for g in inner["param_groups"]]
             common["content_metadata"] = {"distrib_optim_sharding_type": distributed_optimizer, "singleton_local_shards": False,
                                           "chained_optim_avoid_prefix": True}  # what Megatron-LM's load asks the optimizer for
-            if flat:  # the groups are an object of each TP x PP rank's, beside its buckets
-                common["optimizer"] = {"param_state_sharding_type": distributed_optimizer}
-                state.update(_bucket_entries(arch, tp, pp, dtype, groups, state, model, opt, padded, padding, vars(args)))
+            expert_groups = _expert_groups(groups[0], [r for r in all_rules if is_expert(r)], state) if chained else []
+            if flat:  # the groups are an object of each buffer's, beside its buckets
+                kind = {"param_state_sharding_type": distributed_optimizer}
+                common["optimizer"] = {0: kind, 1: dict(kind)} if chained else kind
+                state.update(_bucket_entries(arch, tp, pp, ep, dtype, [groups, expert_groups], state, model, opt, padded, padding,
+                                             vars(args)))
             elif chained:  # each of the ChainedOptimizer's DistributedOptimizers: its groups, the layout it names
-                expert_groups = _expert_groups(groups[0], [r for r in all_rules if is_expert(r)], state)
                 common["optimizer"] = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": distributed_optimizer}
                                        for i, g in enumerate((groups, expert_groups))}
             else:
@@ -531,16 +531,16 @@ def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[
     return groups
 
 
-def _bucket_entries(arch, tp: int, pp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
+def _bucket_entries(arch, tp: int, pp: int, ep: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
                     padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
-    def full_shape(rule: Rule) -> tuple[int, ...]:
-        shape = state[stacked_name(rule.megatron)].spec.shape
-        return tuple(shape[1:] if layer_of(rule.megatron) is not None else shape)
+    def full_shape(rule: Rule) -> tuple[int, ...]:  # the stored tensor's, less its stacking (layers, experts)
+        shape = state[_stored_key(rule, "local")].spec.shape
+        return tuple(shape[len(stack_index(rule.megatron)):])
 
     def full_tensor(rule: Rule, key: str) -> torch.Tensor:
         if key == "param":
             return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
         return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
 
-    return buckets.write_entries(arch, tp, pp, dtype, groups, full_shape, full_tensor, args)
+    return buckets.write_entries(arch, tp, pp, ep, dtype, groups, full_shape, full_tensor, args)
