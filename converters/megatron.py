@@ -731,17 +731,43 @@ DISTRIB_OPTIM = "distrib_optim.pt"  # --use-distributed-optimizer: the optimizer
 def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: str, trust_pickle: bool,
                            shared: frozenset[str], bucket_size: int | None):
     """One rank's optimizer saved by megatron-core's DistributedOptimizer: the param groups (and step) stay in
-    model_optim_rng.pt, the fp32 main params and Adam moments of the whole TP x PP rank are in distrib_optim.pt
-    (gathered from every DP rank), flat in the buffer's layout (:mod:`.megatron_buffer`; ``shared``: the tied
-    embedding's names, ``bucket_size``: the run's). The last stage's tied copy has its place there too; its state
-    is the embedding's, as in the plain optimizer."""
+    model_optim_rng.pt, the fp32 main params and Adam moments of the whole rank are in distrib_optim.pt (gathered
+    from every DP rank), flat in the buffer's layout (:mod:`.megatron_buffer`; ``shared``: the tied embedding's
+    names, ``bucket_size``: the run's). The last stage's tied copy has its place there too; its state is the
+    embedding's, as in the plain optimizer. A MoE model at EP > 1 has megatron-core's ChainedOptimizer: both files
+    hold a list, the dense optimizer's part and the experts' (ChainedOptimizer.save_parameter_state); an
+    expert-parallel rank other than 0 holds the experts' only (None for the dense part, expert rank 0's replica)."""
     path = os.path.join(os.path.dirname(model_path), DISTRIB_OPTIM)
     saved = load_megatron_file(path, trust_pickle)
-    if isinstance(saved, list) and len(saved) == 1:
-        saved = saved[0]
+    opt = state.get("optimizer")
+    experts = [n for n in rank.names if _is_expert(n)]
+    dense = [n for n in rank.names if not _is_expert(n)]
+    if isinstance(saved, list) and len(saved) == 2 and isinstance(opt, (list, tuple)) and len(opt) == 2 and experts:
+        parts = [(saved[0], opt[0], dense, rank.copies, shared), (saved[1], opt[1], experts, {}, frozenset())]
+    elif isinstance(saved, list) and len(saved) == 2:
+        raise CorruptCheckpointError(path, "holds two optimizers' parameter states (a MoE model's dense and expert parts); "
+                                     f"{os.path.basename(model_path)}'s model has {'no experts' if not experts else 'one optimizer'}")
+    else:
+        parts = [(saved[0] if isinstance(saved, list) and len(saved) == 1 else saved, opt, rank.names, rank.copies, shared)]
+    per_name: dict[str, dict[str, Any]] = {}
+    named_groups: list[dict] = []
+    master: dict[str, torch.Tensor] = {}
+    for part, part_opt, names, copies, part_shared in parts:
+        if part is None and not names:
+            continue  # an expert-parallel rank other than 0: its dense optimizer is rank 0's replica
+        got = _distributed_part(part, part_opt, names, rank, copies, path, model_path, part_shared, bucket_size)
+        per_name.update(got[0])
+        named_groups += got[1]
+        master.update(got[2])
+    return per_name, named_groups, master
+
+
+def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, copies: dict[str, torch.Tensor], path: str,
+                      model_path: str, shared: frozenset[str], bucket_size: int | None):
+    """One DistributedOptimizer's state of ``names`` (in module order; ``copies``: the tied copy in its buffer)."""
     if not isinstance(saved, dict) or not saved.get("buckets_coalesced"):
         raise CorruptCheckpointError(path, "is not a distributed optimizer's parameter state of this Megatron version "
-                                     "(one optimizer, buckets_coalesced); chained optimizers (MoE) are not supported")
+                                     "(buckets_coalesced)")
     buffers = {k: v for k, v in saved.items() if k != "buckets_coalesced"}
     if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
         raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values() if isinstance(v, dict)]} "
@@ -750,20 +776,19 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) and flat[k].dim() == 1
                                              for k in ("param", "exp_avg", "exp_avg_sq")):
         raise CorruptCheckpointError(path, f"buffer {dtypes} lacks flat param / exp_avg / exp_avg_sq tensors")
-    params = [(n, tuple(rank.tensors[n].shape)) for n in rank.names] + [(n, tuple(t.shape)) for n, t in rank.copies.items()]
+    params = [(n, tuple(rank.tensors[n].shape)) for n in names] + [(n, tuple(t.shape)) for n, t in copies.items()]
     index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
         bucketing = f"buckets of {bucket_size} elements" if bucket_size else "one bucket"
         raise CorruptCheckpointError(path, f"holds {flat.get('numel_unpadded')} elements per tensor; this rank's parameters "
                                      f"lay out to {total} in {bucketing}, as the saved args' --overlap-grad-reduce and "
                                      "--ddp-bucket-size give (another model)")
-    opt = state.get("optimizer")
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list) or not groups:
         raise CorruptCheckpointError(model_path, "optimizer entry holds no param_groups beside distrib_optim.pt")
-    decay = [n for n in rank.names if not is_no_decay(n, tuple(rank.tensors[n].shape))]
-    no_decay = [n for n in rank.names if is_no_decay(n, tuple(rank.tensors[n].shape))]
+    decay = [n for n in names if not is_no_decay(n, tuple(rank.tensors[n].shape))]
+    no_decay = [n for n in names if is_no_decay(n, tuple(rank.tensors[n].shape))]
     named_groups, per_name, master, seen = [], {}, {}, set()
     for g in groups:  # Megatron's groups: decay, and no decay (biases, norms); their order does not matter
         if not isinstance(g, dict) or not isinstance(g.get("step", 0), (int, float)) or isinstance(g.get("step"), bool):
@@ -781,7 +806,7 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
             per_name[n] = {"exp_avg": flat["exp_avg"][a:b].view(shape), "exp_avg_sq": flat["exp_avg_sq"][a:b].view(shape),
                            "step": g.get("step", 0)}
             master[n] = flat["param"][a:b].view(shape)
-    left = [n for n in rank.names if n not in per_name]
+    left = [n for n in names if n not in per_name]
     if left:
         raise ConversionError(f"{model_path}: parameters in no optimizer group: {left[:3]}")
     return per_name, named_groups, master
@@ -813,9 +838,6 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
                for key, p in files.all_paths.items()}
     all_rules = rules(arch)
     ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
-    if arch.experts and any(os.path.isfile(os.path.join(os.path.dirname(p), DISTRIB_OPTIM)) for p in files.all_paths.values()):
-        raise ConversionError(f"{first}: a MoE run's distributed optimizer (distrib_optim.pt of its dense and expert buffers) is "
-                              "not read here; save it without --use-distributed-optimizer, or with --ckpt-format torch_dist")
     optim3 = {
         key: _distributed_optimizer(states3[key], ranks3[key], files.all_paths[key], trust_pickle,
                                     buffer.shared_names(arch, files.pp, key[1]), buffer.run_bucket_size(args_d, key[1]))
@@ -1073,10 +1095,6 @@ def write_megatron(
     set distrib_optim.pt's buckets; recorded in the args."""
     arch, padded, dtype = target_shape(ckpt, tp)
     ep = expert_parallel_size(ckpt, arch, ep)
-    if arch.experts and distributed_optimizer:
-        raise ConversionError("the distributed optimizer's layout of a MoE model (its expert optimizer's buffers) is not "
-                              "written here; convert without --use-distributed-optimizer (megatron-core's own optimizer's "
-                              "layout, which Megatron-LM loads into either)")
     if arch.experts:
         ckpt.notes.append("experts written as SequentialMLP's (local_experts.<j>); a --moe-grouped-gemm run's legacy load "
                           "expects GroupedMLP's weight1/weight2: convert --to megatron-dist for it (torch_dist loads into either)")
@@ -1122,8 +1140,18 @@ def write_megatron(
             d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
             os.makedirs(d)
             if distributed_optimizer and opt is not None:
-                state["optimizer"], param_state = _distributed_files(stage_write, t, hyper, dtype, opt, buffer.shared_names(arch, pp, p),
-                                                                     buffer.run_bucket_size(vars(args), p))
+                shared, bucket_size = buffer.shared_names(arch, pp, p), buffer.run_bucket_size(vars(args), p)
+                if experts is None:
+                    state["optimizer"], param_state = _distributed_files(stage_write, t, stage_write.names, hyper, dtype, opt, shared,
+                                                                         bucket_size)
+                else:  # megatron-core's ChainedOptimizer: the dense part (expert rank 0's; the others' is its replica) and
+                    # this rank's experts' (ChainedOptimizer.save_parameter_state's list)
+                    dense = [n for n in stage_write.names if _expert_at(n) is None]
+                    mine = [n for n in stage_write.names if _expert_at(n) is not None and experts.local(n) is not None]
+                    dense_opt, dense_state = _distributed_files(stage_write, t, dense, hyper, dtype, opt, shared, bucket_size)
+                    expert_opt, expert_state = _distributed_files(stage_write, t, mine, expert_hyper(hyper), dtype, opt, frozenset(),
+                                                                  bucket_size, skip_empty=True)
+                    state["optimizer"], param_state = [dense_opt, expert_opt], [dense_state if e == 0 else None, expert_state]
                 save_torch(param_state, os.path.join(d, DISTRIB_OPTIM))
             save_torch(state, os.path.join(d, FILE))
             return d
@@ -1148,17 +1176,20 @@ def write_megatron(
     log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
 
 
-def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], dtype: torch.dtype,
-                       opt: OptimizerState, shared: frozenset[str], bucket_size: int | None) -> tuple[dict[str, Any], dict[Any, Any]]:
-    """TP rank ``t``'s optimizer as DistributedOptimizer saves it: the param groups (with the step) for
-    model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in the gaps), in the
-    loading run's buckets (:func:`.megatron_buffer.buckets`)."""
+def _distributed_files(stage: _StageWrite, t: int, names: list[str], hyper: list[dict[str, Any]], dtype: torch.dtype,
+                       opt: OptimizerState, shared: frozenset[str], bucket_size: int | None,
+                       skip_empty: bool = False) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """TP rank ``t``'s DistributedOptimizer of the stage's parameters ``names`` as it saves it: the param groups
+    (with the step) for model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in
+    the gaps), in the loading run's buckets (:func:`.megatron_buffer.buckets`). ``skip_empty``: no group for a kind
+    of parameter it does not hold (megatron-core's expert optimizer)."""
     local = dict(zip(stage.names, _local_names(stage, t)))
-    params = [(n, stage.model[t][local[n]].spec.shape) for n in stage.names]
+    position = {n: i for i, n in enumerate(stage.names)}
+    params = [(n, stage.model[t][local[n]].spec.shape) for n in names]
     index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
     at = 0
-    for (a, b), i, name in sorted((index[name], i, name) for i, name in enumerate(stage.names)):
+    for (a, b), i, name in sorted((index[name], position[name], name) for name in names):
         if a > at:  # the alignment gap before it
             for k in parts:
                 parts[k].append(zeros(a - at, "float32", "alignment"))
@@ -1175,7 +1206,9 @@ def _distributed_files(stage: _StageWrite, t: int, hyper: list[dict[str, Any]], 
     if len(steps) > 1:
         raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
     step = steps.pop() if steps else 0.0
-    groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h in hyper]
+    kinds = [stage.no_decay[position[n]] for n in names]
+    groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h, no_decay in zip(hyper, (False, True))
+              if no_decay in kinds or not skip_empty]
     grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
     return {"optimizer": {"param_groups": groups}}, {"buckets_coalesced": True, 0: {(dtype, grad_dtype): {**flat, "numel_unpadded": total}}}
 
@@ -1272,13 +1305,17 @@ def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: b
         else:
             dense = [i for i, n in enumerate(stage.names) if _expert_at(n) is None]
             mine = [i for i, n in enumerate(stage.names) if _expert_at(n) is not None and experts.local(n) is not None]
-            expert_hyper = [{**h, "is_expert_parallel": True} for h in hyper]
             state["optimizer"] = [_optimizer_part(stage, t, dense, hyper, mixed),
-                                  _optimizer_part(stage, t, mine, expert_hyper, mixed, skip_empty=True)]
+                                  _optimizer_part(stage, t, mine, expert_hyper(hyper), mixed, skip_empty=True)]
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler
     state["rng_state"] = [rng]  # one data-parallel replica's (Megatron-LM without --data-parallel-random-init)
     return state
+
+
+def expert_hyper(hyper: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """megatron-core's expert optimizer's groups: the dense ones', marked expert-parallel."""
+    return [{**h, "is_expert_parallel": True} for h in hyper]
 
 
 def _optimizer_part(stage: _StageWrite, t: int, members: list[int], hyper, mixed: bool, skip_empty: bool = False) -> dict[str, Any]:

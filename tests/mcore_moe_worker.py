@@ -109,7 +109,9 @@ def chained_optimizer(model):
     return ChainedOptimizer([FP32Optimizer(adam(p), config, init_state_fn) for p in parts if p])
 
 
-DISTOPT = os.environ.get("MCORE_DISTOPT")  # fully_reshardable | dp_reshardable: --use-distributed-optimizer, torch_dist
+# --use-distributed-optimizer: torch_dist in its fully_reshardable or dp_reshardable layout; legacy files (MCORE_CKPT=torch,
+# any value) with distrib_optim.pt
+DISTOPT = os.environ.get("MCORE_DISTOPT")
 
 
 def distributed(model):
@@ -163,8 +165,12 @@ def save_legacy(model, optimizer, args, directory: str, iteration: int, tp: int,
     file = legacy_file(directory, iteration, tp, ep)
     os.makedirs(os.path.dirname(file), exist_ok=True)
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model.state_dict_for_save_checkpoint(),
-                "optimizer": optimizer.state_dict(), "rng_state": [rng]}, file)
+    if DISTOPT:  # --use-distributed-optimizer: distrib_optim.pt beside, each part written by its DP group's rank 0
+        args.use_distributed_optimizer = True
+        optimizer.save_parameter_state(os.path.join(os.path.dirname(file), "distrib_optim.pt"))
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "model": getattr(model, "module", model).state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                "rng_state": [rng]}, file)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -230,11 +236,18 @@ def main() -> None:
             optimizer = chained_optimizer(model)
     if legacy:
         megatron_lm_restore_rng(state["rng_state"], args.seed)
-        result = model.load_state_dict(state["model"], strict=True)
+        result = getattr(model, "module", model).load_state_dict(state["model"], strict=True)
         assert not result.missing_keys and not result.unexpected_keys, result
         if scenario == "load-train":
             assert isinstance(state["optimizer"], list) == (ep > 1), type(state["optimizer"])  # a ChainedOptimizer of two at EP > 1
             optimizer.load_state_dict(state["optimizer"])
+            if DISTOPT:  # then Megatron-LM's load_parameter_state (mcore_worker.load_distributed)
+                for inner in optimizer.chained_optimizers:
+                    for st in inner.optimizer.state.values():
+                        st["step"] = st["step"].clone()
+                with torch.no_grad():
+                    optimizer.load_parameter_state(os.path.join(os.path.dirname(legacy_file(directory, int(os.path.basename(source)[5:]), tp, ep)),
+                                                                "distrib_optim.pt"))
     else:
         metadata = distopt_metadata() if DISTOPT and scenario == "load-train" else None
         if metadata is not None:

@@ -230,13 +230,14 @@ def legacy_ep2(legacy):
 
 
 def mcore_moe(scenario: str, ckpt, out=None, ep: int = 2, ranks: int = 2, fmt: str = "torch", grouped: bool = False,
-              save: str | None = None) -> None:
+              save: str | None = None, distributed: bool = False) -> None:
     """tests/mcore_moe_worker.py on ``ranks`` gloo processes at EP ``ep``: Megatron-LM's legacy files (torch) or
     torch_dist, SequentialMLP or (``grouped``) GroupedMLP experts; ``save``: the format it saves in (torch,
-    torch_dist or both), default the one it loads."""
+    torch_dist or both), default the one it loads; ``distributed``: --use-distributed-optimizer (distrib_optim.pt)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(ROOT / "tests" / "mcore_moe_worker.py"), scenario, str(ckpt), *([str(out)] if out else [])]
-    env = {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt, "MCORE_GROUPED": str(int(grouped)), "MCORE_SAVE": save or fmt}
+    env = {**worker_env(), "MCORE_EP": str(ep), "MCORE_CKPT": fmt, "MCORE_GROUPED": str(int(grouped)), "MCORE_SAVE": save or fmt,
+           **({"MCORE_DISTOPT": "distrib_optim.pt"} if distributed else {})}
     run_workers(cmd, env, timeout=600)
 
 
@@ -283,24 +284,28 @@ def test_legacy_moe_files_at_tp2_pp2_ep2_round_trip_exactly(mixtral, tmp_path):
 
 
 @pytest.mark.slow  # the suite's time: megatron-core's MoE resume through universal stays in CI from torch_dist
-def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_path):
+@pytest.mark.parametrize("distributed", [False, True], ids=["megatron", "distributed"])
+def test_megatron_core_legacy_moe_run_resumes_through_universal(legacy_ep2, tmp_path, distributed):
     """megatron-core trains a step at EP2 and saves as Megatron-LM does with --ckpt-format torch (each EP rank its
-    file, the ChainedOptimizer's list); interop reads every expert and its Adam moments, through universal and back
-    to legacy files at EP2 every tensor is the same, and megatron-core resumes model and optimizer with the
-    uninterrupted run's losses."""
+    file, the ChainedOptimizer's list; with --use-distributed-optimizer each rank's distrib_optim.pt beside it, the
+    list of the dense part, on expert rank 0 only, and that rank's experts' part); interop reads every expert and
+    its Adam moments, through universal and back to legacy files at EP2 every tensor is the same, and megatron-core
+    resumes model and optimizer with the uninterrupted run's losses."""
     own, u = tmp_path / "own", tmp_path / "u"
-    mcore_moe("train-save", legacy_ep2, own)
+    mcore_moe("train-save", legacy_ep2, own, distributed=distributed)
+    assert (own / "iter_0000001" / "mp_rank_00_001" / "distrib_optim.pt").is_file() == distributed
     assert cli("convert", own, u, "--to", "universal").returncode == 0
     ckpt = registry.read(str(u))[1]
     assert (ckpt.source["format"], ckpt.source["ep"]) == ("megatron", 2)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ckpt.optimizer.tensors["exp_avg"]
     assert [len(g["params"]) for g in ckpt.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
     back = tmp_path / "back"
-    assert cli("convert", u, back, "--to", "megatron", "--transformer-impl", "local").returncode == 0
+    flags = ["--use-distributed-optimizer"] if distributed else []
+    assert cli("convert", u, back, "--to", "megatron", "--transformer-impl", "local", *flags).returncode == 0
     report = cli("diff", own, back)
     n = 2 * (41 + 41)  # model and both moments of every tensor
     assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
-    mcore_moe("load-train", back, back)
+    mcore_moe("load-train", back, back, distributed=distributed)
     expected = json.loads((own / "losses.json").read_text())
     assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
 
