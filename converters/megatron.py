@@ -752,29 +752,39 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     per_name: dict[str, dict[str, Any]] = {}
     named_groups: list[dict] = []
     master: dict[str, torch.Tensor] = {}
-    for part, part_opt, names, copies, part_shared in parts:
+    for i, (part, part_opt, names, copies, part_shared) in enumerate(parts):
         if part is None and not names:
             continue  # an expert-parallel rank other than 0: its dense optimizer is rank 0's replica
-        got = _distributed_part(part, part_opt, names, rank, copies, path, model_path, part_shared, bucket_size)
+        got = _distributed_part(part, part_opt, names, rank, copies, path, model_path, part_shared, bucket_size,
+                                f"[{i}]" if len(parts) > 1 else "")
         per_name.update(got[0])
         named_groups += got[1]
         master.update(got[2])
     return per_name, named_groups, master
 
 
+# DistributedOptimizer.get_parameter_state_dp_zero: per gradient buffer, per (param dtype, grad dtype), the flat fp32
+# main params and Adam moments of the buffer's buckets, their end padding dropped
+# and beside it, in model_optim_rng.pt, the param groups (DistributedOptimizer.state_dict: hyper-parameters, the step)
+DISTRIBUTED_GROUPS = ListOf(Keys(weight_decay=Maybe(NUMBER), wd_mult=Maybe(NUMBER), step=Maybe(NUMBER)))
+DISTRIB_OPTIM_BUFFERS = MapOf(int, MapOf(tuple, Keys(param=TENSOR, exp_avg=TENSOR, exp_avg_sq=TENSOR, numel_unpadded=int)))
+
+
 def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, copies: dict[str, torch.Tensor], path: str,
-                      model_path: str, shared: frozenset[str], bucket_size: int | None):
-    """One DistributedOptimizer's state of ``names`` (in module order; ``copies``: the tied copy in its buffer)."""
-    if not isinstance(saved, dict) or not saved.get("buckets_coalesced"):
+                      model_path: str, shared: frozenset[str], bucket_size: int | None, where: str = ""):
+    """One DistributedOptimizer's state of ``names`` (in module order; ``copies``: the tied copy in its buffer);
+    ``where``: its place in the file (a ChainedOptimizer's list)."""
+    check(path, saved, Keys(buckets_coalesced=bool), where)
+    if not saved["buckets_coalesced"]:
         raise CorruptCheckpointError(path, "is not a distributed optimizer's parameter state of this Megatron version "
                                      "(buckets_coalesced)")
     buffers = {k: v for k, v in saved.items() if k != "buckets_coalesced"}
-    if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
-        raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values() if isinstance(v, dict)]} "
+    check(path, buffers, DISTRIB_OPTIM_BUFFERS, where)
+    if list(buffers) != [0] or len(buffers[0]) != 1:
+        raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values()]} "
                               "dtypes; one buffer of one dtype (one model chunk, one precision) is supported")
     (dtypes, flat), = buffers[0].items()
-    if not isinstance(flat, dict) or not all(isinstance(flat.get(k), torch.Tensor) and flat[k].dim() == 1
-                                             for k in ("param", "exp_avg", "exp_avg_sq")):
+    if not all(flat[k].dim() == 1 for k in ("param", "exp_avg", "exp_avg_sq")):
         raise CorruptCheckpointError(path, f"buffer {dtypes} lacks flat param / exp_avg / exp_avg_sq tensors")
     params = [(n, tuple(rank.tensors[n].shape)) for n in names] + [(n, tuple(t.shape)) for n, t in copies.items()]
     index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
@@ -787,12 +797,11 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list) or not groups:
         raise CorruptCheckpointError(model_path, "optimizer entry holds no param_groups beside distrib_optim.pt")
+    check(model_path, groups, DISTRIBUTED_GROUPS, f"optimizer{where}.param_groups")
     decay = [n for n in names if not is_no_decay(n, tuple(rank.tensors[n].shape))]
     no_decay = [n for n in names if is_no_decay(n, tuple(rank.tensors[n].shape))]
     named_groups, per_name, master, seen = [], {}, {}, set()
     for g in groups:  # Megatron's groups: decay, and no decay (biases, norms); their order does not matter
-        if not isinstance(g, dict) or not isinstance(g.get("step", 0), (int, float)) or isinstance(g.get("step"), bool):
-            raise CorruptCheckpointError(model_path, f"optimizer param group {str(g)[:80]} is not Megatron's (a dict with a numeric step)")
         zero_wd = float(g.get("wd_mult", 1.0)) == 0.0 or float(g.get("weight_decay", 1.0)) == 0.0
         if zero_wd in seen:
             raise ConversionError(f"{model_path}: two optimizer groups {'without' if zero_wd else 'with'} weight decay; "

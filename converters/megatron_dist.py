@@ -63,8 +63,10 @@ COMMON = "common.pt"
 # (each key where present: the distributed optimizer's holds only its param_state_sharding_type here)
 _TORCH_PART = Keys(param_groups=Absent(ListOf(Keys(wd_mult=Maybe(NUMBER), weight_decay=Maybe(NUMBER), step=Absent(OneOf(NUMBER, TENSOR))))),
                    state=Maybe(Keys(common_step=Maybe(OneOf(NUMBER, TENSOR)))))
-_PART = Keys(_TORCH_PART, optimizer=Absent(_TORCH_PART))
-COMMON_STATE = Keys(args=Maybe(MEGATRON_ARGS), iteration=Maybe(int), optimizer=Maybe(OneOf(_PART, MapOf(int, _PART))))
+_PART = Keys(_TORCH_PART, optimizer=Absent(_TORCH_PART), param_state_sharding_type=Absent(str))
+# the optimizer entry is one part, or a MoE's chained parts (:func:`_is_chained`): told apart before it is checked,
+# since a chained dict's integer keys would pass unchecked as a part's other keys
+COMMON_STATE = Keys(args=Maybe(MEGATRON_ARGS), iteration=Maybe(int), optimizer=Maybe(dict))
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 OPTIM_PREFIX = "optimizer.state."
 MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.state.fp32_param.<model key>
@@ -105,6 +107,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if not isinstance(common, dict):
         raise CorruptCheckpointError(common_path, f"is a {type(common).__name__}, not megatron-core's common state dict")
     check(common_path, common, COMMON_STATE)
+    if common.get("optimizer"):
+        check(common_path, common["optimizer"], MapOf(int, _PART) if _is_chained(common["optimizer"]) else _PART, "optimizer")
     args = common.get("args")
     if args is None:
         raise CorruptCheckpointError(common_path, "holds no 'args': the model's shape is unknown")
@@ -266,10 +270,15 @@ def is_expert(rule: Rule) -> bool:
     return len(stack_index(rule.megatron)) == 2
 
 
+def _is_chained(saved: dict) -> bool:
+    """common.pt's optimizer entry is megatron-core's ChainedOptimizer's (a MoE model's parts, keyed 0 and 1)."""
+    return bool(saved) and all(isinstance(k, int) for k in saved)
+
+
 def _sharding_type(saved: dict, common_path: str) -> str | None:
     """The distributed optimizer's layout common.pt names (None: megatron-core's own optimizer): a ChainedOptimizer's
     (a MoE model's dense and expert optimizers) each name it, the same."""
-    if saved and all(isinstance(k, int) for k in saved):
+    if _is_chained(saved):
         kinds = {part.get("param_state_sharding_type") if isinstance(part, dict) else None for part in saved.values()}
         if len(kinds) != 1:
             raise CorruptCheckpointError(common_path, f"optimizer chains parts of different layouts: {sorted(map(str, kinds))}")
@@ -281,7 +290,7 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
     """The optimizer's state dicts and the parameters each holds. A MoE model's is megatron-core's
     ChainedOptimizer: ``{0: dense optimizer's, 1: expert optimizer's}`` (get_megatron_optimizer keeps expert
     parameters in an optimizer of their own); any other one optimizer for every parameter."""
-    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
+    if isinstance(saved, dict) and _is_chained(saved):
         if not all(isinstance(part, dict) for part in saved.values()):
             raise CorruptCheckpointError(common_path, "optimizer chains parts that are not megatron-core's optimizer state dicts")
         split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]

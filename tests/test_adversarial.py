@@ -1038,10 +1038,14 @@ STRUCTURE_VALUES = [None, 7, -1, "x", [], {}, 1.5, [1, 2], {"a": 1}, "tensor"]
 STRUCTURE_ROWS = [pytest.param("deepspeed", 2, 12, id="zero2"), pytest.param("accelerate", None, 12, id="accelerate"),
                   pytest.param("hf_trainer", None, 12, id="hf_trainer"), pytest.param("megatron", None, 12, id="megatron"),
                   pytest.param("megatron-dist", None, 12, id="megatron-dist"),
+                  pytest.param("megatron-distopt", None, 12, id="megatron-distopt"),
                   pytest.param("deepspeed", 3, 60, id="zero3-slow", marks=[pytest.mark.slow]),
                   *[pytest.param(e, st, 60, id=f"{e}-slow", marks=[pytest.mark.slow])
                     for e, st in (("deepspeed", 2), ("accelerate", None), ("hf_trainer", None), ("megatron", None),
-                                  ("megatron-dist", None))]]
+                                  ("megatron-dist", None), ("megatron-distopt", None))]]
+# our Megatron writers' files: legacy, torch_dist, and legacy with the distributed optimizer (distrib_optim.pt)
+MEGATRON_TARGETS = {"megatron": ["--to", "megatron"], "megatron-dist": ["--to", "megatron-dist"],
+                    "megatron-distopt": ["--to", "megatron", "--use-distributed-optimizer", "--transformer-impl", "local"]}
 
 
 def _value_paths(obj, prefix=()):
@@ -1057,7 +1061,7 @@ def _value_paths(obj, prefix=()):
 def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckpt, base, tmp_path, capsys, engine, stage, cases):
     if engine.startswith("megatron"):  # our writer's files, in Megatron-LM's layout (a tied model on 2 stages)
         source = tmp_path / engine
-        assert main(["convert", str(base / "run"), str(source), "--to", engine, "--tp", "2", "--pp", "2"]) == 0
+        assert main(["convert", str(base / "run"), str(source), *MEGATRON_TARGETS[engine], "--tp", "2", "--pp", "2"]) == 0
     else:
         source = engine_ckpt(engine, stage)
     config = json.loads(next(Path(source).rglob("manifest.json")).read_text())["model"]["config"]

@@ -190,6 +190,34 @@ def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, op
     assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_damaged_chained_optimizer_entry_is_one_named_error(tmp_path):
+    """A MoE run's common.pt with the distributed optimizer holds megatron-core's chained parts ({0: dense, 1:
+    experts}); a value of another type in a part (a hyper-parameter, the layout's name) is one line naming common.pt
+    and the key, nothing written: each part is checked, not passed as a single part's unknown keys."""
+    import torch as real_torch
+
+    from trainers.base import BaseTrainer, TrainerConfig
+
+    BaseTrainer(TrainerConfig(model="mixtral", steps=1, batch_size=2, seq_len=8, save_every=1, output_dir=str(tmp_path / "run"))).train()
+    for layout in ("fully_reshardable", "dp_reshardable"):
+        source = tmp_path / layout
+        done = cli("convert", tmp_path / "run" / "checkpoint-1", source, "--to", "megatron-dist", "--ep-size", "2",
+                   "--dist-optim-layout", layout, "--transformer-impl", "local")
+        assert done.returncode == 0, done.stderr
+        assert cli("convert", source, tmp_path / f"{layout}-ok", "--to", "universal").returncode == 0  # as written, it reads
+        # Megatron-LM's files alone (no manifest whose digests would catch the change first)
+        bare = shutil.copytree(source, tmp_path / f"{layout}-bare", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+        common_path = bare / "iter_0000001" / COMMON
+        common = real_torch.load(common_path, weights_only=False)
+        assert sorted(common["optimizer"]) == [0, 1]
+        common["optimizer"][1]["param_state_sharding_type"] = ["dp_reshardable"]
+        real_torch.save(common, common_path)
+        done = cli("convert", bare, tmp_path / f"{layout}-out", "--to", "universal")
+        assert done.returncode != 0 and not (tmp_path / f"{layout}-out").exists()
+        assert done.stderr.strip().splitlines()[-1].endswith(
+            f"{common_path}: optimizer[1].param_state_sharding_type is a list of 1, not a str"), done.stderr
+
+
 @pytest.mark.slow  # two more megatron-core runs; the dp_reshardable row above reads and writes the default layout
 def test_one_moe_run_saved_in_both_distributed_layouts_reads_the_same(mixtral, tmp_path):
     """The same megatron-core MoE run at EP2 saved with the distributed optimizer in dp_reshardable (flat buckets
