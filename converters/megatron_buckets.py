@@ -31,7 +31,7 @@ from interop.tensors import LazyTensor, TensorSpec
 
 from .megatron_buffer import buckets, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
-from .megatron_map import Rule, rules, split, stack_index, stage_rules, tied_output_rule
+from .megatron_map import Rule, is_expert, rules, split, stack_index, stage_rules, tied_output_rule
 
 DP_RESHARDABLE = "dp_reshardable"
 FLAT_KEYS = ("param", "exp_avg", "exp_avg_sq")  # fp32 main params and Adam's moments
@@ -73,10 +73,6 @@ class Buffer:
     params: list[tuple[Rule, tuple[int, ...]]]
 
 
-def _is_expert(rule: Rule) -> bool:
-    return len(stack_index(rule.megatron)) == 2
-
-
 def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: int,
                  full_shape: Callable[[Rule], tuple[int, ...]]) -> list[Buffer]:
     """Every rank's buffers. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
@@ -97,9 +93,9 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: in
     for p, stage in enumerate(stages):
         for t in range(tp):
             params = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in stage]
-            out.append(Buffer(prefix(0, t + tp * p), p, t, False, [(r, s) for r, s in params if not (chained and _is_expert(r))]))
+            out.append(Buffer(prefix(0, t + tp * p), p, t, False, [(r, s) for r, s in params if not (chained and is_expert(r))]))
             for e in range(ep if chained else 0):
-                mine = [(r, s) for r, s in params if _is_expert(r) and stack_index(r.megatron)[1] // per == e]
+                mine = [(r, s) for r, s in params if is_expert(r) and stack_index(r.megatron)[1] // per == e]
                 out.append(Buffer(prefix(1, t + tp * (e + ep * p)), p, t, True, mine))
     return out
 

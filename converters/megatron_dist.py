@@ -51,7 +51,7 @@ from .megatron_arch import MegatronArch
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, megatron_pieces, merge, rules, stack_index
+from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, is_expert, megatron_pieces, merge, rules, stack_index
 from .megatron_pieces import RankPieces, fused_dtype
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
 
@@ -185,7 +185,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         for rule in all_rules:
             model.update(lazy_flat(rule, "param", "master"))
         prefixes = buckets.part_prefixes(arch, ep)
-        split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]] if len(prefixes) == 2 else [all_rules]
+        split = dense_and_experts(all_rules) if len(prefixes) == 2 else [all_rules]
         parts = [({"param_groups": buckets.param_groups(reader, prefix, directory)}, rs) for prefix, rs in zip(prefixes, split)]
         optimizer = _optimizer(reader, parts, names,
                                ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"), common_path)
@@ -266,8 +266,9 @@ def _rng_states(reader: DCPReader, keys: list[str]) -> list[dict[str, Any]] | No
     return out
 
 
-def is_expert(rule: Rule) -> bool:
-    return len(stack_index(rule.megatron)) == 2
+def dense_and_experts(all_rules: list[Rule]) -> list[list[Rule]]:
+    """The parameters of a MoE model's two chained optimizers: the dense ones', the experts'."""
+    return [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
 
 
 def _is_chained(saved: dict) -> bool:
@@ -293,7 +294,7 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
     if isinstance(saved, dict) and _is_chained(saved):
         if not all(isinstance(part, dict) for part in saved.values()):
             raise CorruptCheckpointError(common_path, "optimizer chains parts that are not megatron-core's optimizer state dicts")
-        split = [[r for r in all_rules if not is_expert(r)], [r for r in all_rules if is_expert(r)]]
+        split = dense_and_experts(all_rules)
         if sorted(saved) != [0, 1] or not split[1]:
             raise CorruptCheckpointError(common_path, f"optimizer chains {len(saved)} optimizers; megatron-core chains a "
                                          "MoE model's dense and expert optimizers (2), and a dense model's none")

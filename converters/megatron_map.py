@@ -276,6 +276,11 @@ def layer_of(name: str) -> int | None:
 EXPERTS = "mlp.experts.local_experts."  # megatron-core's SequentialMLP: decoder.layers.<i>.mlp.experts.local_experts.<e>.
 
 
+def is_expert(rule: Rule) -> bool:
+    """A routed expert's tensor (stacked by layer and expert): a MoE model's expert optimizer holds it at EP > 1."""
+    return len(stack_index(rule.megatron)) == 2
+
+
 def stack_index(name: str) -> tuple[int, ...]:
     """Where a tensor lies in torch_dist's stacking: () outside the layers, (layer,), or (layer, expert)."""
     layer = layer_of(name)

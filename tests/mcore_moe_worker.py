@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.mcore_family_worker import transformer_config  # noqa: E402
 from tests.mcore_worker import (  # noqa: E402
-    STEPS, adam, cpu_patches, data_parallel_step, distributed_optimizer_patches, init_state_fn, megatron_param_groups, train_step,
+    STEPS, adam, cpu_patches, data_parallel_step, distributed_optimizer, distributed_optimizer_patches, init_state_fn, megatron_param_groups, train_step,
 )
 
 
@@ -112,24 +112,6 @@ def chained_optimizer(model):
 # --use-distributed-optimizer: torch_dist in its fully_reshardable or dp_reshardable layout; legacy files (MCORE_CKPT=torch,
 # any value) with distrib_optim.pt
 DISTOPT = os.environ.get("MCORE_DISTOPT")
-
-
-def distributed(model):
-    """What Megatron-LM builds for --use-distributed-optimizer: megatron-core's DistributedDataParallel (the expert
-    parameters in buffers of their own, over the expert data-parallel group) and get_megatron_optimizer's
-    ChainedOptimizer of two DistributedOptimizers (dense, experts), the groups' hyper-parameters as the plain run's."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from tests.mcore_worker import LR
-
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                             clip_grad=0.0, use_distributed_optimizer=True)
-    optimizer = get_megatron_optimizer(config, [ddp])
-    for g in optimizer.param_groups:
-        g["weight_decay"], g["lr"] = config.weight_decay * g.get("wd_mult", 1.0), LR
-    return ddp, optimizer
 
 
 def distopt_metadata() -> dict:
@@ -231,7 +213,7 @@ def main() -> None:
     if scenario != "logits":
         distributed_optimizer_patches()  # ChainedOptimizer's step takes the grad norm with a CUDA buffer
         if DISTOPT:
-            model, optimizer = distributed(model)
+            model, optimizer = distributed_optimizer(model)  # Megatron-LM's DDP + get_megatron_optimizer: chained at EP > 1
         else:
             optimizer = chained_optimizer(model)
     if legacy:
