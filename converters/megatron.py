@@ -443,6 +443,10 @@ class _RankModel:
     # its own there (megatron-core's shared_embedding_or_output_weight), which that stage's optimizer numbers too
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def dense_and_experts(self) -> tuple[list[str], list[str]]:
+        """The names of a MoE model's two chained optimizers (megatron-core's at EP > 1), in module order."""
+        return [n for n in self.names if not _is_expert(n)], [n for n in self.names if _is_expert(n)]
+
 
 def _expert_at(name: str) -> tuple[int, int] | None:
     """(layer, local expert) of a tensor in a SequentialMLP expert, None outside the experts."""
@@ -671,8 +675,7 @@ def _rank_optimizer(state: dict[str, Any], rank: _RankModel, path: str) -> tuple
         return {}, [], {}
     if not isinstance(opt, (list, tuple)):
         return _one_optimizer(opt, rank, path)
-    experts = [n for n in rank.names if _is_expert(n)]
-    dense = [n for n in rank.names if not _is_expert(n)]
+    dense, experts = rank.dense_and_experts()
     if len(opt) != 2 or not experts:
         raise CorruptCheckpointError(path, f"optimizer chains {len(opt)} optimizers; megatron-core chains a MoE model's "
                                      "dense and expert optimizers (2), and a dense model's none")
@@ -740,8 +743,7 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     path = os.path.join(os.path.dirname(model_path), DISTRIB_OPTIM)
     saved = load_megatron_file(path, trust_pickle)
     opt = state.get("optimizer")
-    experts = [n for n in rank.names if _is_expert(n)]
-    dense = [n for n in rank.names if not _is_expert(n)]
+    dense, experts = rank.dense_and_experts()
     if isinstance(saved, list) and len(saved) == 2 and isinstance(opt, (list, tuple)) and len(opt) == 2 and experts:
         parts = [(saved[0], opt[0], dense, rank.copies, shared), (saved[1], opt[1], experts, {}, frozenset())]
     elif isinstance(saved, list) and len(saved) == 2:
@@ -763,10 +765,10 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     return per_name, named_groups, master
 
 
+# distrib_optim.pt's param groups, in model_optim_rng.pt (DistributedOptimizer.state_dict: hyper-parameters, the step)
+DISTRIBUTED_GROUPS = ListOf(Keys(weight_decay=Maybe(NUMBER), wd_mult=Maybe(NUMBER), step=Maybe(NUMBER)))
 # DistributedOptimizer.get_parameter_state_dp_zero: per gradient buffer, per (param dtype, grad dtype), the flat fp32
 # main params and Adam moments of the buffer's buckets, their end padding dropped
-# and beside it, in model_optim_rng.pt, the param groups (DistributedOptimizer.state_dict: hyper-parameters, the step)
-DISTRIBUTED_GROUPS = ListOf(Keys(weight_decay=Maybe(NUMBER), wd_mult=Maybe(NUMBER), step=Maybe(NUMBER)))
 DISTRIB_OPTIM_BUFFERS = MapOf(int, MapOf(tuple, Keys(param=TENSOR, exp_avg=TENSOR, exp_avg_sq=TENSOR, numel_unpadded=int)))
 
 
@@ -785,7 +787,7 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
                               "dtypes; one buffer of one dtype (one model chunk, one precision) is supported")
     (dtypes, flat), = buffers[0].items()
     if not all(flat[k].dim() == 1 for k in ("param", "exp_avg", "exp_avg_sq")):
-        raise CorruptCheckpointError(path, f"buffer {dtypes} lacks flat param / exp_avg / exp_avg_sq tensors")
+        raise CorruptCheckpointError(path, f"buffer {dtypes}'s param / exp_avg / exp_avg_sq are not flat (1-D) tensors")
     params = [(n, tuple(rank.tensors[n].shape)) for n in names] + [(n, tuple(t.shape)) for n, t in copies.items()]
     index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
@@ -1151,12 +1153,11 @@ def write_megatron(
             if distributed_optimizer and opt is not None:
                 shared, bucket_size = buffer.shared_names(arch, pp, p), buffer.run_bucket_size(vars(args), p)
                 if experts is None:
-                    state["optimizer"], param_state = _distributed_files(stage_write, t, stage_write.names, hyper, dtype, opt, shared,
-                                                                         bucket_size)
+                    state["optimizer"], param_state = _distributed_files(stage_write, t, list(range(len(stage_write.names))), hyper,
+                                                                         dtype, opt, shared, bucket_size)
                 else:  # megatron-core's ChainedOptimizer: the dense part (expert rank 0's; the others' is its replica) and
                     # this rank's experts' (ChainedOptimizer.save_parameter_state's list)
-                    dense = [n for n in stage_write.names if _expert_at(n) is None]
-                    mine = [n for n in stage_write.names if _expert_at(n) is not None and experts.local(n) is not None]
+                    dense, mine = experts.members(stage_write.names)
                     dense_opt, dense_state = _distributed_files(stage_write, t, dense, hyper, dtype, opt, shared, bucket_size)
                     expert_opt, expert_state = _distributed_files(stage_write, t, mine, expert_hyper(hyper), dtype, opt, frozenset(),
                                                                   bucket_size, skip_empty=True)
@@ -1185,20 +1186,19 @@ def write_megatron(
     log.info("wrote Megatron checkpoint %s (TP %d x PP %d, iteration %d)", dst, tp, pp, step)
 
 
-def _distributed_files(stage: _StageWrite, t: int, names: list[str], hyper: list[dict[str, Any]], dtype: torch.dtype,
+def _distributed_files(stage: _StageWrite, t: int, members: list[int], hyper: list[dict[str, Any]], dtype: torch.dtype,
                        opt: OptimizerState, shared: frozenset[str], bucket_size: int | None,
                        skip_empty: bool = False) -> tuple[dict[str, Any], dict[Any, Any]]:
-    """TP rank ``t``'s DistributedOptimizer of the stage's parameters ``names`` as it saves it: the param groups
-    (with the step) for model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments (zeros in
-    the gaps), in the loading run's buckets (:func:`.megatron_buffer.buckets`). ``skip_empty``: no group for a kind
-    of parameter it does not hold (megatron-core's expert optimizer)."""
+    """TP rank ``t``'s DistributedOptimizer of the stage's parameters ``members`` (indices) as it saves it: the param
+    groups (with the step) for model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments
+    (zeros in the gaps), in the loading run's buckets (:func:`.megatron_buffer.buckets`). ``skip_empty`` as
+    :func:`_optimizer_part`'s."""
     local = dict(zip(stage.names, _local_names(stage, t)))
-    position = {n: i for i, n in enumerate(stage.names)}
-    params = [(n, stage.model[t][local[n]].spec.shape) for n in names]
+    params = [(stage.names[i], stage.model[t][local[stage.names[i]]].spec.shape) for i in members]
     index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
     parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
     at = 0
-    for (a, b), i, name in sorted((index[name], position[name], name) for name in names):
+    for (a, b), i, name in sorted((index[stage.names[i]], i, stage.names[i]) for i in members):
         if a > at:  # the alignment gap before it
             for k in parts:
                 parts[k].append(zeros(a - at, "float32", "alignment"))
@@ -1215,9 +1215,7 @@ def _distributed_files(stage: _StageWrite, t: int, names: list[str], hyper: list
     if len(steps) > 1:
         raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
     step = steps.pop() if steps else 0.0
-    kinds = [stage.no_decay[position[n]] for n in names]
-    groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h, no_decay in zip(hyper, (False, True))
-              if no_decay in kinds or not skip_empty]
+    groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h, _ in _groups(stage, members, hyper, skip_empty)]
     grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
     return {"optimizer": {"param_groups": groups}}, {"buckets_coalesced": True, 0: {(dtype, grad_dtype): {**flat, "numel_unpadded": total}}}
 
@@ -1299,6 +1297,13 @@ class _ExpertShare:
         first = self.rank * self.per
         return _with_expert(name, at[1] - first) if first <= at[1] < first + self.per else None
 
+    def members(self, names: list[str]) -> tuple[list[int], list[int]]:
+        """The stage's parameters (indices into ``names``) of megatron-core's two chained optimizers on this rank:
+        the dense ones, and this rank's experts."""
+        dense = [i for i, n in enumerate(names) if _expert_at(n) is None]
+        mine = [i for i, n in enumerate(names) if _expert_at(n) is not None and self.local(n) is not None]
+        return dense, mine
+
 
 def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
                rng: dict[str, Any], experts: _ExpertShare | None = None) -> dict[str, Any]:
@@ -1312,8 +1317,7 @@ def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: b
         if experts is None:
             state["optimizer"] = _optimizer_part(stage, t, list(range(len(stage.names))), hyper, mixed)
         else:
-            dense = [i for i, n in enumerate(stage.names) if _expert_at(n) is None]
-            mine = [i for i, n in enumerate(stage.names) if _expert_at(n) is not None and experts.local(n) is not None]
+            dense, mine = experts.members(stage.names)
             state["optimizer"] = [_optimizer_part(stage, t, dense, hyper, mixed),
                                   _optimizer_part(stage, t, mine, expert_hyper(hyper), mixed, skip_empty=True)]
     if scheduler is not None:
@@ -1327,13 +1331,19 @@ def expert_hyper(hyper: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**h, "is_expert_parallel": True} for h in hyper]
 
 
+def _groups(stage: _StageWrite, members: list[int], hyper, skip_empty: bool) -> list[tuple[dict[str, Any], list[int]]]:
+    """Megatron's param groups over ``members``: (hyper-parameters, indices) of the decay group, then the no-decay
+    one; ``skip_empty``: no group for a kind of parameter it does not hold."""
+    decay = [i for i in members if not stage.no_decay[i]]
+    none = [i for i in members if stage.no_decay[i]]
+    return [(h, ids) for h, ids in zip(hyper, (decay, none)) if ids or not skip_empty]
+
+
 def _optimizer_part(stage: _StageWrite, t: int, members: list[int], hyper, mixed: bool, skip_empty: bool = False) -> dict[str, Any]:
     """One Megatron optimizer's state dict over the stage's parameters ``members`` (indices): torch's, numbered decay
     group first, or mixed precision's around it. ``skip_empty``: no group for a kind of parameter it does not hold
     (megatron-core's expert optimizer has a no-decay group only when an expert has a bias)."""
-    decay = [i for i in members if not stage.no_decay[i]]
-    none = [i for i in members if stage.no_decay[i]]
-    kinds = [(h, ids) for h, ids in zip(hyper, (decay, none)) if ids or not skip_empty]
+    kinds = _groups(stage, members, hyper, skip_empty)
     order = [i for _, ids in kinds for i in ids]
     ids = {stage.names[i]: pid for pid, i in enumerate(order)}
     per_id = {ids[stage.names[i]]: stage.state[t][stage.names[i]] for i in order if stage.names[i] in stage.state[t]}

@@ -100,12 +100,13 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: in
     return out
 
 
-def layout(params: list[tuple[Rule, tuple[int, ...]]], stem: str, shared: frozenset[str],
-           bucket_size: int | None) -> tuple[dict[str, Region], list[int]]:
-    """A TP x PP rank's regions in its buckets (``stem`` + ``bucket_idx_<k>``) and each bucket's length.
-    ``shared``: the tied embedding's Megatron names on this rank."""
+def layout(buf: Buffer, stem: str, arch: MegatronArch, pp: int, args: dict[str, Any]) -> tuple[dict[str, Region], list[int]]:
+    """A buffer's regions in its buckets (``stem`` + ``bucket_idx_<k>``) and each bucket's length, bucketed as the
+    run's ``args`` say (the tied embedding in the dense buffer only)."""
+    params = buf.params
+    shared = frozenset() if buf.experts else shared_names(arch, pp, buf.stage)
     parts = buckets([(f"{i}", shape) for i, (_, shape) in enumerate(params)],
-                    frozenset(f"{i}" for i, (rule, _) in enumerate(params) if rule.megatron in shared), bucket_size)
+                    frozenset(f"{i}" for i, (rule, _) in enumerate(params) if rule.megatron in shared), run_bucket_size(args, buf.stage))
     regions = {}
     for k, part in enumerate(parts):
         for i, (a, b) in part.index.items():
@@ -145,19 +146,18 @@ def read_layout(reader, arch: MegatronArch, tp: int, pp: int, ep: int, full_shap
                 model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any]) -> dict[str, list[Region]]:
     """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model; the
     buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
+    orders = [(name, rank_buffers(arch, order, tp, pp, ep, full_shape), order) for name, order in module_orders(arch)]
+    stems = bucket_keys(reader.tensor_keys(), [b.prefix for b in orders[0][1]], where)  # the buffers are the orders' same
+    stored = set(reader.tensor_keys())
+    for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
+        if key not in stored:
+            raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
     tried = []
-    for name, order in module_orders(arch):
-        ranks = rank_buffers(arch, order, tp, pp, ep, full_shape)
-        stems = bucket_keys(reader.tensor_keys(), [b.prefix for b in ranks], where)
-        for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
-            if key not in reader.tensor_keys():
-                raise CorruptCheckpointError(where, f"holds no {key!r}: the distributed optimizer keeps fp32 params and both Adam moments")
+    for name, ranks, order in orders:
         regions: dict[str, list[Region | None]] = {}
         fits = True
         for buf in ranks:
-            stem = stems[buf.prefix][0][: -len("bucket_idx_0")]
-            shared = frozenset() if buf.experts else shared_names(arch, pp, buf.stage)
-            placed, sizes = layout(buf.params, stem, shared, run_bucket_size(args, buf.stage))
+            placed, sizes = layout(buf, stems[buf.prefix][0][: -len("bucket_idx_0")], arch, pp, args)
             held = [tuple(reader.spec(f"{s}.param").shape) for s in stems[buf.prefix]]
             if held != [(n,) for n in sizes]:
                 fits = False
@@ -241,8 +241,7 @@ def write_entries(arch: MegatronArch, tp: int, pp: int, ep: int, dtype: torch.dt
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
     buffers = rank_buffers(arch, order, tp, pp, ep, full_shape)
-    placed = {b.prefix: layout(b.params, buffer_stem(b.prefix, dtype), frozenset() if b.experts else shared_names(arch, pp, b.stage),
-                               run_bucket_size(args, b.stage)) for b in buffers}
+    placed = {b.prefix: layout(b, buffer_stem(b.prefix, dtype), arch, pp, args) for b in buffers}
     where = {(rule.megatron, b.tp_rank): placed[b.prefix][0][rule.megatron] for b in buffers for rule, _ in b.params}
     built: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
