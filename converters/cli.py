@@ -94,7 +94,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "overlap_grad_reduce", "ddp_bucket_size", "merge_adapters", "adapter_config", "base_model")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "overlap_grad_reduce", "ddp_bucket_size", *registry.PIPELINE_FLAGS, "merge_adapters", "adapter_config", "base_model")},
         config=config_arg.load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -466,6 +466,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "optimizer's state (distrib_optim.pt, dp_reshardable); buckets of --ddp-bucket-size, else "
                         "Megatron-LM's default of 40M parameters (max(40M, 1M x DP): pass --ddp-bucket-size for DP > 40)")
     g.add_argument("--ddp-bucket-size", type=_positive_int, metavar="N", help="Megatron: the loading run's --ddp-bucket-size")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int, metavar="V",
+                   help="Megatron: the loading run's interleaved pipeline, V model chunks per stage (model0, model1, ... in each "
+                        "rank's file; a gradient buffer each)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, metavar="N",
+                   help="Megatron: the same given as layers per chunk")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, metavar="N",
+                   help="Megatron: the loading run's layers on the first pipeline stage (the rest split evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, metavar="N",
+                   help="Megatron: the loading run's layers on the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Megatron: the embedding counts as a layer of the first stage")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Megatron: the loss counts as a layer of the last stage")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

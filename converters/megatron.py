@@ -41,8 +41,9 @@ from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteratio
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, rules,
-    stack_index, stage_rules, tied_output_rule,
+    chunk_rules, stack_index, tied_output_rule,
 )
+from .megatron_pipeline import PipelineSplit, recorded_flags
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, at_once, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_pieces import RankPieces, fused_dtype
@@ -442,6 +443,16 @@ class _RankModel:
     # tied copies, after every name in module order: the last pipeline stage's output_layer.weight, a parameter of
     # its own there (megatron-core's shared_embedding_or_output_weight), which that stage's optimizer numbers too
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the model chunk (virtual pipeline stage) holding each name, where the rank holds more than one; copies: the last
+    chunk: dict[str, int] = field(default_factory=dict)
+
+    def chunks(self, names: list[str], copies: dict[str, torch.Tensor]) -> list[tuple[int, list[tuple[str, tuple[int, ...]]]]]:
+        """``names`` (and the tied ``copies``) as (chunk, [(name, shape)]) per model chunk that holds any, in chunk
+        order: each chunk has a gradient buffer of its own (megatron-core's DistributedDataParallel per chunk)."""
+        last = max(self.chunk.values(), default=0)
+        held = [(self.chunk.get(n, 0), n, tuple(self.tensors[n].shape)) for n in names]
+        held += [(last, n, tuple(t.shape)) for n, t in copies.items()]
+        return [(v, [(n, shape) for c, n, shape in held if c == v]) for v in sorted({c for c, _, _ in held})]
 
     def dense_and_experts(self) -> tuple[list[str], list[str]]:
         """The names of a MoE model's two chained optimizers (megatron-core's at EP > 1), in module order."""
@@ -502,7 +513,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
         path = files.all_paths[(t, p, e)]
         if len(cs) != vpp:
             raise CorruptCheckpointError(path, f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
-        names, tensors, copies = [], {}, {}
+        names, tensors, copies, chunk_of = [], {}, {}, {}
         for v, chunk in enumerate(cs):
             for key, value in chunk.items():
                 if not is_tensor(value):
@@ -514,6 +525,8 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 if GROUPED.match(name):  # expanded into the experts once the optimizer has numbered it
                     names.append(name)
                     tensors[name] = value
+                    if vpp > 1:
+                        chunk_of[name] = v
                     continue
                 if TE_GROUPED.search(name):
                     raise ConversionError(f"{path}: {key!r} is Transformer Engine's grouped-GEMM expert (TEGroupedMLP), whose legacy "
@@ -538,7 +551,9 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     raise CorruptCheckpointError(path, f"holds {rule.megatron} twice (as {key!r} too)")
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
-        out[(t, p, e)] = _RankModel(names, tensors, copies)
+                if vpp > 1:
+                    chunk_of[rule.megatron] = v
+        out[(t, p, e)] = _RankModel(names, tensors, copies, chunk_of)
     return out
 
 
@@ -732,11 +747,11 @@ def _one_optimizer(opt: Any, rank: _RankModel, path: str) -> tuple[dict[str, dic
 
 DISTRIB_OPTIM = "distrib_optim.pt"  # --use-distributed-optimizer: the optimizer's state, beside model_optim_rng.pt
 def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: str, trust_pickle: bool,
-                           shared: frozenset[str], bucket_size: int | None):
+                           shared: frozenset[str], bucket_size: Callable[[int], int | None]):
     """One rank's optimizer saved by megatron-core's DistributedOptimizer: the param groups (and step) stay in
     model_optim_rng.pt, the fp32 main params and Adam moments of the whole rank are in distrib_optim.pt (gathered
     from every DP rank), flat in the buffer's layout (:mod:`.megatron_buffer`; ``shared``: the tied embedding's
-    names, ``bucket_size``: the run's). The last stage's tied copy has its place there too; its state is the
+    names, ``bucket_size``: the run's for each model chunk). The last stage's tied copy has its place there too; its state is the
     embedding's, as in the plain optimizer. A MoE model at EP > 1 has megatron-core's ChainedOptimizer: both files
     hold a list, the dense optimizer's part and the experts' (ChainedOptimizer.save_parameter_state); an
     expert-parallel rank other than 0 holds the experts' only (None for the dense part, expert rank 0's replica)."""
@@ -773,7 +788,7 @@ DISTRIB_OPTIM_BUFFERS = MapOf(int, MapOf(tuple, Keys(param=TENSOR, exp_avg=TENSO
 
 
 def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, copies: dict[str, torch.Tensor], path: str,
-                      model_path: str, shared: frozenset[str], bucket_size: int | None, where: str = ""):
+                      model_path: str, shared: frozenset[str], bucket_size: Callable[[int], int | None], where: str = ""):
     """One DistributedOptimizer's state of ``names`` (in module order; ``copies``: the tied copy in its buffer);
     ``where``: its place in the file (a ChainedOptimizer's list)."""
     check(path, saved, Keys(buckets_coalesced=bool), where)
@@ -782,19 +797,24 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
                                      "(buckets_coalesced)")
     buffers = {k: v for k, v in saved.items() if k != "buckets_coalesced"}
     check(path, buffers, DISTRIB_OPTIM_BUFFERS, where)
-    if list(buffers) != [0] or len(buffers[0]) != 1:
-        raise ConversionError(f"{path}: {len(buffers)} gradient buffers of {[list(v) for v in buffers.values()]} "
-                              "dtypes; one buffer of one dtype (one model chunk, one precision) is supported")
-    (dtypes, flat), = buffers[0].items()
-    if not all(flat[k].dim() == 1 for k in ("param", "exp_avg", "exp_avg_sq")):
-        raise CorruptCheckpointError(path, f"buffer {dtypes}'s param / exp_avg / exp_avg_sq are not flat (1-D) tensors")
-    params = [(n, tuple(rank.tensors[n].shape)) for n in names] + [(n, tuple(t.shape)) for n, t in copies.items()]
-    index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
-    if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
-        bucketing = f"buckets of {bucket_size} elements" if bucket_size else "one bucket"
-        raise CorruptCheckpointError(path, f"holds {flat.get('numel_unpadded')} elements per tensor; this rank's parameters "
-                                     f"lay out to {total} in {bucketing}, as the saved args' --overlap-grad-reduce and "
-                                     "--ddp-bucket-size give (another model)")
+    chunks = rank.chunks(names, copies)  # one gradient buffer per model chunk holding any of the parameters
+    if list(buffers) != list(range(len(chunks))) or any(len(b) != 1 for b in buffers.values()):
+        raise ConversionError(f"{path}: gradient buffers {sorted(buffers)} of {[list(v) for v in buffers.values()]} dtypes; "
+                              f"this rank's {len(chunks)} model chunk(s) have one buffer each, of one dtype (one precision "
+                              "is supported)")
+    located: dict[str, tuple[dict[str, torch.Tensor], int, int]] = {}  # name -> (its buffer's tensors, start, end)
+    for g, (v, params) in enumerate(chunks):
+        (dtypes, flat), = buffers[g].items()
+        if not all(flat[k].dim() == 1 for k in ("param", "exp_avg", "exp_avg_sq")):
+            raise CorruptCheckpointError(path, f"buffer {g} {dtypes}'s param / exp_avg / exp_avg_sq are not flat (1-D) tensors")
+        size = bucket_size(v)
+        index, total = buffer.coalesced(buffer.buckets(params, shared, size))
+        if flat.get("numel_unpadded") != total or any(flat[k].numel() != total for k in ("param", "exp_avg", "exp_avg_sq")):
+            bucketing = f"buckets of {size} elements" if size else "one bucket"
+            raise CorruptCheckpointError(path, f"buffer {g} holds {flat.get('numel_unpadded')} elements per tensor; this "
+                                         f"rank's parameters of model chunk {v} lay out to {total} in {bucketing}, as the "
+                                         "saved args' --overlap-grad-reduce and --ddp-bucket-size give (another model)")
+        located.update({n: (flat, a, b) for n, (a, b) in index.items()})
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list) or not groups:
@@ -812,7 +832,7 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
         members = no_decay if zero_wd else decay
         named_groups.append({**{k: v for k, v in g.items() if k not in ("params", "step")}, "params": list(members)})
         for n in members:
-            a, b = index[n]
+            flat, a, b = located[n]
             shape = tuple(rank.tensors[n].shape)
             per_name[n] = {"exp_avg": flat["exp_avg"][a:b].view(shape), "exp_avg_sq": flat["exp_avg_sq"][a:b].view(shape),
                            "step": g.get("step", 0)}
@@ -851,7 +871,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
     optim3 = {
         key: _distributed_optimizer(states3[key], ranks3[key], files.all_paths[key], trust_pickle,
-                                    buffer.shared_names(arch, files.pp, key[1]), buffer.run_bucket_size(args_d, key[1]))
+                                    buffer.shared_names(arch, files.pp, key[1]), lambda v, p=key[1]: buffer.run_bucket_size(args_d, p, v))
         if os.path.isfile(os.path.join(os.path.dirname(files.all_paths[key]), DISTRIB_OPTIM))
         else _rank_optimizer(states3[key], ranks3[key], files.all_paths[key])
         for key in ranks3
@@ -916,9 +936,11 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     rng = _rng_states(files, states3)
     if rng is not None:
         rank_state["rng"] = rng
+    held = [[_layers_in(c) for c in _model_chunks(states3[(0, p, 0)], files.all_paths[(0, p, 0)])] for p in range(files.pp)]
+    pipeline = recorded_flags(args_d, first, held)
     source = {
         "format": "megatron", "tp": files.tp, "pp": files.pp, "world_size": files.tp * files.pp * files.ep,
-        "dtype": model_dtype, "iteration": step, **({"ep": files.ep} if arch.experts else {}),
+        "dtype": model_dtype, "iteration": step, **({"ep": files.ep} if arch.experts else {}), **({"pipeline": pipeline} if pipeline else {}),
     }
     if has_master:
         source["master_dtype"] = "float32"
@@ -1048,11 +1070,16 @@ def padding_rows(padding: dict[str, torch.Tensor], rule: Rule, *tags: str) -> to
 
 @dataclass
 class _StageWrite:
-    model: list[OrderedDict]  # per TP rank
+    model: list[list[OrderedDict]]  # per TP rank, per model chunk (virtual pipeline stage): local name -> tensor
     master: list[list[torch.Tensor]]  # per TP rank, in parameter order (mixed precision only)
     state: list[dict[str, dict[str, torch.Tensor]]]  # per TP rank: megatron name -> optimizer entries
-    names: list[str]
+    names: list[str]  # the stage's parameters, chunk by chunk, each in module order
     no_decay: list[bool]  # per parameter: Megatron's no-weight-decay group
+    chunk: list[int]  # per parameter: its model chunk
+    local: list[str]  # per parameter: its name in its chunk (layers numbered from the chunk's first)
+
+    def weight(self, t: int, i: int) -> LazyTensor:
+        return self.model[t][self.chunk[i]][self.local[i]]
 
 
 def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, torch.dtype]:
@@ -1070,6 +1097,12 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     ckpt.notes.extend(n for n in said if n not in ckpt.notes)
     dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     return arch, padded_vocab(arch.vocab, tp), dtype
+
+
+def pipeline_split(arch: MegatronArch, pp: int, flags: dict[str, Any] | None) -> PipelineSplit:
+    """The loading run's pipeline split: ``pp`` stages of the model's layers, as its Megatron-LM pipeline ``flags``
+    (virtual stages, first / last stage layer counts, ...) split them; even without."""
+    return PipelineSplit.from_args({**(flags or {}), "num_layers": arch.num_layers, "pipeline_model_parallel_size": pp}, f"--pp {pp}")
 
 
 def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | None) -> int:
@@ -1093,7 +1126,7 @@ def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | 
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
     progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False, ep: int | None = None,
-    ddp: dict[str, Any] | None = None,
+    ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
@@ -1103,17 +1136,20 @@ def write_megatron(
     beside each rank's file (for any data-parallel size: see :mod:`.megatron_buffer`). A MoE model's experts
     split over ``ep`` expert-parallel ranks: ``mp_rank_TT[_PPP]_EEE`` each with the dense layers and its experts.
     ``ddp``: the loading run's Megatron-LM data-parallel flags (``overlap_grad_reduce``, ``ddp_bucket_size``), which
-    set distrib_optim.pt's buckets; recorded in the args."""
+    set distrib_optim.pt's buckets; ``pipeline``: its pipeline split flags (virtual stages: ``model0``, ``model1``, ...
+    in each rank's file, a gradient buffer each; uneven stages), :meth:`.megatron_pipeline.PipelineSplit.from_args`'s
+    names. Both recorded in the args."""
     arch, padded, dtype = target_shape(ckpt, tp)
+    split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
     if arch.experts:
         ckpt.notes.append("experts written as SequentialMLP's (local_experts.<j>); a --moe-grouped-gemm run's legacy load "
                           "expects GroupedMLP's weight1/weight2: convert --to megatron-dist for it (torch_dist loads into either)")
     mixed = dtype != torch.float32
     all_rules = rules(arch, te_names)
-    stages = stage_rules(all_rules, arch, pp)
+    stages = chunk_rules(all_rules, arch, split)
     if arch.tied and pp > 1:
-        stages[-1].append(tied_output_rule(arch))
+        stages[-1][-1].append(tied_output_rule(arch))
     step = int(ckpt.step or 0)
     opt = ckpt.optimizer
     args = argparse.Namespace(**arch.to_args(
@@ -1122,6 +1158,7 @@ def write_megatron(
         data_parallel_size=ep, use_distributed_optimizer=distributed_optimizer, no_save_optim=opt is None,
         hf_config=dict(ckpt.config), seed=DEFAULT_SEED, no_save_rng=False,
         **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if arch.experts else {}), **(ddp or {}),
+        **split.to_args(),
     ))
     if distributed_optimizer and te_names:
         # the flat layout follows megatron-core's module order, checked against its local spec; TE's fused norms
@@ -1151,7 +1188,8 @@ def write_megatron(
             d = os.path.join(iteration_dir, _rank_dir(t, p, e, (pp > 1, ep > 1)))
             os.makedirs(d)
             if distributed_optimizer and opt is not None:
-                shared, bucket_size = buffer.shared_names(arch, pp, p), buffer.run_bucket_size(vars(args), p)
+                shared = buffer.shared_names(arch, pp, p)
+                bucket_size = lambda v: buffer.run_bucket_size(vars(args), p, v)  # noqa: E731
                 if experts is None:
                     state["optimizer"], param_state = _distributed_files(stage_write, t, list(range(len(stage_write.names))), hyper,
                                                                          dtype, opt, shared, bucket_size)
@@ -1166,9 +1204,9 @@ def write_megatron(
             save_torch(state, os.path.join(d, FILE))
             return d
 
-        for p, stage in enumerate(stages):
-            offset = min((r.layer for r in stage if r.layer >= 0), default=0)
-            stage_write = _write_stage(stage, model, opt, rank_pieces, dtype, mixed, offset, padding)
+        for p, chunks in enumerate(stages):
+            offsets = [held.start for held in split.chunks()[p]]
+            stage_write = _write_stage(chunks, offsets, model, opt, rank_pieces, dtype, mixed, padding)
             # the stage's rank files at once: one is pickled while another's bytes go to the disk
             for d in at_once(write_rank, [(stage_write, p, t, e) for t in range(tp) for e in range(ep)], "megatron-rank"):
                 if progress:
@@ -1187,42 +1225,42 @@ def write_megatron(
 
 
 def _distributed_files(stage: _StageWrite, t: int, members: list[int], hyper: list[dict[str, Any]], dtype: torch.dtype,
-                       opt: OptimizerState, shared: frozenset[str], bucket_size: int | None,
+                       opt: OptimizerState, shared: frozenset[str], bucket_size: Callable[[int], int | None],
                        skip_empty: bool = False) -> tuple[dict[str, Any], dict[Any, Any]]:
     """TP rank ``t``'s DistributedOptimizer of the stage's parameters ``members`` (indices) as it saves it: the param
     groups (with the step) for model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments
-    (zeros in the gaps), in the loading run's buckets (:func:`.megatron_buffer.buckets`). ``skip_empty`` as
-    :func:`_optimizer_part`'s."""
-    local = dict(zip(stage.names, _local_names(stage, t)))
-    params = [(stage.names[i], stage.model[t][local[stage.names[i]]].spec.shape) for i in members]
-    index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size))
-    parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
-    at = 0
-    for (a, b), i, name in sorted((index[stage.names[i]], i, stage.names[i]) for i in members):
-        if a > at:  # the alignment gap before it
-            for k in parts:
-                parts[k].append(zeros(a - at, "float32", "alignment"))
-        master = stage.master[t][i] if stage.master[t] else stage.model[t][local[name]]
-        parts["param"].append(master.cast(torch.float32).reshaped((b - a,)))
-        for key in ("exp_avg", "exp_avg_sq"):
-            value = stage.state[t].get(name, {}).get(key)
-            if value is None:
-                raise ConversionError(f"the source has no {key} for Megatron's {name}; DistributedOptimizer needs both moments")
-            parts[key].append(value.cast(torch.float32).reshaped((b - a,)))
-        at = b
-    flat = {k: concat(v, "float32", f"TP rank {t}'s distributed optimizer {k}") for k, v in parts.items()}
+    (zeros in the gaps), a gradient buffer per model chunk holding any of them, in the loading run's buckets
+    (:func:`.megatron_buffer.buckets`; ``bucket_size``: per chunk). ``skip_empty`` as :func:`_optimizer_part`'s."""
+    by_chunk: dict[int, list[int]] = {}
+    for i in members:
+        by_chunk.setdefault(stage.chunk[i], []).append(i)
+    grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
+    param_state: dict[Any, Any] = {"buckets_coalesced": True}
+    for g, (v, ids) in enumerate(sorted(by_chunk.items())):
+        params = [(stage.names[i], stage.weight(t, i).spec.shape) for i in ids]
+        index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size(v)))
+        parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}
+        at = 0
+        for (a, b), i, name in sorted((index[stage.names[i]], i, stage.names[i]) for i in ids):
+            if a > at:  # the alignment gap before it
+                for k in parts:
+                    parts[k].append(zeros(a - at, "float32", "alignment"))
+            master = stage.master[t][i] if stage.master[t] else stage.weight(t, i)
+            parts["param"].append(master.cast(torch.float32).reshaped((b - a,)))
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = stage.state[t].get(name, {}).get(key)
+                if value is None:
+                    raise ConversionError(f"the source has no {key} for Megatron's {name}; DistributedOptimizer needs both moments")
+                parts[key].append(value.cast(torch.float32).reshaped((b - a,)))
+            at = b
+        flat = {k: concat(c, "float32", f"TP rank {t}'s distributed optimizer {k}") for k, c in parts.items()}
+        param_state[g] = {(dtype, grad_dtype): {**flat, "numel_unpadded": total}}
     steps = {float(e["value"]) for e in opt.scalars.get("step", {}).values()}
     if len(steps) > 1:
         raise ConversionError(f"Megatron keeps one optimizer step for all parameters; the source has {sorted(steps)}")
     step = steps.pop() if steps else 0.0
     groups = [{**{k: v for k, v in h.items() if k != "params"}, "step": step} for h, _ in _groups(stage, members, hyper, skip_empty)]
-    grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
-    return {"optimizer": {"param_groups": groups}}, {"buckets_coalesced": True, 0: {(dtype, grad_dtype): {**flat, "numel_unpadded": total}}}
-
-
-def _local_names(stage: _StageWrite, t: int) -> list[str]:
-    """The names under which TP rank ``t``'s file holds each of the stage's parameters (global layer indices)."""
-    return [k for k, v in stage.model[t].items() if v is not None]
+    return {"optimizer": {"param_groups": groups}}, param_state
 
 
 def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
@@ -1240,46 +1278,50 @@ def megatron_hyper(opt: OptimizerState | None) -> list[dict[str, Any]]:
     return base
 
 
-def _write_stage(stage: list[Rule], model, opt: OptimizerState | None, pieces: RankPieces, dtype, mixed: bool, offset: int,
-                 padding: dict[str, torch.Tensor]) -> _StageWrite:
-    """The stage's rank files' tensors, as LazyTensors: nothing is read here; each streams into its rank's file
-    (:mod:`.megatron_pieces`), so a stage costs the memory of the tensors in flight, not of the stage."""
+def _write_stage(chunks: list[list[Rule]], offsets: list[int], model, opt: OptimizerState | None, pieces: RankPieces, dtype,
+                 mixed: bool, padding: dict[str, torch.Tensor]) -> _StageWrite:
+    """The stage's rank files' tensors, as LazyTensors, chunk by chunk (``offsets``: each chunk's first global
+    layer): nothing is read here; each streams into its rank's file (:mod:`.megatron_pieces`), so a stage costs the
+    memory of the tensors in flight, not of the stage."""
     tp = pieces.tp
-    models = [OrderedDict() for _ in range(tp)]
+    models = [[OrderedDict() for _ in chunks] for _ in range(tp)]
     masters: list[list[LazyTensor]] = [[] for _ in range(tp)]
     states: list[dict[str, dict[str, Any]]] = [{} for _ in range(tp)]
-    names, no_decay = [], []
-    for rule in stage:
-        values = hf_values(rule, lambda n: model.get(n))
-        if values is None:
-            raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
-        fill = padding_rows(padding, rule, "master", "model")
-        weights = pieces.pieces(rule, values, dtype, fill, "model")
-        name = local_name(rule.megatron, offset)
-        names.append(rule.megatron)
-        no_decay.append(is_no_decay(rule.megatron, weights[0].spec.shape))
-        master = pieces.pieces(rule, values, torch.float32, fill, "master") if mixed else None
-        for t in range(tp):
-            models[t][name] = weights[t]
-            if master is not None:
-                masters[t].append(master[t])
-            extra = extra_state_key(name)
-            if extra is not None:
-                models[t][extra] = None
-        if opt is not None:
-            for skey, per in opt.tensors.items():
-                vals = hf_values(rule, lambda n: per.get(n))
-                if vals is None:
-                    continue
-                fill = padding_rows(padding, rule, f"optim:{skey}")
-                for t, piece in enumerate(pieces.pieces(rule, vals, fused_dtype([v.spec for v in vals]), fill, f"optim:{skey}")):
-                    states[t].setdefault(rule.megatron, {})[skey] = piece
-            for skey, per in opt.scalars.items():
-                entry = next((per[n] for n in rule.hf if n in per), None)
-                if entry is not None:
-                    for t in range(tp):
-                        states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
-    return _StageWrite(models, masters, states, names, no_decay)
+    names, no_decay, chunk_of, locals_ = [], [], [], []
+    for v, stage in enumerate(chunks):
+        for rule in stage:
+            values = hf_values(rule, lambda n: model.get(n))
+            if values is None:
+                raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+            fill = padding_rows(padding, rule, "master", "model")
+            weights = pieces.pieces(rule, values, dtype, fill, "model")
+            name = local_name(rule.megatron, offsets[v])
+            names.append(rule.megatron)
+            chunk_of.append(v)
+            locals_.append(name)
+            no_decay.append(is_no_decay(rule.megatron, weights[0].spec.shape))
+            master = pieces.pieces(rule, values, torch.float32, fill, "master") if mixed else None
+            for t in range(tp):
+                models[t][v][name] = weights[t]
+                if master is not None:
+                    masters[t].append(master[t])
+                extra = extra_state_key(name)
+                if extra is not None:
+                    models[t][v][extra] = None
+            if opt is not None:
+                for skey, per in opt.tensors.items():
+                    vals = hf_values(rule, lambda n: per.get(n))
+                    if vals is None:
+                        continue
+                    fill = padding_rows(padding, rule, f"optim:{skey}")
+                    for t, piece in enumerate(pieces.pieces(rule, vals, fused_dtype([x.spec for x in vals]), fill, f"optim:{skey}")):
+                        states[t].setdefault(rule.megatron, {})[skey] = piece
+                for skey, per in opt.scalars.items():
+                    entry = next((per[n] for n in rule.hf if n in per), None)
+                    if entry is not None:
+                        for t in range(tp):
+                            states[t].setdefault(rule.megatron, {})[skey] = scalar_value(entry)
+    return _StageWrite(models, masters, states, names, no_decay, chunk_of, locals_)
 
 
 @dataclass(frozen=True)
@@ -1307,12 +1349,14 @@ class _ExpertShare:
 
 def _rank_file(args, step: int, stage: _StageWrite, t: int, hyper, with_optim: bool, mixed: bool, scheduler: Any,
                rng: dict[str, Any], experts: _ExpertShare | None = None) -> dict[str, Any]:
-    """One rank's model_optim_rng.pt. A MoE model's optimizer is megatron-core's ChainedOptimizer, saved as a list:
+    """One rank's model_optim_rng.pt (a virtual pipeline's chunks as ``model0``, ``model1``, ...). A MoE model's optimizer is megatron-core's ChainedOptimizer, saved as a list:
     the dense parameters' optimizer and this expert rank's experts' (each numbering its parameters from 0)."""
-    model = stage.model[t]
+    models = stage.model[t]
     if experts is not None:
-        model = OrderedDict((experts.local(k), v) for k, v in model.items() if experts.local(k) is not None)
-    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step, "model": model}
+        models = [OrderedDict((experts.local(k), v) for k, v in m.items() if experts.local(k) is not None) for m in models]
+    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
+    # Megatron-LM's generate_state_dict: "model", or "model<i>" per chunk of a virtual pipeline
+    state.update({"model": models[0]} if len(models) == 1 else {f"model{v}": m for v, m in enumerate(models)})
     if with_optim:
         if experts is None:
             state["optimizer"] = _optimizer_part(stage, t, list(range(len(stage.names))), hyper, mixed)

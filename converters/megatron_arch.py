@@ -2,8 +2,8 @@
 
 Megatron checkpoints keep the model's architecture in ``args`` (an argparse Namespace pickled into every
 ``model_optim_rng.pt``, and into ``common.pt`` of a torch_dist checkpoint). This module turns those arguments
-into a Hugging Face config and back, and holds the two layout rules every Megatron format shares: the padded
-vocabulary and which pipeline stage owns which layers.
+into a Hugging Face config and back, and holds the padded vocabulary every Megatron format shares (which pipeline
+stage holds which layers: :mod:`.megatron_pipeline`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,6 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = DIVISIBLE_BY) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: the vocabulary rounded up to a multiple of divisible_by x TP."""
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
-
-
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """The global layer indices each pipeline stage holds (Megatron splits evenly; each stage numbers from 0)."""
-    if num_layers % pp:
-        raise ConversionError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
-    per = num_layers // pp
-    return [range(p * per, (p + 1) * per) for p in range(pp)]
 
 
 def _kept_config(raw: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from interop.tensors import LazyTensor, TensorSpec
 
 from .megatron_buffer import buckets, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
-from .megatron_map import Rule, is_expert, rules, split, stack_index, stage_rules, tied_output_rule
+from .megatron_map import Rule, chunk_rules, is_expert, rules, split, stack_index, tied_output_rule
+from .megatron_pipeline import PipelineSplit
 
 DP_RESHARDABLE = "dp_reshardable"
 FLAT_KEYS = ("param", "exp_avg", "exp_avg_sq")  # fp32 main params and Adam's moments
@@ -63,26 +64,36 @@ def module_orders(arch: MegatronArch) -> list[tuple[str, list[Rule]]]:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One optimizer's gradient buffer on one rank: its key prefix (``[chained_<part>.]optimizer.distributed.
-    dp_group_idx_<G>.``), its pipeline stage, and its parameters in module order as (rule, TP piece shape)."""
+    """One gradient buffer of one optimizer on one rank: its optimizer's key prefix (``[chained_<part>.]optimizer.
+    distributed.dp_group_idx_<G>.``), its index among that optimizer's buffers (``gbuf_idx_<g>``: one per model
+    chunk that holds any of its parameters), its pipeline stage and model chunk, and its parameters in module
+    order as (rule, TP piece shape)."""
 
     prefix: str
+    gbuf: int
     stage: int
+    chunk: int
     tp_rank: int
     experts: bool  # the expert optimizer's (no tied embedding in it)
     params: list[tuple[Rule, tuple[int, ...]]]
 
+    def stem(self, dtype: torch.dtype) -> str:
+        """The key stem of its buckets, which append ``bucket_idx_<k>``."""
+        grad = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
+        return f"{self.prefix}gbuf_idx_{self.gbuf}.dtype_{(dtype, grad)}."
 
-def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: int,
+
+def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: PipelineSplit, ep: int,
                  full_shape: Callable[[Rule], tuple[int, ...]]) -> list[Buffer]:
-    """Every rank's buffers. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
+    """Every rank's buffers, one per model chunk (:class:`.megatron_pipeline.PipelineSplit`) holding any of the
+    optimizer's parameters. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
     embedding included: it has its own place in the buffer). A MoE model at EP > 1 has megatron-core's
     ChainedOptimizer: the dense parameters' (part 0, G as above) and the experts' (part 1) on each rank of the
     expert tensor x expert x pipeline group, G = t + tp x (e + ep x p) (its order tp-ep-pp), holding the experts
     local to expert rank e; at EP 1 one optimizer holds every parameter."""
-    stages = stage_rules(order, arch, pp)
-    if arch.tied and pp > 1:
-        stages[-1].append(tied_output_rule(arch))
+    stages = chunk_rules(order, arch, pipeline)
+    if arch.tied and pipeline.pp > 1:
+        stages[-1][-1].append(tied_output_rule(arch))
     chained = bool(arch.experts) and ep > 1
     per = arch.experts // ep if arch.experts else 0
 
@@ -90,13 +101,19 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pp: int, ep: in
         return (f"{CHAINED}{part}." if chained else "") + GROUP_PREFIX.format(g)
 
     out = []
-    for p, stage in enumerate(stages):
+    for p, chunks in enumerate(stages):
         for t in range(tp):
-            params = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in stage]
-            out.append(Buffer(prefix(0, t + tp * p), p, t, False, [(r, s) for r, s in params if not (chained and is_expert(r))]))
-            for e in range(ep if chained else 0):
-                mine = [(r, s) for r, s in params if is_expert(r) and stack_index(r.megatron)[1] // per == e]
-                out.append(Buffer(prefix(1, t + tp * (e + ep * p)), p, t, True, mine))
+            gbufs: dict[str, int] = {}
+            for v, rules_ in enumerate(chunks):
+                params = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in rules_]
+                held = [(prefix(0, t + tp * p), False, [(r, s) for r, s in params if not (chained and is_expert(r))])]
+                for e in range(ep if chained else 0):
+                    held.append((prefix(1, t + tp * (e + ep * p)), True,
+                                 [(r, s) for r, s in params if is_expert(r) and stack_index(r.megatron)[1] // per == e]))
+                for pre, experts, mine in held:
+                    if mine:
+                        out.append(Buffer(pre, gbufs.get(pre, 0), p, v, t, experts, mine))
+                        gbufs[pre] = gbufs.get(pre, 0) + 1
     return out
 
 
@@ -106,7 +123,8 @@ def layout(buf: Buffer, stem: str, arch: MegatronArch, pp: int, args: dict[str, 
     params = buf.params
     shared = frozenset() if buf.experts else shared_names(arch, pp, buf.stage)
     parts = buckets([(f"{i}", shape) for i, (_, shape) in enumerate(params)],
-                    frozenset(f"{i}" for i, (rule, _) in enumerate(params) if rule.megatron in shared), run_bucket_size(args, buf.stage))
+                    frozenset(f"{i}" for i, (rule, _) in enumerate(params) if rule.megatron in shared),
+                    run_bucket_size(args, buf.stage, buf.chunk))
     regions = {}
     for k, part in enumerate(parts):
         for i, (a, b) in part.index.items():
@@ -115,39 +133,41 @@ def layout(buf: Buffer, stem: str, arch: MegatronArch, pp: int, args: dict[str, 
     return regions, [part.numel_unpadded for part in parts]
 
 
-def bucket_keys(tensor_keys: list[str], prefixes: list[str], where: str) -> dict[str, list[str]]:
-    """Each buffer's buckets' key stems, in bucket order; one line naming what else the files hold."""
-    found: dict[str, dict[str, set[int]]] = {prefix: {} for prefix in prefixes}
+def bucket_keys(tensor_keys: list[str], buffers: list[Buffer], where: str) -> dict[tuple[str, int], list[str]]:
+    """Each buffer's (prefix, gbuf) bucket keys, in bucket order; one line naming what else the files hold."""
+    prefixes = sorted({b.prefix for b in buffers}, key=len, reverse=True)
+    found: dict[tuple[str, int], dict[str, set[int]]] = {(b.prefix, b.gbuf): {} for b in buffers}
     for key in tensor_keys:
         unchained = key.split(".", 1)[1] if key.startswith(CHAINED) else key
         if not unchained.startswith(GROUP_PREFIX.split("{")[0]):
             continue  # the model's, or another optimizer state's
         prefix = next((x for x in prefixes if key.startswith(x)), None)
         m = BUCKET.match(key[len(prefix):]) if prefix is not None else None
-        if m is None:
-            raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor of a rank the args describe")
-        found[prefix].setdefault(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.", set()).add(int(m.group(3)))
+        if m is None or (prefix, int(m.group(1))) not in found:
+            raise CorruptCheckpointError(where, f"holds {key!r}, not a distributed-optimizer bucket tensor of a rank and "
+                                         "model chunk the args describe")
+        found[(prefix, int(m.group(1)))].setdefault(f"{prefix}gbuf_idx_{m.group(1)}.{m.group(2)}.", set()).add(int(m.group(3)))
     out = {}
-    for prefix, buffers in found.items():
-        if not buffers:
-            raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket {prefix}* (the args' layout has one)")
-        if len(buffers) > 1:
-            raise ConversionError(f"{where}: {prefix[:-1]} has {len(buffers)} gradient buffers ({sorted(buffers)[:2]}...); one "
-                                  "buffer of one dtype is read (one model chunk, one precision); save with "
-                                  "--dist-ckpt-optim-fully-reshardable")
-        (stem, indices), = buffers.items()
+    for (prefix, g), stems in found.items():
+        if not stems:
+            raise CorruptCheckpointError(where, f"holds no distributed-optimizer bucket {prefix}gbuf_idx_{g}.* (the args' "
+                                         "layout has one)")
+        if len(stems) > 1:
+            raise ConversionError(f"{where}: {prefix}gbuf_idx_{g} has buckets of {len(stems)} dtypes ({sorted(stems)[:2]}...); "
+                                  "one precision is read; save with --dist-ckpt-optim-fully-reshardable")
+        (stem, indices), = stems.items()
         if indices != set(range(len(indices))):
-            raise CorruptCheckpointError(where, f"{prefix[:-1]} holds buckets {sorted(indices)}, not 0..{len(indices) - 1}")
-        out[prefix] = [f"{stem}bucket_idx_{k}" for k in range(len(indices))]
+            raise CorruptCheckpointError(where, f"{prefix}gbuf_idx_{g} holds buckets {sorted(indices)}, not 0..{len(indices) - 1}")
+        out[(prefix, g)] = [f"{stem}bucket_idx_{k}" for k in range(len(indices))]
     return out
 
 
-def read_layout(reader, arch: MegatronArch, tp: int, pp: int, ep: int, full_shape: Callable[[Rule], tuple[int, ...]],
+def read_layout(reader, arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, full_shape: Callable[[Rule], tuple[int, ...]],
                 model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any]) -> dict[str, list[Region]]:
     """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model; the
     buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
-    orders = [(name, rank_buffers(arch, order, tp, pp, ep, full_shape), order) for name, order in module_orders(arch)]
-    stems = bucket_keys(reader.tensor_keys(), [b.prefix for b in orders[0][1]], where)  # the buffers are the orders' same
+    orders = [(name, rank_buffers(arch, order, tp, pipeline, ep, full_shape), order) for name, order in module_orders(arch)]
+    stems = bucket_keys(reader.tensor_keys(), orders[0][1], where)  # the buffers are the orders' same
     stored = set(reader.tensor_keys())
     for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
         if key not in stored:
@@ -157,11 +177,12 @@ def read_layout(reader, arch: MegatronArch, tp: int, pp: int, ep: int, full_shap
         regions: dict[str, list[Region | None]] = {}
         fits = True
         for buf in ranks:
-            placed, sizes = layout(buf, stems[buf.prefix][0][: -len("bucket_idx_0")], arch, pp, args)
-            held = [tuple(reader.spec(f"{s}.param").shape) for s in stems[buf.prefix]]
+            got = stems[(buf.prefix, buf.gbuf)]
+            placed, sizes = layout(buf, got[0][: -len("bucket_idx_0")], arch, pipeline.pp, args)
+            held = [tuple(reader.spec(f"{s}.param").shape) for s in got]
             if held != [(n,) for n in sizes]:
                 fits = False
-                tried.append(f"{name}: {buf.prefix[:-1]} lays out to buckets of {sizes}, the checkpoint holds "
+                tried.append(f"{name}: {buf.prefix}gbuf_idx_{buf.gbuf} lays out to buckets of {sizes}, the checkpoint holds "
                              f"{[h[0] if len(h) == 1 else h for h in held]}")
                 break
             for meg, region in placed.items():
@@ -221,28 +242,23 @@ def sharded_object(value: Any) -> io.BytesIO:
     return buffer
 
 
-def buffer_stem(prefix: str, dtype: torch.dtype) -> str:
-    """The key stem of a buffer (``prefix``: :class:`Buffer`'s); its buckets append ``bucket_idx_<k>``."""
-    grad = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
-    return f"{prefix}gbuf_idx_0.dtype_{(dtype, grad)}."
-
-
-def write_entries(arch: MegatronArch, tp: int, pp: int, ep: int, dtype: torch.dtype, groups: list[list[dict[str, Any]]],
+def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, dtype: torch.dtype, groups: list[list[dict[str, Any]]],
                   full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor],
                   args: dict[str, Any]) -> dict[str, Any]:
     """The DCP entries of every buffer's buckets (:func:`rank_buffers`) in the local spec's module order, as the
-    written ``args``' --overlap-grad-reduce and --ddp-bucket-size make them: lazy flat tensors built from
-    ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary padded) and the
-    objects megatron-core asks for beside them; ``groups``: each optimizer's param groups (:func:`part_prefixes`)."""
-    if arch.tied and pp > 1:
+    written ``args``' pipeline split, --overlap-grad-reduce and --ddp-bucket-size make them: lazy flat tensors built
+    from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary padded) and
+    the objects megatron-core asks for beside them (per optimizer; the bucket sizes per buffer); ``groups``: each
+    optimizer's param groups (:func:`part_prefixes`)."""
+    if arch.tied and pipeline.pp > 1:
         # the tied embedding's own buckets: megatron-core 0.16.1's dp_reshardable save fails on them here ("out of
         # bounds chunk" where the first stage's other bucket ends in an alignment gap), so no run of it judged ours
         raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
-    buffers = rank_buffers(arch, order, tp, pp, ep, full_shape)
-    placed = {b.prefix: layout(b, buffer_stem(b.prefix, dtype), arch, pp, args) for b in buffers}
-    where = {(rule.megatron, b.tp_rank): placed[b.prefix][0][rule.megatron] for b in buffers for rule, _ in b.params}
+    buffers = rank_buffers(arch, order, tp, pipeline, ep, full_shape)
+    placed = {(b.prefix, b.gbuf): layout(b, b.stem(dtype), arch, pipeline.pp, args) for b in buffers}
+    where = {(rule.megatron, b.tp_rank): placed[(b.prefix, b.gbuf)][0][rule.megatron] for b in buffers for rule, _ in b.params}
     built: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     def flats(p: int, key: str) -> dict[str, torch.Tensor]:
@@ -250,8 +266,8 @@ def write_entries(arch: MegatronArch, tp: int, pp: int, ep: int, dtype: torch.dt
         if (p, key) not in built:
             built.clear()
             mine = [b for b in buffers if b.stage == p]
-            bufs = {f"{buffer_stem(b.prefix, dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
-                    for b in mine for k, n in enumerate(placed[b.prefix][1])}
+            bufs = {f"{b.stem(dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
+                    for b in mine for k, n in enumerate(placed[(b.prefix, b.gbuf)][1])}
             for rule in dict.fromkeys(r for b in mine if b.tp_rank == 0 for r, _ in b.params):
                 for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), tp)):
                     r = where[(rule.megatron, t)]
@@ -261,14 +277,19 @@ def write_entries(arch: MegatronArch, tp: int, pp: int, ep: int, dtype: torch.dt
 
     out: dict[str, Any] = {}
     dtypes = (dtype, torch.float32)
+    numels: dict[str, tuple[Buffer, list[dict], list[dict]]] = {}  # per optimizer: per buffer, padded and unpadded
     for b in buffers:
-        sizes = placed[b.prefix][1]
+        sizes = placed[(b.prefix, b.gbuf)][1]
         for k, n in enumerate(sizes):
-            stem = f"{buffer_stem(b.prefix, dtype)}bucket_idx_{k}"
+            stem = f"{b.stem(dtype)}bucket_idx_{k}"
             for key in FLAT_KEYS:
                 out[f"{stem}.{key}"] = LazyTensor(TensorSpec((n,), torch.float32), lambda p=b.stage, key=key, stem=stem: flats(p, key)[stem],
                                                   origin=f"{stem}.{key}")
-        out[OBJECT.format(b.prefix + "optimizer")] = sharded_object({"param_groups": groups[int(b.experts)]})
-        out[OBJECT.format(b.prefix + "per_bucket_numel")] = sharded_object([{dtypes: [math.ceil(n / NUMEL_PAD) * NUMEL_PAD for n in sizes]}])
-        out[OBJECT.format(b.prefix + "per_bucket_numel_unpadded")] = sharded_object([{dtypes: sizes}])
+        _, padded, unpadded = numels.setdefault(b.prefix, (b, [], []))
+        padded.append({dtypes: [math.ceil(n / NUMEL_PAD) * NUMEL_PAD for n in sizes]})
+        unpadded.append({dtypes: sizes})
+    for prefix, (b, padded, unpadded) in numels.items():
+        out[OBJECT.format(prefix + "optimizer")] = sharded_object({"param_groups": groups[int(b.experts)]})
+        out[OBJECT.format(prefix + "per_bucket_numel")] = sharded_object(padded)
+        out[OBJECT.format(prefix + "per_bucket_numel_unpadded")] = sharded_object(unpadded)
     return out

@@ -1,5 +1,5 @@
 """Where megatron-core's DistributedOptimizer keeps each parameter's fp32 master and Adam moments: the gradient
-buffer of one model chunk, bucket by bucket (``distributed/param_and_grad_buffer.py``, ``_ParamAndGradBuffer``).
+buffer of each model chunk, bucket by bucket (``distributed/param_and_grad_buffer.py``, ``_ParamAndGradBuffer``).
 
 The files record no offsets, so the layout is computed as megatron-core computes it. Parameters go in reverse
 module order, each start rounded up to a multiple of 64. A new bucket starts after a parameter once the bucket
@@ -88,12 +88,13 @@ def coalesced(parts: list[Bucket]) -> tuple[dict[str, tuple[int, int]], int]:
     return index, offset
 
 
-def run_bucket_size(args: dict[str, Any], pipeline_rank: int) -> int | None:
-    """The bucket size of the run that saved ``args`` (Megatron-LM's), on this pipeline stage: buckets only with
-    --overlap-grad-reduce, and on the first stage only (DistributedDataParallel turns bucketing off on the others,
-    whose gradient reduction is off the critical path). One model chunk per stage: a virtual pipeline's later chunks
-    are not bucketed either, and are refused by the readers before this."""
-    if not args.get("overlap_grad_reduce") or pipeline_rank > 0:
+def run_bucket_size(args: dict[str, Any], pipeline_rank: int, chunk: int = 0) -> int | None:
+    """The bucket size of the run that saved ``args`` (Megatron-LM's), for model chunk ``chunk`` of pipeline stage
+    ``pipeline_rank``: buckets only with --overlap-grad-reduce, on the first stage (DistributedDataParallel turns
+    bucketing off on the others, whose gradient reduction is off the critical path), in its first model chunk
+    (Megatron-LM's get_model: disable_bucketing for a virtual pipeline's later chunks, and for every chunk with
+    --overlap-param-gather-with-optimizer-step)."""
+    if not args.get("overlap_grad_reduce") or pipeline_rank > 0 or chunk > 0 or args.get("overlap_param_gather_with_optimizer_step"):
         return None
     size = args.get("ddp_bucket_size")
     if size:

@@ -45,9 +45,10 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    MEGATRON_ARGS, expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, target_shape,
+    MEGATRON_ARGS, expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, pipeline_split, target_shape,
 )
 from .megatron_arch import MegatronArch
+from .megatron_pipeline import PipelineSplit, recorded_flags
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
@@ -170,8 +171,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
         tp, pp, ep = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                          "expert_model_parallel_size"))
-        regions = buckets.read_layout(reader, arch, tp, pp, ep, full_shape, lambda r: stored_full(r, names[r.megatron]), directory,
-                                      args_d)
+        pipeline = PipelineSplit.from_args({**args_d, "num_layers": arch.num_layers, "pipeline_model_parallel_size": pp}, common_path)
+        regions = buckets.read_layout(reader, arch, tp, pipeline, ep, full_shape, lambda r: stored_full(r, names[r.megatron]),
+                                      directory, args_d)
 
         def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
             pieces = [lambda r=r: buckets.region_tensor(reader, r, skey) for r in regions[rule.megatron]]
@@ -231,11 +233,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         return found
 
     rng = DeferredList(rng_states) if rng_keys is not None else None
+    pipeline = recorded_flags({**args_d, "num_layers": arch.num_layers}, common_path)
     return LogicalCheckpoint(
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": reader.spec(names[all_rules[0].megatron]).dtype_name, "iteration": step,
-                **({"master_dtype": "float32"} if has_master else {})},
+                **({"master_dtype": "float32"} if has_master else {}), **({"pipeline": pipeline} if pipeline else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
         rank_state={RNG: rng} if rng is not None else {},
         components=carried_components(owner, manifest, NATIVE_KEY),
@@ -402,13 +405,15 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
                         distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine",
-                        ep: int | None = None, ddp: dict[str, Any] | None = None) -> None:
+                        ep: int | None = None, ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None) -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time.
     ``distributed_optimizer``: the DistributedOptimizer's layout, ``fully_reshardable`` (per tensor, loads at
     any DP x TP x PP) or ``dp_reshardable`` (flat buckets of the local spec at exactly ``tp`` x ``pp``, as the
-    loading run's Megatron-LM data-parallel flags ``ddp`` make them: ``overlap_grad_reduce``, ``ddp_bucket_size``)."""
+    loading run's Megatron-LM data-parallel flags ``ddp`` make them: ``overlap_grad_reduce``, ``ddp_bucket_size``; and
+    its pipeline split flags ``pipeline``: a buffer per model chunk of a virtual pipeline, uneven stages). The
+    model's tensors are the same for every split."""
     if distributed_optimizer not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
         raise ConversionError(f"unknown distributed-optimizer layout {distributed_optimizer!r}")
     flat = distributed_optimizer == buckets.DP_RESHARDABLE
@@ -416,6 +421,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
+    split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
@@ -465,7 +471,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         **({"expert_model_parallel_size": ep} if arch.experts else {}),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
-        **(ddp or {}),
+        **(ddp or {}), **split.to_args(),
     ))
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
     ckpt.notes.extend(rng_notes)
@@ -486,7 +492,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             if flat:  # the groups are an object of each buffer's, beside its buckets
                 kind = {"param_state_sharding_type": distributed_optimizer}
                 common["optimizer"] = {0: kind, 1: dict(kind)} if chained else kind
-                state.update(_bucket_entries(arch, tp, pp, ep, dtype, [groups, expert_groups], state, model, opt, padded, padding,
+                state.update(_bucket_entries(arch, tp, split, ep, dtype, [groups, expert_groups], state, model, opt, padded, padding,
                                              vars(args)))
             elif chained:  # each of the ChainedOptimizer's DistributedOptimizers: its groups, the layout it names
                 common["optimizer"] = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": distributed_optimizer}
@@ -541,7 +547,7 @@ def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[
     return groups
 
 
-def _bucket_entries(arch, tp: int, pp: int, ep: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
+def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
                     padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
     def full_shape(rule: Rule) -> tuple[int, ...]:  # the stored tensor's, less its stacking (layers, experts)
@@ -553,4 +559,4 @@ def _bucket_entries(arch, tp: int, pp: int, ep: int, dtype: torch.dtype, groups,
             return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
         return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
 
-    return buckets.write_entries(arch, tp, pp, ep, dtype, groups, full_shape, full_tensor, args)
+    return buckets.write_entries(arch, tp, split, ep, dtype, groups, full_shape, full_tensor, args)

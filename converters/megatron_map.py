@@ -22,7 +22,8 @@ from interop.lazy_import import torch
 
 from interop.errors import ConversionError
 
-from .megatron_arch import MegatronArch, stage_layers
+from .megatron_arch import MegatronArch
+from .megatron_pipeline import PipelineSplit
 from .models.megatron_family import (  # noqa: F401 - the split kinds are also this module's
     CAT, COLS, GATED, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROWS, VOCAB, T, Family, Param,
 )
@@ -292,11 +293,11 @@ def stack_index(name: str) -> tuple[int, ...]:
     return (layer,)
 
 
-def stage_rules(all_rules: list[Rule], arch: MegatronArch, pp: int) -> list[list[Rule]]:
-    """The rules each pipeline stage holds: its layers, the embedding on the first, norm and head on the last."""
-    layers = stage_layers(arch.num_layers, pp)
-    out: list[list[Rule]] = []
-    for p, held in enumerate(layers):
-        mine = [r for r in all_rules if r.layer in held or (r.layer == FIRST and p == 0) or (r.layer == LAST and p == pp - 1)]
-        out.append(mine)
-    return out
+def chunk_rules(all_rules: list[Rule], arch: MegatronArch, split: PipelineSplit) -> list[list[list[Rule]]]:
+    """[stage][chunk]: the rules each model chunk holds: its layers (:class:`.megatron_pipeline.PipelineSplit`), the
+    embedding in the first stage's first chunk, the final norm and head in the last stage's last chunk."""
+    if split.num_layers != arch.num_layers:
+        raise ConversionError(f"a pipeline split of {split.num_layers} layers for a model of {arch.num_layers}")
+    last = (split.pp - 1, split.vpp - 1)
+    return [[[r for r in all_rules if r.layer in held or (r.layer == FIRST and (p, v) == (0, 0)) or (r.layer == LAST and (p, v) == last)]
+             for v, held in enumerate(chunks)] for p, chunks in enumerate(split.chunks())]

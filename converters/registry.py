@@ -323,13 +323,30 @@ def _megatron_ddp(o: Options) -> dict[str, Any]:
     return {"overlap_grad_reduce": bool(o.extra.get("overlap_grad_reduce")), "ddp_bucket_size": int(size) if size else None}
 
 
+# Megatron-LM's pipeline split flags, as its arguments name them (converters.megatron_pipeline reads them)
+PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str, Any]:
+    """The loading run's Megatron-LM pipeline split flags: those given, else a Megatron source's own split when the
+    target has its pipeline size (said in a note), else none (an even split)."""
+    given = {k: o.extra[k] for k in PIPELINE_FLAGS if o.extra.get(k)}
+    source = ckpt.source.get("pipeline")
+    if given or not isinstance(source, dict) or not source or int(ckpt.source.get("pp") or 1) != pp:
+        return given
+    said = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in source.items())
+    ckpt.notes.append(f"pipeline split: the source's ({said}); pass the loading run's pipeline flags for another")
+    return {k: v for k, v in source.items() if k in PIPELINE_FLAGS}
+
+
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
-    megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite,
-                                      distributed_optimizer=layout, pp=layout_value(ckpt, o, "pp", 1),
+    pp = layout_value(ckpt, o, "pp", 1)
+    megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite, distributed_optimizer=layout, pp=pp,
                                       transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o),
-                                      ddp=_megatron_ddp(o))
+                                      ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, pp))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
@@ -365,7 +382,7 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
                             distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")), ep=_megatron_ep(ckpt, o),
-                            ddp=_megatron_ddp(o))
+                            ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, int(pp)))
 
 
 register(

@@ -368,27 +368,35 @@ def dist_distributed(save: bool, path: str, tp: int, pp: int) -> list[float]:
     loaded_metadata = dist_checkpointing.load_content_metadata(directory)
     assert loaded_metadata == metadata, loaded_metadata  # what the checkpoint says its layout is
     group = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**loaded_metadata, **group})
+    loaded = distributed_load({"model": model_sd}, optimizer, directory, tp, pp, {**loaded_metadata, **group})
+    unwrap_model(ddp).load_state_dict(loaded["model"], strict=True)
+    return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+
+
+def distributed_load(state: dict, optimizer, directory: str, tp: int, pp: int, metadata: dict) -> dict:
+    """Megatron-LM's torch_dist load of the model entries in ``state`` and of the DistributedOptimizer's state (loaded
+    into it here), the RNG restored at the checkpoint's own TP x PP. Returns the loaded state for the model."""
+    from megatron.core import dist_checkpointing
+
     for inner in optimizer.chained_optimizers:  # what TE/Apex's Adam allocates up front; torch's AdamW (with its
         for g in inner.optimizer.param_groups:  # per-parameter step) only at its first step
             for p in g["params"]:
                 inner.optimizer.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(0.0)}
-    model_sd = unwrap_model(ddp).sharded_state_dict(metadata={**loaded_metadata, **group})
-    state = {"model": model_sd}
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata={**loaded_metadata, **group})
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     rng, ckpt_args = rng_request(directory, tp, pp)
     if rng is not None:
         state["rng_state"] = rng
     loaded = dist_checkpointing.load(state, directory)
     if rng is not None:
         megatron_lm_restore_rng(loaded["rng_state"], ckpt_args.seed)
-    unwrap_model(ddp).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
     for inner in optimizer.chained_optimizers:  # TE / Apex's Adam keeps the step in its groups (where the checkpoint
         for g in inner.optimizer.param_groups:  # has it); torch's AdamW per parameter, which dp_reshardable's load
             for p in g["params"]:  # leaves at its value before the load: set it from the group, as TE's Adam reads it
                 inner.optimizer.state[p]["step"] = torch.tensor(float(g["step"]))
-    return [data_parallel_step(ddp, optimizer, step) for step in range(1, STEPS)]
+    return loaded
 
 
 def megatron_lm_restore_rng(rng_state, seed: int) -> None:

@@ -1,0 +1,148 @@
+"""Which transformer layers each pipeline stage's model chunks hold, as Megatron-LM's pipeline flags split them.
+
+A stage holds one model chunk, or ``V`` of them under the interleaved schedule (``--num-virtual-stages-per-pipeline-
+rank V`` / ``--num-layers-per-virtual-pipeline-stage N``). Chunks follow one another chunk-index first: chunk v of
+every stage comes before chunk v + 1 of any, so stage p's chunk v starts where the chunks before it end. The
+counts: an even split of the layers, or with ``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers`` those counts on the first / last stage and the rest even over the others
+(each stage's count split evenly over its chunks); ``--account-for-embedding-in-pipeline-split`` and
+``--account-for-loss-in-pipeline-split`` count the embedding / the loss as one layer of the first / last chunk.
+
+Hand-written because megatron-core computes the split inside ``get_transformer_layer_offset`` and
+``get_num_layers_to_build``, which read the live ``parallel_state`` and a ``TransformerConfig`` (a heavy, optional
+import for a converter); tests/test_megatron_pipeline.py checks this module against both over a grid of settings.
+``--pipeline-model-parallel-layout`` (an explicit layer string) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from interop.errors import ConversionError
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    num_layers: int
+    pp: int
+    vpp: int = 1  # model chunks per stage (Megatron-LM's virtual_pipeline_model_parallel_size, None for 1)
+    first: int | None = None  # --decoder-first-pipeline-num-layers
+    last: int | None = None  # --decoder-last-pipeline-num-layers
+    embedding: bool = False  # --account-for-embedding-in-pipeline-split
+    loss: bool = False  # --account-for-loss-in-pipeline-split
+
+    def __post_init__(self) -> None:
+        self.counts()  # refuses a split Megatron-LM refuses
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any], where: str) -> "PipelineSplit":
+        """The split a run's saved args describe (Megatron-LM's names, after its validate_args)."""
+        if args.get("pipeline_model_parallel_layout"):
+            raise ConversionError(f"{where}: the run split its layers with --pipeline-model-parallel-layout "
+                                  f"{args['pipeline_model_parallel_layout']!r}, which is not read here")
+        try:
+            n, pp = int(args["num_layers"]), int(args.get("pipeline_model_parallel_size") or 1)
+            emb, loss = bool(args.get("account_for_embedding_in_pipeline_split")), bool(args.get("account_for_loss_in_pipeline_split"))
+            vpp = args.get("virtual_pipeline_model_parallel_size") or args.get("num_virtual_stages_per_pipeline_rank")
+            per_chunk = args.get("num_layers_per_virtual_pipeline_stage")
+            if not vpp and per_chunk:  # Megatron-LM's validate_args: the stage's layers (and the embedding / loss) per chunk
+                if (n + emb + loss) % pp or ((n + emb + loss) // pp) % int(per_chunk):
+                    raise ConversionError(f"{n} layers over {pp} stages do not split into chunks of {per_chunk} "
+                                          "(--num-layers-per-virtual-pipeline-stage)")
+                vpp = (n + emb + loss) // pp // int(per_chunk)
+            return cls(n, pp, int(vpp or 1), _count(args.get("decoder_first_pipeline_num_layers")),
+                       _count(args.get("decoder_last_pipeline_num_layers")), emb, loss)
+        except ConversionError as e:
+            raise ConversionError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise ConversionError(f"{where}: the pipeline split's arguments are not Megatron-LM's ({e!r})") from None
+
+    def to_args(self) -> dict[str, Any]:
+        """Megatron-LM's arguments for this split, as its validate_args leaves them."""
+        vpp = self.vpp if self.vpp > 1 else None
+        return {
+            "pipeline_model_parallel_size": self.pp, "virtual_pipeline_model_parallel_size": vpp,
+            "num_virtual_stages_per_pipeline_rank": vpp, "num_layers_per_virtual_pipeline_stage": None,
+            "decoder_first_pipeline_num_layers": self.first, "decoder_last_pipeline_num_layers": self.last,
+            "account_for_embedding_in_pipeline_split": self.embedding, "account_for_loss_in_pipeline_split": self.loss,
+        }
+
+    def flags(self) -> dict[str, Any]:
+        """The Megatron-LM flags (argument names) that set this split apart from an even one without virtual stages."""
+        given = {"num_virtual_stages_per_pipeline_rank": self.vpp if self.vpp > 1 else None, "decoder_first_pipeline_num_layers": self.first,
+                 "decoder_last_pipeline_num_layers": self.last, "account_for_embedding_in_pipeline_split": self.embedding,
+                 "account_for_loss_in_pipeline_split": self.loss}
+        return {k: v for k, v in given.items() if v}
+
+    def counts(self) -> list[list[int]]:
+        """[stage][chunk]: how many transformer layers each model chunk holds."""
+        pp, vpp, n = self.pp, self.vpp, self.num_layers
+        if pp < 1 or vpp < 1 or n < 1:
+            raise ConversionError(f"a pipeline of {pp} stages x {vpp} chunks over {n} layers")
+        if vpp > 1 and pp == 1:
+            raise ConversionError(f"{vpp} virtual stages need more than one pipeline stage")
+        if pp * vpp > n + 2:  # every chunk but an end one holds a layer (checked before any list of that size is built)
+            raise ConversionError(f"{pp} pipeline stages x {vpp} virtual stages for {n} layers: a chunk would hold none")
+        if self.first is not None or self.last is not None:
+            if self.embedding or self.loss:
+                raise ConversionError("--account-for-embedding/loss-in-pipeline-split do not combine with "
+                                      "--decoder-first/last-pipeline-num-layers (Megatron-LM refuses it)")
+            if pp == 1:
+                raise ConversionError("first / last stage layer counts need more than one pipeline stage")
+            fixed = {p: c for p, c in ((0, self.first), (pp - 1, self.last)) if c is not None}
+            if min(fixed.values()) <= 0:
+                raise ConversionError(f"a first / last pipeline stage of {min(fixed.values())} layers (megatron-core wants > 0)")
+            middle_stages = pp - len(fixed)
+            middle = n - sum(fixed.values())
+            # megatron-core's TransformerConfig: middle stages and middle layers both, or neither
+            if middle < 0 or bool(middle_stages) != bool(middle) or (middle_stages and middle % middle_stages):
+                raise ConversionError(f"{n} layers do not split over {pp} pipeline stages with {fixed.get(0)} on the first "
+                                      f"and {fixed.get(pp - 1)} on the last (the rest evenly)")
+            if vpp > 1 and not middle_stages:  # its layer offset divides by the middle stages' count
+                raise ConversionError("virtual stages with both the first and the last stage's layer counts given and no "
+                                      "stage between them: megatron-core cannot place that split")
+            per_stage = [fixed.get(p, middle // middle_stages if middle_stages else 0) for p in range(pp)]
+            if any(c % vpp for c in per_stage):
+                raise ConversionError(f"stage layer counts {per_stage} do not split evenly over {vpp} virtual stages")
+            return [[c // vpp] * vpp for c in per_stage]
+        total = n + self.embedding + self.loss
+        if total % (pp * vpp):
+            raise ConversionError(f"{n} layers{' + the embedding' if self.embedding else ''}{' + the loss' if self.loss else ''} "
+                                  f"do not split evenly over {pp} pipeline stages x {vpp} virtual stages; give the loading "
+                                  "run's split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, ...)")
+        per = total // (pp * vpp)
+        out = [[per] * vpp for _ in range(pp)]
+        out[0][0] -= self.embedding
+        out[-1][-1] -= self.loss
+        return out
+
+    def chunks(self) -> list[list[range]]:
+        """[stage][chunk]: the global layer indices each model chunk holds (chunk v of every stage, then v + 1)."""
+        counts = self.counts()
+        out: list[list[range]] = [[range(0)] * self.vpp for _ in range(self.pp)]
+        at = 0
+        for v in range(self.vpp):
+            for p in range(self.pp):
+                out[p][v] = range(at, at + counts[p][v])
+                at += counts[p][v]
+        return out
+
+
+def _count(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConversionError(f"a stage layer count of {value!r}")
+    return value
+
+
+def recorded_flags(args: dict[str, Any], where: str, held: list[list[int]] | None = None) -> dict[str, Any]:
+    """A source's split as :meth:`PipelineSplit.flags` (what a target at its pipeline size defaults to): from its
+    args, and only where they describe one megatron-core builds and, given ``held`` ([stage][chunk] layer counts
+    its files hold), the one its files hold; else none (the target splits evenly unless told)."""
+    try:
+        split = PipelineSplit.from_args(args, where)
+    except ConversionError:
+        return {}
+    return split.flags() if held is None or split.counts() == held else {}

@@ -1,0 +1,178 @@
+"""converters.megatron_pipeline against megatron-core's own split (get_transformer_layer_offset and
+get_num_layers_to_build, over its TransformerConfig's checks), and Megatron's virtual and uneven pipelines end to
+end: megatron-core 0.16.1 trains on 2 gloo processes, saves, and loads what we write."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from converters.megatron_pipeline import PipelineSplit
+from interop.errors import ConversionError
+from tests.conftest import ROOT, run_workers, worker_env
+
+
+GRID = list(itertools.product(range(1, 13), (1, 2, 3, 4), (1, 2, 3), (None, 0, 1, 2, 4), (None, 1, 2, 3), (False, True), (False, True)))
+
+
+def test_pipeline_split_is_megatron_cores():
+    """Every setting of the grid (layers, PP, VPP, first / last stage layers, embedding / loss accounted): the same
+    layers in every chunk as megatron-core builds (run in a process of its own: importing megatron-core widens
+    torch's weights_only allowlist), and refused exactly where megatron-core cannot build the split."""
+    pytest.importorskip("megatron.core")
+    done = subprocess.run([sys.executable, "-m", "tests.mcore_pipeline_worker", "grid"], input=json.dumps(GRID), capture_output=True,
+                          text=True, env=worker_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout)
+    built = 0
+    for setting, split in zip(GRID, theirs):
+        try:
+            ours = [[[r.start, len(r)] for r in stage] for stage in PipelineSplit(*setting).chunks()]
+        except ConversionError:
+            ours = None
+        assert ours == split, setting
+        built += ours is not None
+    assert built > 300  # the grid holds a few hundred settings megatron-core builds
+
+
+def test_pipeline_split_from_args_reads_megatron_lm_names():
+    args = {"num_layers": 6, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+            "decoder_first_pipeline_num_layers": 2}
+    split = PipelineSplit.from_args(args, "common.pt")
+    assert split.chunks() == [[range(0, 1), range(3, 4)], [range(1, 3), range(4, 6)]]
+    assert PipelineSplit.from_args({**args, **split.to_args()}, "x") == split
+    with pytest.raises(ConversionError, match=r"common.pt: .*--pipeline-model-parallel-layout"):
+        PipelineSplit.from_args({**args, "pipeline_model_parallel_layout": "Et|tL"}, "common.pt")
+    with pytest.raises(ConversionError, match="do not split evenly over 3 virtual stages"):
+        PipelineSplit(6, 2, 3, first=2)
+
+
+@pytest.mark.parametrize("hostile", [
+    {"virtual_pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": -1},
+    {"num_layers_per_virtual_pipeline_stage": 3}, {"virtual_pipeline_model_parallel_size": "two"}, {"decoder_first_pipeline_num_layers": -1},
+    {"decoder_first_pipeline_num_layers": True}, {"num_layers": None}, {"decoder_last_pipeline_num_layers": [1]},
+])
+def test_pipeline_split_from_hostile_args_is_one_error(hostile):
+    """A checkpoint's args are not trusted: any value is refused as one ConversionError naming the file, before a
+    list of its size is built."""
+    args = {"num_layers": 4, "pipeline_model_parallel_size": 2, **hostile}
+    with pytest.raises(ConversionError, match=r"^common\.pt: "):
+        PipelineSplit.from_args(args, "common.pt")
+
+
+# --- megatron-core's own runs ------------------------------------------------------------------------------------
+megatron_core = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is the optional test extra 'megatron' (pip install -e '.[test,megatron]', Python 3.11)")
+WORKER = str(ROOT / "tests" / "mcore_pipeline_worker.py")
+# each a run of megatron-core's: TP1 x PP2 on 2 processes
+INTERLEAVED = {"MCORE_LAYERS": "4", "MCORE_VPP": "2"}  # stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
+UNEVEN = {"MCORE_LAYERS": "3", "MCORE_FIRST": "1"}  # stage 0 holds layer 0, stage 1 layers 1 and 2
+SPLIT_FLAGS = {"interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"], "uneven": ["--decoder-first-pipeline-num-layers", "1"]}
+
+
+def pipeline_run(scenario: str, ckpt, out, split: dict[str, str], layout: str | None = None) -> list[float]:
+    os.makedirs(out, exist_ok=True)
+    env = {**worker_env(), "MCORE_TP": "1", "MCORE_PP": "2", **split, **({"MCORE_DISTOPT_LAYOUT": layout} if layout else {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, scenario, str(ckpt), str(out)]
+    run_workers(cmd, env, timeout=300)
+    return json.loads((Path(out) / "losses.json").read_text())
+
+
+def convert(src, dst, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(src), str(dst), *flags], capture_output=True,
+                          text=True, env=worker_env(), cwd=ROOT)
+
+
+# the worker's saves, each format's name -> (scenario, distributed-optimizer layout)
+SAVES = {"legacy": ("save-legacy", None), "distrib_optim": ("save-legacy-distopt", None),
+         "fully_reshardable": ("save-dist-distopt", "fully_reshardable"), "dp_reshardable": ("save-dist-distopt", "dp_reshardable")}
+# writing each: convert flags and the worker's load
+WRITES = {"legacy": (["--to", "megatron"], "load-legacy", None),
+          "distrib_optim": (["--to", "megatron", "--use-distributed-optimizer"], "load-legacy-distopt", None),
+          "fully_reshardable": (["--to", "megatron-dist", "--dist-optim-layout", "fully_reshardable"], "load-dist-distopt", "fully_reshardable"),
+          "dp_reshardable": (["--to", "megatron-dist", "--dist-optim-layout", "dp_reshardable"], "load-dist-distopt", "dp_reshardable")}
+
+
+def _saved(tmp_path, split: str, fmt: str) -> tuple[Path, list[float]]:
+    scenario, layout = SAVES[fmt]
+    root = tmp_path / f"{split}-{fmt}"
+    losses = pipeline_run(scenario, root / "ckpt", root / "out", INTERLEAVED if split == "interleaved" else UNEVEN, layout)
+    return root / "ckpt", losses
+
+
+def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
+    """src -> ours in ``fmt`` at TP1 x PP2 with the split's flags -> megatron-core loads it and trains on."""
+    flags, scenario, layout = WRITES[fmt]
+    dst = tmp_path / f"ours-{fmt}"
+    done = convert(src, dst, *flags, "--tp", "1", "--pp", "2", "--transformer-impl", "local", *extra)
+    assert done.returncode == 0, done.stderr
+    return pipeline_run(scenario, dst, tmp_path / f"out-{fmt}", INTERLEAVED if split == "interleaved" else UNEVEN, layout)
+
+
+@megatron_core
+@pytest.mark.dist
+@pytest.mark.parametrize("split,src_fmt,dst_fmt", [
+    ("interleaved", "distrib_optim", "dp_reshardable"),
+    ("uneven", "dp_reshardable", "distrib_optim"),
+    pytest.param("interleaved", "dp_reshardable", "distrib_optim", marks=pytest.mark.slow),
+    pytest.param("interleaved", "legacy", "legacy", marks=pytest.mark.slow),
+    pytest.param("interleaved", "fully_reshardable", "fully_reshardable", marks=pytest.mark.slow),
+    pytest.param("uneven", "distrib_optim", "dp_reshardable", marks=pytest.mark.slow),
+])
+def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, split, src_fmt, dst_fmt):
+    """megatron-core saves with a virtual (interleaved) or uneven pipeline, its distributed optimizer a gradient
+    buffer per model chunk -> universal -> ours for the same split -> megatron-core loads it and trains on with the
+    uninterrupted run's losses. Before, both reads were refused ("2 gradient buffers", "3 layers do not split
+    evenly") and no split but the even one could be written."""
+    ckpt, uninterrupted = _saved(tmp_path, split, src_fmt)
+    done = convert(ckpt, tmp_path / "uni", "--to", "universal")
+    assert done.returncode == 0, done.stderr
+    resumed = _resume(tmp_path, tmp_path / "uni", split, dst_fmt, *SPLIT_FLAGS[split])
+    assert resumed == pytest.approx(uninterrupted[1:], rel=1e-6, abs=1e-5)
+    assert resumed[-1] != pytest.approx(uninterrupted[0], abs=1e-3)  # it trained on, from where it stopped
+
+
+@megatron_core
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["interleaved", "uneven"])
+def test_megatron_core_pipeline_split_every_format_reads_alike(tmp_path, split):
+    """One split, saved by megatron-core in each of its four layouts (the same training, the same losses): every
+    read gives the same universal checkpoint, tensor for tensor."""
+    unis = []
+    for fmt in SAVES:
+        ckpt, losses = _saved(tmp_path, split, fmt)
+        done = convert(ckpt, tmp_path / f"uni-{fmt}", "--to", "universal")
+        assert done.returncode == 0, done.stderr
+        unis.append(tmp_path / f"uni-{fmt}")
+    for other in unis[1:]:
+        diff = subprocess.run([sys.executable, "-m", "converters.cli", "diff", str(unis[0]), str(other)], capture_output=True,
+                              text=True, env=worker_env(), cwd=ROOT)
+        assert diff.returncode == 0 and " 0 different; 0 only in A, 0 only in B" in diff.stdout, diff.stdout + diff.stderr
+
+
+@megatron_core
+@pytest.mark.dist
+def test_megatron_core_source_split_is_the_default_at_its_pipeline_size(tmp_path):
+    """An uneven megatron-core run converted back to Megatron at its own pipeline size keeps its split (said in a
+    note) and loads there; at another pipeline size the split is the user's to give, and an impossible one is refused
+    in one line before anything is written."""
+    ckpt, uninterrupted = _saved(tmp_path, "uneven", "distrib_optim")
+    done = convert(ckpt, tmp_path / "ours", "--to", "megatron", "--use-distributed-optimizer", "--transformer-impl", "local")
+    assert done.returncode == 0, done.stderr
+    assert "note: pipeline split: the source's (--decoder-first-pipeline-num-layers 1)" in done.stdout + done.stderr
+    resumed = pipeline_run("load-legacy-distopt", tmp_path / "ours", tmp_path / "out", UNEVEN)
+    assert resumed == pytest.approx(uninterrupted[1:], rel=1e-6, abs=1e-5)
+    bad = convert(ckpt, tmp_path / "bad", "--to", "megatron", "--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2")
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "interop convert: error: --pp 2: 3 layers do not split evenly over 2 pipeline stages x 2 virtual stages; give the "
+        "loading run's split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, ...)")
