@@ -780,8 +780,6 @@ def _distributed_optimizer(state: dict[str, Any], rank: _RankModel, model_path: 
     return per_name, named_groups, master
 
 
-# distrib_optim.pt's param groups, in model_optim_rng.pt (DistributedOptimizer.state_dict: hyper-parameters, the step)
-DISTRIBUTED_GROUPS = ListOf(Keys(weight_decay=Maybe(NUMBER), wd_mult=Maybe(NUMBER), step=Maybe(NUMBER)))
 # DistributedOptimizer.get_parameter_state_dp_zero: per gradient buffer, per (param dtype, grad dtype), the flat fp32
 # main params and Adam moments of the buffer's buckets, their end padding dropped
 DISTRIB_OPTIM_BUFFERS = MapOf(int, MapOf(tuple, Keys(param=TENSOR, exp_avg=TENSOR, exp_avg_sq=TENSOR, numel_unpadded=int)))
@@ -819,7 +817,7 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if not isinstance(groups, list) or not groups:
         raise CorruptCheckpointError(model_path, "optimizer entry holds no param_groups beside distrib_optim.pt")
-    check(model_path, groups, DISTRIBUTED_GROUPS, f"optimizer{where}.param_groups")
+    check(model_path, groups, buffer.DISTRIBUTED_GROUPS, f"optimizer{where}.param_groups")
     decay = [n for n in names if not is_no_decay(n, tuple(rank.tensors[n].shape))]
     no_decay = [n for n in names if is_no_decay(n, tuple(rank.tensors[n].shape))]
     named_groups, per_name, master, seen = [], {}, {}, set()

@@ -2,10 +2,11 @@
 with ``--use-distributed-optimizer --ckpt-format torch_dist``).
 
 Each TP x PP rank (``dp_group_idx_<G>``, G its rank in the model-parallel group: TP fastest) stores each bucket of
-its gradient buffer as three flat fp32 tensors, ``optimizer.distributed.dp_group_idx_<G>.gbuf_idx_0.dtype_(<param
-dtype>, <grad dtype>).bucket_idx_<k>.{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of
-:mod:`.megatron_buffer` (reverse module order, 64-aligned starts, gaps unspecified; buckets of --overlap-grad-reduce
-and a tied embedding's own), and beside them the objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` and
+its gradient buffers (one per model chunk: ``gbuf_idx_<v>``, v > 0 under a virtual pipeline) as three flat fp32
+tensors, ``optimizer.distributed.dp_group_idx_<G>.gbuf_idx_<v>.dtype_(<param dtype>, <grad dtype>).bucket_idx_<k>.
+{param,exp_avg,exp_avg_sq}``: its parameters' TP pieces in the buffer layout of :mod:`.megatron_buffer` (reverse
+module order, 64-aligned starts, gaps unspecified; buckets of --overlap-grad-reduce and a tied embedding's own), and
+beside them the objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` (a list over the buffers) and
 ``optimizer`` (the param groups, with the step). A MoE model at EP > 1 has two optimizers, each with its own
 buffers, keys prefixed ``chained_<i>.``: the dense one's per TP x PP rank, the experts' per rank of the expert
 tensor x expert x pipeline group (:func:`rank_buffers`).
@@ -27,9 +28,10 @@ from typing import Any, Callable
 from interop.lazy_import import torch
 
 from interop.errors import ConversionError, CorruptCheckpointError
+from interop.structure import check
 from interop.tensors import LazyTensor, TensorSpec
 
-from .megatron_buffer import buckets, run_bucket_size, shared_names
+from .megatron_buffer import DISTRIBUTED_GROUPS, buckets, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
 from .megatron_map import Rule, chunk_rules, is_expert, rules, split, stack_index, tied_output_rule
 from .megatron_pipeline import PipelineSplit
@@ -222,6 +224,7 @@ def param_groups(reader, prefix: str, where: str) -> list[dict[str, Any]]:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list):
         raise CorruptCheckpointError(where, f"{key!r} is not the optimizer's state dict (no param_groups)")
+    check(where, groups, DISTRIBUTED_GROUPS, f"{key}.param_groups")
     return groups
 
 

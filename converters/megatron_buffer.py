@@ -18,9 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from interop.structure import Absent, Keys, ListOf
+
 from .megatron_arch import MegatronArch
 from .megatron_map import rules, tied_output_rule
+from .torch_zip import NUMBER
 
+# the distributed optimizer's param groups beside its flat state (distrib_optim.pt's in model_optim_rng.pt,
+# dp_reshardable's in its ``optimizer`` object): DistributedOptimizer.state_dict's hyper-parameters and step
+DISTRIBUTED_GROUPS = ListOf(Keys(weight_decay=Absent(NUMBER), wd_mult=Absent(NUMBER), step=Absent(NUMBER)))
 PARAM_ALIGNMENT = 64  # _pad_start_of_param_if_needed: 128-byte aligned starts of >= 16-bit values
 DEFAULT_BUCKET_SIZE = 40_000_000  # DistributedDataParallel: max(40M, 1M x DP) when --ddp-bucket-size is not given
 BUCKET_SIZE_PER_DP_RANK = 1_000_000

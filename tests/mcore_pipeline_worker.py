@@ -1,6 +1,6 @@
 """A torchrun worker running megatron-core 0.16.1 on CPU (gloo) with Megatron-LM's pipeline splits: virtual stages
 (the interleaved schedule: each rank holds MCORE_VPP model chunks) and uneven stages (MCORE_FIRST / MCORE_LAST
-layers on the first / last stage), over MCORE_LAYERS layers of mcore_worker's model at MCORE_TP x MCORE_PP (the
+layers on the first / last stage; MCORE_ACCOUNT=embedding,loss: those counted as layers), over MCORE_LAYERS layers of mcore_worker's model at MCORE_TP x MCORE_PP (the
 rest data parallel).
 
     save-legacy CKPT OUT / load-legacy CKPT OUT: megatron-core's FP32Optimizer over every chunk; each rank's
@@ -33,6 +33,7 @@ LAYERS = int(os.environ.get("MCORE_LAYERS", "4"))
 VPP = int(os.environ.get("MCORE_VPP", "1"))
 FIRST = int(os.environ["MCORE_FIRST"]) if os.environ.get("MCORE_FIRST") else None
 LAST = int(os.environ["MCORE_LAST"]) if os.environ.get("MCORE_LAST") else None
+ACCOUNT = set(filter(None, os.environ.get("MCORE_ACCOUNT", "").split(",")))  # "embedding", "loss": counted as layers
 BUCKET = int(os.environ.get("MCORE_BUCKET", "0")) or None
 HIDDEN = 48
 
@@ -57,7 +58,8 @@ def build(tp: int, pp: int) -> list:
         add_bias_linear=False, use_cpu_initialization=True, params_dtype=DTYPE, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=DTYPE,
         virtual_pipeline_model_parallel_size=vp(VPP), num_layers_in_first_pipeline_stage=FIRST,
-        num_layers_in_last_pipeline_stage=LAST,
+        num_layers_in_last_pipeline_stage=LAST, account_for_embedding_in_pipeline_split="embedding" in ACCOUNT,
+        account_for_loss_in_pipeline_split="loss" in ACCOUNT,
     )
     return [GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=TIED, pre_process=ps.is_pipeline_first_stage(False, vp(v)),
@@ -72,6 +74,8 @@ def pipeline_args(tp: int, pp: int):
     args.num_layers = LAYERS
     args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank = vp(VPP)
     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = FIRST, LAST
+    args.account_for_embedding_in_pipeline_split = "embedding" in ACCOUNT
+    args.account_for_loss_in_pipeline_split = "loss" in ACCOUNT
     return args
 
 

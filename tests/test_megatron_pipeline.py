@@ -75,7 +75,11 @@ WORKER = str(ROOT / "tests" / "mcore_pipeline_worker.py")
 # each a run of megatron-core's: TP1 x PP2 on 2 processes
 INTERLEAVED = {"MCORE_LAYERS": "4", "MCORE_VPP": "2"}  # stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
 UNEVEN = {"MCORE_LAYERS": "3", "MCORE_FIRST": "1"}  # stage 0 holds layer 0, stage 1 layers 1 and 2
-SPLIT_FLAGS = {"interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"], "uneven": ["--decoder-first-pipeline-num-layers", "1"]}
+# 3 layers and the embedding in 4 chunks: stage 0's first chunk holds the embedding alone, no layer
+ACCOUNTED = {"MCORE_LAYERS": "3", "MCORE_VPP": "2", "MCORE_ACCOUNT": "embedding"}
+SPLITS = {"interleaved": INTERLEAVED, "uneven": UNEVEN, "accounted": ACCOUNTED}
+SPLIT_FLAGS = {"interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"], "uneven": ["--decoder-first-pipeline-num-layers", "1"],
+               "accounted": ["--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split"]}
 
 
 def pipeline_run(scenario: str, ckpt, out, split: dict[str, str], layout: str | None = None) -> list[float]:
@@ -101,11 +105,20 @@ WRITES = {"legacy": (["--to", "megatron"], "load-legacy", None),
           "dp_reshardable": (["--to", "megatron-dist", "--dist-optim-layout", "dp_reshardable"], "load-dist-distopt", "dp_reshardable")}
 
 
-def _saved(tmp_path, split: str, fmt: str) -> tuple[Path, list[float]]:
-    scenario, layout = SAVES[fmt]
-    root = tmp_path / f"{split}-{fmt}"
-    losses = pipeline_run(scenario, root / "ckpt", root / "out", INTERLEAVED if split == "interleaved" else UNEVEN, layout)
-    return root / "ckpt", losses
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """megatron-core's save of a split in a format, after one step, and its uninterrupted run's losses (once each
+    per module: the tests only read them)."""
+    runs: dict[tuple[str, str], tuple[Path, list[float]]] = {}
+
+    def get(split: str, fmt: str) -> tuple[Path, list[float]]:
+        if (split, fmt) not in runs:
+            scenario, layout = SAVES[fmt]
+            root = tmp_path_factory.mktemp(f"{split}-{fmt}")
+            runs[(split, fmt)] = root / "ckpt", pipeline_run(scenario, root / "ckpt", root / "out", SPLITS[split], layout)
+        return runs[(split, fmt)]
+
+    return get
 
 
 def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
@@ -114,7 +127,7 @@ def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
     dst = tmp_path / f"ours-{fmt}"
     done = convert(src, dst, *flags, "--tp", "1", "--pp", "2", "--transformer-impl", "local", *extra)
     assert done.returncode == 0, done.stderr
-    return pipeline_run(scenario, dst, tmp_path / f"out-{fmt}", INTERLEAVED if split == "interleaved" else UNEVEN, layout)
+    return pipeline_run(scenario, dst, tmp_path / f"out-{fmt}", SPLITS[split], layout)
 
 
 @megatron_core
@@ -126,13 +139,15 @@ def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
     pytest.param("interleaved", "legacy", "legacy", marks=pytest.mark.slow),
     pytest.param("interleaved", "fully_reshardable", "fully_reshardable", marks=pytest.mark.slow),
     pytest.param("uneven", "distrib_optim", "dp_reshardable", marks=pytest.mark.slow),
+    pytest.param("accounted", "distrib_optim", "dp_reshardable", marks=pytest.mark.slow),
+    pytest.param("accounted", "dp_reshardable", "legacy", marks=pytest.mark.slow),
 ])
-def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, split, src_fmt, dst_fmt):
+def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, saved, split, src_fmt, dst_fmt):
     """megatron-core saves with a virtual (interleaved) or uneven pipeline, its distributed optimizer a gradient
     buffer per model chunk -> universal -> ours for the same split -> megatron-core loads it and trains on with the
     uninterrupted run's losses. Before, both reads were refused ("2 gradient buffers", "3 layers do not split
     evenly") and no split but the even one could be written."""
-    ckpt, uninterrupted = _saved(tmp_path, split, src_fmt)
+    ckpt, uninterrupted = saved(split, src_fmt)
     done = convert(ckpt, tmp_path / "uni", "--to", "universal")
     assert done.returncode == 0, done.stderr
     resumed = _resume(tmp_path, tmp_path / "uni", split, dst_fmt, *SPLIT_FLAGS[split])
@@ -144,12 +159,12 @@ def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, split, src_fmt, 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["interleaved", "uneven"])
-def test_megatron_core_pipeline_split_every_format_reads_alike(tmp_path, split):
+def test_megatron_core_pipeline_split_every_format_reads_alike(tmp_path, saved, split):
     """One split, saved by megatron-core in each of its four layouts (the same training, the same losses): every
     read gives the same universal checkpoint, tensor for tensor."""
     unis = []
     for fmt in SAVES:
-        ckpt, losses = _saved(tmp_path, split, fmt)
+        ckpt, _ = saved(split, fmt)
         done = convert(ckpt, tmp_path / f"uni-{fmt}", "--to", "universal")
         assert done.returncode == 0, done.stderr
         unis.append(tmp_path / f"uni-{fmt}")
@@ -161,11 +176,11 @@ def test_megatron_core_pipeline_split_every_format_reads_alike(tmp_path, split):
 
 @megatron_core
 @pytest.mark.dist
-def test_megatron_core_source_split_is_the_default_at_its_pipeline_size(tmp_path):
+def test_megatron_core_source_split_is_the_default_at_its_pipeline_size(tmp_path, saved):
     """An uneven megatron-core run converted back to Megatron at its own pipeline size keeps its split (said in a
     note) and loads there; at another pipeline size the split is the user's to give, and an impossible one is refused
     in one line before anything is written."""
-    ckpt, uninterrupted = _saved(tmp_path, "uneven", "distrib_optim")
+    ckpt, uninterrupted = saved("uneven", "distrib_optim")
     done = convert(ckpt, tmp_path / "ours", "--to", "megatron", "--use-distributed-optimizer", "--transformer-impl", "local")
     assert done.returncode == 0, done.stderr
     assert "note: pipeline split: the source's (--decoder-first-pipeline-num-layers 1)" in done.stdout + done.stderr
@@ -176,3 +191,26 @@ def test_megatron_core_source_split_is_the_default_at_its_pipeline_size(tmp_path
     assert bad.stderr.strip().splitlines()[-1] == (
         "interop convert: error: --pp 2: 3 layers do not split evenly over 2 pipeline stages x 2 virtual stages; give the "
         "loading run's split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, ...)")
+
+
+@megatron_core
+@pytest.mark.dist
+def test_distributed_optimizer_param_groups_are_checked(tmp_path, saved):
+    """A param group's step, weight decay or wd_mult that is not a number, beside a virtual pipeline's
+    distrib_optim.pt, is one error naming the file and the key (it had failed deep inside the reader: "Could not
+    infer dtype of NoneType")."""
+    import shutil
+
+    ckpt, _ = saved("interleaved", "distrib_optim")
+    for key, value in (("step", None), ("wd_mult", "x")):
+        damaged = tmp_path / f"damaged-{key}"
+        shutil.copytree(ckpt, damaged)
+        rank = damaged / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt"
+        # in a process of its own: unpickling Megatron-LM's args imports megatron-core (see test_megatron_core)
+        edit = (f"import torch; s = torch.load({str(rank)!r}, weights_only=False); "
+                f"s['optimizer']['optimizer']['param_groups'][0][{key!r}] = {value!r}; torch.save(s, {str(rank)!r})")
+        subprocess.run([sys.executable, "-c", edit], check=True, capture_output=True, env=worker_env())
+        done = convert(damaged, tmp_path / f"out-{key}", "--to", "universal")
+        assert done.returncode == 2 and not (tmp_path / f"out-{key}").exists(), done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert str(rank) in last and f"optimizer.param_groups[0].{key}" in last, last
