@@ -1,7 +1,7 @@
 """A torchrun worker running megatron-core 0.16.1 on CPU (gloo) with Megatron-LM's pipeline splits: virtual stages
 (the interleaved schedule: each rank holds MCORE_VPP model chunks) and uneven stages (MCORE_FIRST / MCORE_LAST
 layers on the first / last stage; MCORE_ACCOUNT=embedding,loss: those counted as layers), over MCORE_LAYERS layers of mcore_worker's model at MCORE_TP x MCORE_PP (the
-rest data parallel).
+rest data parallel); MCORE_EXPERTS / MCORE_EP: its MoE twin, experts over expert-parallel ranks.
 
     save-legacy CKPT OUT / load-legacy CKPT OUT: megatron-core's FP32Optimizer over every chunk; each rank's
         model_optim_rng.pt as Megatron-LM's save_checkpoint writes it with --ckpt-format torch (model0, model1, ...
@@ -35,6 +35,9 @@ FIRST = int(os.environ["MCORE_FIRST"]) if os.environ.get("MCORE_FIRST") else Non
 LAST = int(os.environ["MCORE_LAST"]) if os.environ.get("MCORE_LAST") else None
 ACCOUNT = set(filter(None, os.environ.get("MCORE_ACCOUNT", "").split(",")))  # "embedding", "loss": counted as layers
 BUCKET = int(os.environ.get("MCORE_BUCKET", "0")) or None
+# a MoE model: MCORE_EXPERTS SequentialMLP experts (top-2 softmax routing) over MCORE_EP expert-parallel ranks
+EXPERTS = int(os.environ.get("MCORE_EXPERTS", "0"))
+EP = int(os.environ.get("MCORE_EP", "1"))
 HIDDEN = 48
 
 
@@ -50,7 +53,9 @@ def build(tp: int, pp: int) -> list:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp(VPP))
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp(VPP), expert_model_parallel_size=EP)
+    moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=100, moe_token_dispatcher_type="allgather",
+               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=EP) if EXPERTS else {}
     torch.manual_seed(0)
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=100, num_attention_heads=4, num_query_groups=2, kv_channels=12,
@@ -59,9 +64,9 @@ def build(tp: int, pp: int) -> list:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=DTYPE,
         virtual_pipeline_model_parallel_size=vp(VPP), num_layers_in_first_pipeline_stage=FIRST,
         num_layers_in_last_pipeline_stage=LAST, account_for_embedding_in_pipeline_split="embedding" in ACCOUNT,
-        account_for_loss_in_pipeline_split="loss" in ACCOUNT,
+        account_for_loss_in_pipeline_split="loss" in ACCOUNT, **moe,
     )
-    return [GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
+    return [GPTModel(cfg, get_gpt_layer_local_spec(num_experts=EXPERTS or None), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=TIED, pre_process=ps.is_pipeline_first_stage(False, vp(v)),
                      post_process=ps.is_pipeline_last_stage(False, vp(v)), vp_stage=vp(v))
             for v in range(VPP)]
@@ -76,6 +81,9 @@ def pipeline_args(tp: int, pp: int):
     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = FIRST, LAST
     args.account_for_embedding_in_pipeline_split = "embedding" in ACCOUNT
     args.account_for_loss_in_pipeline_split = "loss" in ACCOUNT
+    if EXPERTS:
+        args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size = EXPERTS, 2, 100
+        args.moe_router_load_balancing_type, args.expert_model_parallel_size, args.moe_grouped_gemm = "none", EP, False
     return args
 
 
@@ -297,6 +305,11 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     dist.init_process_group("gloo")
     cpu_patches()
+    if EXPERTS:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 names it only when TE imports
+            moe_utils.te_general_gemm = None
     save = scenario.startswith("save")
     if scenario.endswith("dist-distopt"):
         losses = torch_dist(save, path, tp, pp)

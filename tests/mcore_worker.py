@@ -388,8 +388,8 @@ def distributed_load(state: dict, optimizer, directory: str, tp: int, pp: int, m
     if rng is not None:
         state["rng_state"] = rng
     loaded = dist_checkpointing.load(state, directory)
-    if rng is not None:
-        megatron_lm_restore_rng(loaded["rng_state"], ckpt_args.seed)
+    if rng is not None:  # one state per TP x PP rank: data-parallel rank 0's, whose expert rank is 0
+        megatron_lm_restore_rng(loaded["rng_state"], ckpt_args.seed, saver_ep_rank=0)
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
     for inner in optimizer.chained_optimizers:  # TE / Apex's Adam keeps the step in its groups (where the checkpoint
@@ -399,12 +399,14 @@ def distributed_load(state: dict, optimizer, directory: str, tp: int, pp: int, m
     return loaded
 
 
-def megatron_lm_restore_rng(rng_state, seed: int) -> None:
+def megatron_lm_restore_rng(rng_state, seed: int, saver_ep_rank: int | None = None) -> None:
     """Megatron-LM's load_checkpoint RNG restore (no --no-load-rng, no --data-parallel-random-init): python's,
     numpy's and torch's generators from rng_state[0], the tracker's streams into megatron-core's tracker, exiting on
     an empty tracker. torch.cuda.set_rng_state cannot run on CPU: each CUDA state is checked for the layout of
     torch's CUDA generator (16 bytes: the seed, the Philox offset) and, our sources being CPU runs, for the seeds
-    megatron-core's own model_parallel_cuda_manual_seed gives this rank (Megatron-LM's seed + 100 x pipeline rank)."""
+    megatron-core's own model_parallel_cuda_manual_seed gives this rank (Megatron-LM's seed + 100 x pipeline rank).
+    ``saver_ep_rank``: the expert-parallel rank whose state the checkpoint holds for every expert rank (torch_dist
+    keeps one rng_state per TP x PP rank, data-parallel rank 0's: expert rank 0's), else this rank's own."""
     import random
     import struct
 
@@ -427,7 +429,7 @@ def megatron_lm_restore_rng(rng_state, seed: int) -> None:
     torch.cuda.get_rng_state = lambda *a, **k: encode(current[0] or 0)
     mrandom._set_cuda_rng_state = lambda *a, **k: None
     try:
-        mrandom.model_parallel_cuda_manual_seed(rank_seed, force_reset_rng=True)
+        mrandom.model_parallel_cuda_manual_seed(rank_seed, force_reset_rng=True, ep_rank=saver_ep_rank)
         expected = mrandom.get_cuda_rng_tracker().get_states()
     finally:
         torch.cuda.manual_seed, torch.cuda.get_rng_state, mrandom._set_cuda_rng_state = saved

@@ -77,15 +77,19 @@ INTERLEAVED = {"MCORE_LAYERS": "4", "MCORE_VPP": "2"}  # stage 0 holds layers 0 
 UNEVEN = {"MCORE_LAYERS": "3", "MCORE_FIRST": "1"}  # stage 0 holds layer 0, stage 1 layers 1 and 2
 # 3 layers and the embedding in 4 chunks: stage 0's first chunk holds the embedding alone, no layer
 ACCOUNTED = {"MCORE_LAYERS": "3", "MCORE_VPP": "2", "MCORE_ACCOUNT": "embedding"}
-SPLITS = {"interleaved": INTERLEAVED, "uneven": UNEVEN, "accounted": ACCOUNTED}
+# a MoE model interleaved, experts over 2 expert-parallel ranks (4 processes: TP1 x PP2 x DP2, EP2)
+MOE = {**INTERLEAVED, "MCORE_EXPERTS": "4", "MCORE_EP": "2"}
+SPLITS = {"interleaved": INTERLEAVED, "uneven": UNEVEN, "accounted": ACCOUNTED, "moe-interleaved": MOE}
 SPLIT_FLAGS = {"interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"], "uneven": ["--decoder-first-pipeline-num-layers", "1"],
-               "accounted": ["--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split"]}
+               "accounted": ["--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split"],
+               "moe-interleaved": ["--num-virtual-stages-per-pipeline-rank", "2", "--ep-size", "2"]}
 
 
 def pipeline_run(scenario: str, ckpt, out, split: dict[str, str], layout: str | None = None) -> list[float]:
     os.makedirs(out, exist_ok=True)
     env = {**worker_env(), "MCORE_TP": "1", "MCORE_PP": "2", **split, **({"MCORE_DISTOPT_LAYOUT": layout} if layout else {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, scenario, str(ckpt), str(out)]
+    nproc = 2 * int(split.get("MCORE_EP", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER, scenario, str(ckpt), str(out)]
     run_workers(cmd, env, timeout=300)
     return json.loads((Path(out) / "losses.json").read_text())
 
@@ -141,6 +145,9 @@ def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
     pytest.param("uneven", "distrib_optim", "dp_reshardable", marks=pytest.mark.slow),
     pytest.param("accounted", "distrib_optim", "dp_reshardable", marks=pytest.mark.slow),
     pytest.param("accounted", "dp_reshardable", "legacy", marks=pytest.mark.slow),
+    # a ChainedOptimizer's dense and expert buffers, each one per model chunk
+    pytest.param("moe-interleaved", "dp_reshardable", "dp_reshardable", marks=pytest.mark.slow),
+    pytest.param("moe-interleaved", "fully_reshardable", "dp_reshardable", marks=pytest.mark.slow),
 ])
 def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, saved, split, src_fmt, dst_fmt):
     """megatron-core saves with a virtual (interleaved) or uneven pipeline, its distributed optimizer a gradient
