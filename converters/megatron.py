@@ -443,16 +443,15 @@ class _RankModel:
     # tied copies, after every name in module order: the last pipeline stage's output_layer.weight, a parameter of
     # its own there (megatron-core's shared_embedding_or_output_weight), which that stage's optimizer numbers too
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the model chunk (virtual pipeline stage) holding each name, where the rank holds more than one; copies: the last
+    # the model chunk (virtual pipeline stage) holding each name; the tied copies are the last chunk's
     chunk: dict[str, int] = field(default_factory=dict)
 
     def chunks(self, names: list[str], copies: dict[str, torch.Tensor]) -> list[tuple[int, list[tuple[str, tuple[int, ...]]]]]:
-        """``names`` (and the tied ``copies``) as (chunk, [(name, shape)]) per model chunk that holds any, in chunk
-        order: each chunk has a gradient buffer of its own (megatron-core's DistributedDataParallel per chunk)."""
+        """``names`` (and the tied ``copies``) as (chunk, [(name, shape)]) per gradient buffer
+        (:func:`.megatron_buffer.chunk_buffers`)."""
         last = max(self.chunk.values(), default=0)
-        held = [(self.chunk.get(n, 0), n, tuple(self.tensors[n].shape)) for n in names]
-        held += [(last, n, tuple(t.shape)) for n, t in copies.items()]
-        return [(v, [(n, shape) for c, n, shape in held if c == v]) for v in sorted({c for c, _, _ in held})]
+        return buffer.chunk_buffers([(self.chunk.get(n, 0), (n, tuple(self.tensors[n].shape))) for n in names]
+                                    + [(last, (n, tuple(t.shape))) for n, t in copies.items()])
 
     def dense_and_experts(self) -> tuple[list[str], list[str]]:
         """The names of a MoE model's two chained optimizers (megatron-core's at EP > 1), in module order."""
@@ -525,8 +524,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                 if GROUPED.match(name):  # expanded into the experts once the optimizer has numbered it
                     names.append(name)
                     tensors[name] = value
-                    if vpp > 1:
-                        chunk_of[name] = v
+                    chunk_of[name] = v
                     continue
                 if TE_GROUPED.search(name):
                     raise ConversionError(f"{path}: {key!r} is Transformer Engine's grouped-GEMM expert (TEGroupedMLP), whose legacy "
@@ -551,8 +549,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     raise CorruptCheckpointError(path, f"holds {rule.megatron} twice (as {key!r} too)")
                 names.append(rule.megatron)
                 tensors[rule.megatron] = value
-                if vpp > 1:
-                    chunk_of[rule.megatron] = v
+                chunk_of[rule.megatron] = v
         out[(t, p, e)] = _RankModel(names, tensors, copies, chunk_of)
     return out
 
@@ -1097,10 +1094,12 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     return arch, padded_vocab(arch.vocab, tp), dtype
 
 
-def pipeline_split(arch: MegatronArch, pp: int, flags: dict[str, Any] | None) -> PipelineSplit:
-    """The loading run's pipeline split: ``pp`` stages of the model's layers, as its Megatron-LM pipeline ``flags``
-    (virtual stages, first / last stage layer counts, ...) split them; even without."""
-    return PipelineSplit.from_args({**(flags or {}), "num_layers": arch.num_layers, "pipeline_model_parallel_size": pp}, f"--pp {pp}")
+def pipeline_split(arch: MegatronArch, pp: int, flags: dict[str, Any] | None, where: str | None = None) -> PipelineSplit:
+    """A run's pipeline split: ``pp`` stages of the model's layers, as its Megatron-LM pipeline ``flags`` (a loading
+    run's, or a saved run's args; virtual stages, first / last stage layer counts, ...) split them; even without.
+    ``where``: what errors name (the flags, ``--pp``, by default)."""
+    return PipelineSplit.from_args({**(flags or {}), "num_layers": arch.num_layers, "pipeline_model_parallel_size": pp},
+                                   where or f"--pp {pp}")
 
 
 def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | None) -> int:
@@ -1229,12 +1228,9 @@ def _distributed_files(stage: _StageWrite, t: int, members: list[int], hyper: li
     groups (with the step) for model_optim_rng.pt, and distrib_optim.pt's flat fp32 main params and Adam moments
     (zeros in the gaps), a gradient buffer per model chunk holding any of them, in the loading run's buckets
     (:func:`.megatron_buffer.buckets`; ``bucket_size``: per chunk). ``skip_empty`` as :func:`_optimizer_part`'s."""
-    by_chunk: dict[int, list[int]] = {}
-    for i in members:
-        by_chunk.setdefault(stage.chunk[i], []).append(i)
     grad_dtype = torch.float32  # Megatron-LM reduces bf16 / fp16 gradients in fp32 (--accumulate-allreduce-grads-in-fp32)
     param_state: dict[Any, Any] = {"buckets_coalesced": True}
-    for g, (v, ids) in enumerate(sorted(by_chunk.items())):
+    for g, (v, ids) in enumerate(buffer.chunk_buffers([(stage.chunk[i], i) for i in members])):
         params = [(stage.names[i], stage.weight(t, i).spec.shape) for i in ids]
         index, total = buffer.coalesced(buffer.buckets(params, shared, bucket_size(v)))
         parts: dict[str, list[LazyTensor]] = {k: [] for k in ("param", "exp_avg", "exp_avg_sq")}

@@ -31,7 +31,7 @@ from interop.errors import ConversionError, CorruptCheckpointError
 from interop.structure import check
 from interop.tensors import LazyTensor, TensorSpec
 
-from .megatron_buffer import DISTRIBUTED_GROUPS, buckets, run_bucket_size, shared_names
+from .megatron_buffer import DISTRIBUTED_GROUPS, buckets, chunk_buffers, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
 from .megatron_map import Rule, chunk_rules, is_expert, rules, split, stack_index, tied_output_rule
 from .megatron_pipeline import PipelineSplit
@@ -102,20 +102,22 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: Pipel
     def prefix(part: int, g: int) -> str:
         return (f"{CHAINED}{part}." if chained else "") + GROUP_PREFIX.format(g)
 
+    def owner(rule: Rule, p: int, t: int) -> tuple[str, bool]:
+        """The optimizer holding ``rule`` on TP rank t of stage p: its key prefix, and whether it is the experts'."""
+        if chained and is_expert(rule):
+            return prefix(1, t + tp * (stack_index(rule.megatron)[1] // per + ep * p)), True
+        return prefix(0, t + tp * p), False
+
     out = []
     for p, chunks in enumerate(stages):
         for t in range(tp):
-            gbufs: dict[str, int] = {}
+            held: dict[tuple[str, bool], list[tuple[int, tuple[Rule, tuple[int, ...]]]]] = {}
             for v, rules_ in enumerate(chunks):
-                params = [(r, tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)) for r in rules_]
-                held = [(prefix(0, t + tp * p), False, [(r, s) for r, s in params if not (chained and is_expert(r))])]
-                for e in range(ep if chained else 0):
-                    held.append((prefix(1, t + tp * (e + ep * p)), True,
-                                 [(r, s) for r, s in params if is_expert(r) and stack_index(r.megatron)[1] // per == e]))
-                for pre, experts, mine in held:
-                    if mine:
-                        out.append(Buffer(pre, gbufs.get(pre, 0), p, v, t, experts, mine))
-                        gbufs[pre] = gbufs.get(pre, 0) + 1
+                for r in rules_:
+                    shape = tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)
+                    held.setdefault(owner(r, p, t), []).append((v, (r, shape)))
+            for (pre, experts), params in held.items():
+                out += [Buffer(pre, g, p, v, t, experts, mine) for g, (v, mine) in enumerate(chunk_buffers(params))]
     return out
 
 

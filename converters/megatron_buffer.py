@@ -16,7 +16,7 @@ process groups): a converter has neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from interop.structure import Absent, Keys, ListOf
 
@@ -73,6 +73,16 @@ def buckets(params: list[tuple[str, tuple[int, ...]]], shared: frozenset[str] | 
     if index:
         close(at)
     return out
+
+
+T = TypeVar("T")
+
+
+def chunk_buffers(held: list[tuple[int, T]]) -> list[tuple[int, list[T]]]:
+    """One optimizer's parameters (each with its model chunk) as its gradient buffers: megatron-core's
+    DistributedDataParallel per chunk gives each chunk holding any of them a buffer, which the optimizer numbers
+    in chunk order (``gbuf_idx``). Returns [(chunk, its parameters in the order given)], buffer by buffer."""
+    return [(v, [x for c, x in held if c == v]) for v in sorted({c for c, _ in held})]
 
 
 def shared_names(arch: MegatronArch, pp: int, p: int) -> frozenset[str]:

@@ -171,8 +171,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
         tp, pp, ep = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                          "expert_model_parallel_size"))
-        pipeline = PipelineSplit.from_args({**args_d, "num_layers": arch.num_layers, "pipeline_model_parallel_size": pp}, common_path)
-        regions = buckets.read_layout(reader, arch, tp, pipeline, ep, full_shape, lambda r: stored_full(r, names[r.megatron]),
+        regions = buckets.read_layout(reader, arch, tp, pipeline_split(arch, pp, args_d, common_path), ep, full_shape, lambda r: stored_full(r, names[r.megatron]),
                                       directory, args_d)
 
         def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
