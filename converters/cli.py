@@ -479,6 +479,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="Megatron: the embedding counts as a layer of the first stage")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Megatron: the loss counts as a layer of the last stage")
+    g.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
+                   help="Megatron: the loading run's layer layout, e.g. 'Ett|(tt|)*2,t|L' (E embedding, t layer, L loss; "
+                        "| between model chunks, PP x V of them; megatron-core's syntax)")
 
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor, across formats")
     p.add_argument("a")

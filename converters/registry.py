@@ -325,7 +325,8 @@ def _megatron_ddp(o: Options) -> dict[str, Any]:
 
 # Megatron-LM's pipeline split flags, as its arguments name them (converters.megatron_pipeline reads them)
 PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "pipeline_model_parallel_layout")
 
 
 def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str, Any]:
@@ -335,8 +336,9 @@ def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str
     source = ckpt.source.get("pipeline")
     if given or not isinstance(source, dict) or not source or int(ckpt.source.get("pp") or 1) != pp:
         return given
-    said = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in source.items())
-    ckpt.notes.append(f"pipeline split: the source's ({said}); pass the loading run's pipeline flags for another")
+    from .megatron_pipeline import flag_text
+
+    ckpt.notes.append(f"pipeline split: the source's ({flag_text(source)}); pass the loading run's pipeline flags for another")
     return {k: v for k, v in source.items() if k in PIPELINE_FLAGS}
 
 

@@ -34,6 +34,7 @@ VPP = int(os.environ.get("MCORE_VPP", "1"))
 FIRST = int(os.environ["MCORE_FIRST"]) if os.environ.get("MCORE_FIRST") else None
 LAST = int(os.environ["MCORE_LAST"]) if os.environ.get("MCORE_LAST") else None
 ACCOUNT = set(filter(None, os.environ.get("MCORE_ACCOUNT", "").split(",")))  # "embedding", "loss": counted as layers
+LAYOUT = os.environ.get("MCORE_LAYOUT") or None  # --pipeline-model-parallel-layout (MCORE_VPP: its segments / PP)
 BUCKET = int(os.environ.get("MCORE_BUCKET", "0")) or None
 # a MoE model: MCORE_EXPERTS SequentialMLP experts (top-2 softmax routing) over MCORE_EP expert-parallel ranks
 EXPERTS = int(os.environ.get("MCORE_EXPERTS", "0"))
@@ -64,7 +65,7 @@ def build(tp: int, pp: int) -> list:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=DTYPE,
         virtual_pipeline_model_parallel_size=vp(VPP), num_layers_in_first_pipeline_stage=FIRST,
         num_layers_in_last_pipeline_stage=LAST, account_for_embedding_in_pipeline_split="embedding" in ACCOUNT,
-        account_for_loss_in_pipeline_split="loss" in ACCOUNT, **moe,
+        account_for_loss_in_pipeline_split="loss" in ACCOUNT, pipeline_model_parallel_layout=LAYOUT, **moe,
     )
     return [GPTModel(cfg, get_gpt_layer_local_spec(num_experts=EXPERTS or None), vocab_size=PADDED, max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=TIED, pre_process=ps.is_pipeline_first_stage(False, vp(v)),
@@ -78,6 +79,8 @@ def pipeline_args(tp: int, pp: int):
     args = distributed_args(tp, pp)
     args.num_layers = LAYERS
     args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank = vp(VPP)
+    if LAYOUT:  # Megatron-LM's validate_args: the layout alone sets the virtual stages
+        args.pipeline_model_parallel_layout, args.num_virtual_stages_per_pipeline_rank = LAYOUT, None
     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = FIRST, LAST
     args.account_for_embedding_in_pipeline_split = "embedding" in ACCOUNT
     args.account_for_loss_in_pipeline_split = "loss" in ACCOUNT
@@ -257,7 +260,8 @@ def torch_dist(save: bool, path: str, tp: int, pp: int) -> list[float]:
     state = {key: c.module.sharded_state_dict(metadata={**loaded_metadata, **group}) for key, c in zip(model_keys(chunks), chunks)}
     loaded = distributed_load(state, optimizer, directory, tp, pp, {**loaded_metadata, **group})
     for key, c in zip(model_keys(chunks), chunks):
-        c.module.load_state_dict(loaded[key], strict=True)
+        if key in loaded:  # Megatron-LM's load_checkpoint: a chunk with nothing to load (an empty stage) is absent
+            c.module.load_state_dict(loaded[key], strict=True)
     return [step(chunks, optimizer, i, True) for i in range(1, STEPS)]
 
 
@@ -292,13 +296,37 @@ def megatron_core_split(n, pp, vpp, first, last, emb, loss):
     return split if at == n else None
 
 
+def megatron_core_layout(n, pp, layout):
+    """megatron-core's [stage][chunk] [offset, count] for a --pipeline-model-parallel-layout string (its
+    TransformerConfig parses and checks it), or None where it or Megatron-LM's validate_args refuses it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        cfg = TransformerConfig(num_layers=n, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                                pipeline_model_parallel_layout=layout, pipeline_dtype=torch.float32)
+    except (ValueError, AssertionError, NotImplementedError, KeyError, IndexError):
+        return None
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1 and pp == 1:
+        return None  # Megatron-LM's validate_args refuses virtual stages without pipeline stages
+    # what get_transformer_layer_offset / get_num_layers_to_build ask of the layout, for each rank (the layout
+    # reads the virtual stage count from parallel_state, the rank where none is given)
+    ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    layout, decoder = cfg.pipeline_model_parallel_layout, LayerType.decoder
+    return [[[layout.get_layer_offset(decoder, v, p), layout.get_num_layers_to_build(decoder, v, p)] for v in range(vpp)]
+            for p in range(pp)]
+
+
 def main() -> None:
-    if sys.argv[1] == "grid":  # settings as JSON on stdin -> megatron-core's split of each on stdout
+    if sys.argv[1] in ("grid", "layout-grid"):  # settings as JSON on stdin -> megatron-core's split of each on stdout
         import json
         import warnings
 
         warnings.filterwarnings("ignore")
-        print(json.dumps([megatron_core_split(*setting) for setting in json.load(sys.stdin)]))
+        split = megatron_core_split if sys.argv[1] == "grid" else megatron_core_layout
+        print(json.dumps([split(*setting) for setting in json.load(sys.stdin)]))
         return
     scenario, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     tp, pp = int(os.environ["MCORE_TP"]), int(os.environ["MCORE_PP"])

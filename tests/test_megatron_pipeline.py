@@ -42,14 +42,77 @@ def test_pipeline_split_is_megatron_cores():
     assert built > 300  # the grid holds a few hundred settings megatron-core builds
 
 
+def _layouts(count: int, seed: int = 0) -> list[tuple[int, int, str]]:
+    """(layers, PP, --pipeline-model-parallel-layout) settings: "E", the layers and "L" cut into PP x V segments
+    anywhere (empty segments included), written with megatron-core's shorthands ("t*3", "(tt|)*2", commas), and
+    damaged copies (a layer too many or too few, E or L misplaced or twice, an MTP layer, a foreign character)."""
+    import random
+
+    rng = random.Random(seed)
+    out = [(62, 16, "Et*3|(tt|)*29,t|L"), (61, 16, "Et*3|(tt|)*29,m|L"), (2, 2, "E||tt|L"), (1, 1, "EtL"), (2, 1, "Et|tL")]
+    while len(out) < count:
+        n, pp, vpp = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 3)
+        flat = "E" + "t" * n + "L"
+        cuts = sorted(rng.randint(0, len(flat)) for _ in range(pp * vpp - 1))
+        segments = [flat[a:b] for a, b in zip([0, *cuts], [*cuts, len(flat)])]
+        damage = rng.choice(["", "", "", "t+", "t-", "E", "L", "m", "x", "EE"])
+        if damage == "t+":
+            segments[rng.randrange(len(segments))] += "t"
+        elif damage == "t-" and "tt" in "".join(segments):
+            i = next(i for i, g in enumerate(segments) if "t" in g)
+            segments[i] = segments[i].replace("t", "", 1)
+        elif damage in ("E", "L"):  # moved to another segment
+            i = next(i for i, g in enumerate(segments) if damage in g)
+            segments[i] = segments[i].replace(damage, "")
+            segments[rng.randrange(len(segments))] += damage
+        elif damage in ("m", "x", "EE"):
+            segments[-1] = damage[0] + segments[-1]
+        text = "|".join(g.replace("ttt", "t*3") if rng.random() < 0.3 else g for g in segments)
+        if rng.random() < 0.2 and len(set(segments[1:-1])) == 1 and len(segments) > 3:  # the middle as one repeat
+            text = f"{segments[0]}|({segments[1]}|)*{len(segments) - 2},{segments[-1]}"
+        if rng.random() < 0.2:
+            text = ",".join(text)
+        out.append((n, pp, text))
+    return out
+
+
+LAYOUTS = _layouts(1500)
+
+
+def test_pipeline_layout_is_megatron_cores():
+    """--pipeline-model-parallel-layout strings (megatron-core's syntax, shorthands and empty segments included, and
+    damaged ones): the same layers in every chunk as megatron-core builds from its TransformerConfig, and refused
+    exactly where it (or Megatron-LM's argument checks) refuses the string."""
+    pytest.importorskip("megatron.core")
+    done = subprocess.run([sys.executable, "-m", "tests.mcore_pipeline_worker", "layout-grid"], input=json.dumps(LAYOUTS),
+                          capture_output=True, text=True, env=worker_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = 0
+    for (n, pp, layout), split in zip(LAYOUTS, json.loads(done.stdout)):
+        args = {"num_layers": n, "pipeline_model_parallel_size": pp, "pipeline_model_parallel_layout": layout}
+        try:
+            ours = [[[r.start, len(r)] for r in stage] for stage in PipelineSplit.from_args(args, "x").chunks()]
+        except ConversionError:
+            ours = None
+        assert ours == split, (n, pp, layout)
+        built += ours is not None
+    assert 300 < built < len(LAYOUTS) - 300  # both kinds, many of each
+
+
 def test_pipeline_split_from_args_reads_megatron_lm_names():
     args = {"num_layers": 6, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
             "decoder_first_pipeline_num_layers": 2}
     split = PipelineSplit.from_args(args, "common.pt")
     assert split.chunks() == [[range(0, 1), range(3, 4)], [range(1, 3), range(4, 6)]]
     assert PipelineSplit.from_args({**args, **split.to_args()}, "x") == split
-    with pytest.raises(ConversionError, match=r"common.pt: .*--pipeline-model-parallel-layout"):
-        PipelineSplit.from_args({**args, "pipeline_model_parallel_layout": "Et|tL"}, "common.pt")
+    layout = {**args, "virtual_pipeline_model_parallel_size": None, "decoder_first_pipeline_num_layers": None,
+              "pipeline_model_parallel_layout": "Et|t*2|tt|t,L"}
+    split = PipelineSplit.from_args(layout, "common.pt")
+    assert split.chunks() == [[range(0, 1), range(3, 5)], [range(1, 3), range(5, 6)]]
+    assert split.flags() == {"pipeline_model_parallel_layout": "Et|t*2|tt|t,L"}
+    assert PipelineSplit.from_args({**args, **split.to_args()}, "x") == split
+    with pytest.raises(ConversionError, match=r"^common.pt: --pipeline-model-parallel-layout takes no other pipeline split flag"):
+        PipelineSplit.from_args({**layout, "decoder_first_pipeline_num_layers": 2}, "common.pt")
     with pytest.raises(ConversionError, match="do not split evenly over 3 virtual stages"):
         PipelineSplit(6, 2, 3, first=2)
 
@@ -58,6 +121,8 @@ def test_pipeline_split_from_args_reads_megatron_lm_names():
     {"virtual_pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": -1},
     {"num_layers_per_virtual_pipeline_stage": 3}, {"virtual_pipeline_model_parallel_size": "two"}, {"decoder_first_pipeline_num_layers": -1},
     {"decoder_first_pipeline_num_layers": True}, {"num_layers": None}, {"decoder_last_pipeline_num_layers": [1]},
+    {"pipeline_model_parallel_layout": "E(t|)*99999999999|tttL"}, {"pipeline_model_parallel_layout": "Et*" + "9" * 5000 + "|L"},
+    {"pipeline_model_parallel_layout": ["E", "tttt", "L"]}, {"pipeline_model_parallel_layout": "Et|tt|t|L", "virtual_pipeline_model_parallel_size": 3},
 ])
 def test_pipeline_split_from_hostile_args_is_one_error(hostile):
     """A checkpoint's args are not trusted: any value is refused as one ConversionError naming the file, before a
@@ -79,10 +144,16 @@ UNEVEN = {"MCORE_LAYERS": "3", "MCORE_FIRST": "1"}  # stage 0 holds layer 0, sta
 ACCOUNTED = {"MCORE_LAYERS": "3", "MCORE_VPP": "2", "MCORE_ACCOUNT": "embedding"}
 # a MoE model interleaved, experts over 2 expert-parallel ranks (4 processes: TP1 x PP2 x DP2, EP2)
 MOE = {**INTERLEAVED, "MCORE_EXPERTS": "4", "MCORE_EP": "2"}
-SPLITS = {"interleaved": INTERLEAVED, "uneven": UNEVEN, "accounted": ACCOUNTED, "moe-interleaved": MOE}
+# --pipeline-model-parallel-layout: stage 0 holds layers 0, 2 and 3 (chunks [E t] and [t t]), stage 1 layer 1 and a
+# last chunk of the final norm and the head alone; and a layout with an empty chunk (stage 1's first)
+LAYOUT = {"MCORE_LAYERS": "4", "MCORE_VPP": "2", "MCORE_LAYOUT": "Et|t|tt|L"}
+LAYOUT_EMPTY = {"MCORE_LAYERS": "4", "MCORE_VPP": "2", "MCORE_LAYOUT": "Et*2||t*2|L"}
+SPLITS = {"interleaved": INTERLEAVED, "uneven": UNEVEN, "accounted": ACCOUNTED, "moe-interleaved": MOE, "layout": LAYOUT,
+          "layout-empty": LAYOUT_EMPTY}
 SPLIT_FLAGS = {"interleaved": ["--num-virtual-stages-per-pipeline-rank", "2"], "uneven": ["--decoder-first-pipeline-num-layers", "1"],
                "accounted": ["--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split"],
-               "moe-interleaved": ["--num-virtual-stages-per-pipeline-rank", "2", "--ep-size", "2"]}
+               "moe-interleaved": ["--num-virtual-stages-per-pipeline-rank", "2", "--ep-size", "2"],
+               "layout": ["--pipeline-model-parallel-layout", "Et|t|tt|L"], "layout-empty": ["--pipeline-model-parallel-layout", "Et*2||t*2|L"]}
 
 
 def pipeline_run(scenario: str, ckpt, out, split: dict[str, str], layout: str | None = None) -> list[float]:
@@ -148,6 +219,12 @@ def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
     # a ChainedOptimizer's dense and expert buffers, each one per model chunk
     pytest.param("moe-interleaved", "dp_reshardable", "dp_reshardable", marks=pytest.mark.slow),
     pytest.param("moe-interleaved", "fully_reshardable", "dp_reshardable", marks=pytest.mark.slow),
+    # --pipeline-model-parallel-layout, a chunk holding no layer, and one holding nothing at all
+    ("layout-empty", "distrib_optim", "dp_reshardable"),
+    pytest.param("layout", "dp_reshardable", "legacy", marks=pytest.mark.slow),
+    pytest.param("layout", "fully_reshardable", "distrib_optim", marks=pytest.mark.slow),
+    pytest.param("layout-empty", "dp_reshardable", "fully_reshardable", marks=pytest.mark.slow),
+    pytest.param("layout-empty", "legacy", "distrib_optim", marks=pytest.mark.slow),
 ])
 def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, saved, split, src_fmt, dst_fmt):
     """megatron-core saves with a virtual (interleaved) or uneven pipeline, its distributed optimizer a gradient
@@ -165,7 +242,7 @@ def test_megatron_core_pipeline_split_resumes_exactly(tmp_path, saved, split, sr
 @megatron_core
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("split", ["interleaved", "uneven"])
+@pytest.mark.parametrize("split", ["interleaved", "uneven", "layout-empty"])
 def test_megatron_core_pipeline_split_every_format_reads_alike(tmp_path, saved, split):
     """One split, saved by megatron-core in each of its four layouts (the same training, the same losses): every
     read gives the same universal checkpoint, tensor for tensor."""
@@ -198,6 +275,26 @@ def test_megatron_core_source_split_is_the_default_at_its_pipeline_size(tmp_path
     assert bad.stderr.strip().splitlines()[-1] == (
         "interop convert: error: --pp 2: 3 layers do not split evenly over 2 pipeline stages x 2 virtual stages; give the "
         "loading run's split (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, ...)")
+
+
+@megatron_core
+@pytest.mark.dist
+def test_megatron_core_layout_is_kept_and_checked(tmp_path, saved):
+    """A --pipeline-model-parallel-layout run converted to Megatron at its pipeline size keeps its layout (said in
+    a note, as a command line would quote it, and recorded in the args, which inspect reads back); a layout that does
+    not fit the model is refused in one line before anything is written."""
+    ckpt, _ = saved("layout-empty", "distrib_optim")
+    done = convert(ckpt, tmp_path / "ours", "--to", "megatron-dist", "--dist-optim-layout", "dp_reshardable", "--transformer-impl", "local")
+    assert done.returncode == 0, done.stderr
+    assert "note: pipeline split: the source's (--pipeline-model-parallel-layout 'Et*2||t*2|L')" in done.stdout + done.stderr
+    shown = subprocess.run([sys.executable, "-m", "converters.cli", "inspect", str(tmp_path / "ours")], capture_output=True, text=True,
+                           env=worker_env(), cwd=ROOT)
+    assert "pipeline={'pipeline_model_parallel_layout': 'Et*2||t*2|L'}" in shown.stdout, shown.stdout + shown.stderr
+    for layout, says in (("Et|t|t|L", "holds 3 decoder layers (t), the model 4"), ("Ett|tt|L", "3 segments do not split over 2 pipeline stages"),
+                         ("Ett|ttm|L|", "places multi-token prediction layers (m), which interop does not convert")):
+        bad = convert(ckpt, tmp_path / "bad", "--to", "megatron", "--pp", "2", "--pipeline-model-parallel-layout", layout)
+        assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+        assert bad.stderr.strip().splitlines()[-1].endswith(says), bad.stderr
 
 
 @megatron_core
