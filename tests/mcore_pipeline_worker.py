@@ -189,16 +189,19 @@ def legacy(save: bool, path: str, tp: int, pp: int, ddp: bool) -> list[float]:
     from converters.megatron import load_megatron_file
     from megatron.core import parallel_state as ps
 
+    # the plain optimizer here is one FP32Optimizer, its gradients averaged over the data-parallel group: not
+    # megatron-core's ChainedOptimizer of a MoE model at EP > 1 (the -distopt scenarios run that)
+    assert ddp or EP == 1, "a MoE model at EP > 1 runs the distributed optimizer here"
     chunks = build(tp, pp)
     chunks, optimizer = distributed(chunks) if ddp else (chunks, plain_optimizer(chunks))
     modules = [c.module for c in chunks] if ddp else chunks
     if save:
         losses = [step(chunks, optimizer, 0, ddp)]
-        file = legacy_path(path, tp, pp, 1)
+        file = legacy_path(path, tp, pp, 1, EP)
         os.makedirs(os.path.dirname(file), exist_ok=True)
         if ddp:
             optimizer.save_parameter_state(os.path.join(os.path.dirname(file), "distrib_optim.pt"))
-        if ps.get_data_parallel_rank() == 0:
+        if ps.get_expert_data_parallel_rank() == 0:  # Megatron-LM's save_checkpoint: a file per TP x PP x EP rank
             state = {"args": pipeline_args(tp, pp), "checkpoint_version": 3.0, "iteration": 1, "optimizer": optimizer.state_dict(),
                      "rng_state": [{"random_rng_state": __import__("random").getstate(),
                                     "np_rng_state": __import__("numpy").random.get_state(), "torch_rng_state": torch.get_rng_state()}]}
@@ -212,7 +215,7 @@ def legacy(save: bool, path: str, tp: int, pp: int, ddp: bool) -> list[float]:
                 f.write("1")
         return losses + [step(chunks, optimizer, i, ddp) for i in range(1, STEPS)]
     _, iteration = megatron_lm_load_dir(path)
-    file = legacy_path(path, tp, pp, iteration)
+    file = legacy_path(path, tp, pp, iteration, EP)
     state = load_megatron_file(file)
     megatron_lm_restore_rng(state["rng_state"], state["args"].seed)
     for key, m in zip(model_keys(chunks), modules):  # Megatron-LM's load_checkpoint: model<i> into chunk i

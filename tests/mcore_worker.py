@@ -463,10 +463,12 @@ def megatron_lm_load_dir(load: str) -> tuple[str, int]:
     return os.path.join(load, "release" if text == "release" else f"iter_{iteration:07d}"), iteration
 
 
-def legacy_path(root: str, tp: int, pp: int, iteration: int) -> str:
-    """Megatron-LM's get_checkpoint_name for this rank."""
+def legacy_path(root: str, tp: int, pp: int, iteration: int, ep: int = 1) -> str:
+    """Megatron-LM's get_checkpoint_name for this rank (_EEE: its expert-parallel rank, at EP > 1)."""
+    from megatron.core import parallel_state as ps
+
     t, p = ps_ranks()
-    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
     return os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
 
 

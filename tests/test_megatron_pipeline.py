@@ -219,6 +219,9 @@ def _resume(tmp_path, src, split: str, fmt: str, *extra: str) -> list[float]:
     # a ChainedOptimizer's dense and expert buffers, each one per model chunk
     pytest.param("moe-interleaved", "dp_reshardable", "dp_reshardable", marks=pytest.mark.slow),
     pytest.param("moe-interleaved", "fully_reshardable", "dp_reshardable", marks=pytest.mark.slow),
+    # legacy files per TP x PP x EP rank (mp_rank_TT_PPP_EEE: model0, model1; distrib_optim.pt the chained list)
+    pytest.param("moe-interleaved", "distrib_optim", "distrib_optim", marks=pytest.mark.slow),
+    pytest.param("moe-interleaved", "dp_reshardable", "distrib_optim", marks=pytest.mark.slow),
     # --pipeline-model-parallel-layout, a chunk holding no layer, and one holding nothing at all
     ("layout-empty", "distrib_optim", "dp_reshardable"),
     pytest.param("layout", "dp_reshardable", "legacy", marks=pytest.mark.slow),
