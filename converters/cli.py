@@ -94,7 +94,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "overlap_grad_reduce", "ddp_bucket_size", *registry.PIPELINE_FLAGS, "merge_adapters", "adapter_config", "base_model")},
+        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "etp_size", "overlap_grad_reduce", "ddp_bucket_size", *registry.PIPELINE_FLAGS, "merge_adapters", "adapter_config", "base_model")},
         config=config_arg.load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -432,6 +432,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("--ep-size", "--expert-model-parallel-size", dest="ep_size", type=_positive_int,
                    help="expert-parallel ranks of a MoE model: deepspeed.moe's ep_size, Megatron's "
                         "--expert-model-parallel-size (megatron: one mp_rank_*_EEE directory each; default: the source's)")
+    g.add_argument("--expert-tensor-parallel-size", dest="etp_size", type=_positive_int, metavar="N",
+                   help="Megatron: the loading run's --expert-tensor-parallel-size, the experts' own TP size (dividing --tp, "
+                        "at EP > 1; --to megatron-dist; default: the source's where it divides --tp, else --tp)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="training precision (master weights stay fp32)")
     g.add_argument("--deepspeed-config", help="DeepSpeed JSON config to record in the files")
     g.add_argument("--param-groups", choices=("source", "single", "decay"),

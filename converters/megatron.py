@@ -1120,10 +1120,25 @@ def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | 
     return ep
 
 
+def expert_tensor_parallel_size(arch: MegatronArch, tp: int, ep: int, etp: Any, where: str) -> int:
+    """The experts' tensor-parallel size (Megatron-LM's --expert-tensor-parallel-size; its validate_args sets the
+    TP size when none is given): another size is read and written where it divides TP and the experts have an
+    optimizer of their own (EP > 1: megatron-core's ChainedOptimizer, its expert buffers per expert tensor x expert x
+    pipeline rank); at EP 1 megatron-core keeps the experts in the dense buffers, a layout not read here."""
+    if etp is None or etp == tp or not arch.experts:
+        return tp
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or tp % etp:
+        raise ConversionError(f"{where}: an expert tensor-parallel size of {etp!r} with TP {tp}: read and written where it divides TP")
+    if ep == 1:
+        raise ConversionError(f"{where}: experts split over expert tensor-parallel size {etp} at expert-parallel size 1, "
+                              f"the dense layers over TP {tp}: not read or written here (EP > 1 is)")
+    return etp
+
+
 def write_megatron(
     ckpt: LogicalCheckpoint, dst: str, tp: int, pp: int, te_names: bool = True, overwrite: bool = False,
     progress: Callable[[str], None] | None = None, distributed_optimizer: bool = False, ep: int | None = None,
-    ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None,
+    ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None, etp: int | None = None,
 ) -> None:
     """A Megatron-LM legacy checkpoint of ``ckpt`` at TP x PP: ``dst/latest_checkpointed_iteration.txt`` and
     ``dst/iter_<step>/mp_rank_TT[_PPP]/model_optim_rng.pt`` (Megatron-LM's ``--load dst``), our manifest and the
@@ -1139,6 +1154,11 @@ def write_megatron(
     arch, padded, dtype = target_shape(ckpt, tp)
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
+    if expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}") != tp:
+        # legacy files of such a run hold each (TP, EP) shard once, saved by whichever rank holds it (Megatron-LM's
+        # save_checkpoint: data-parallel or expert data-parallel rank 0), a layout no run of ours has judged
+        raise ConversionError(f"--expert-tensor-parallel-size {etp} with --tp {tp}: legacy files are written with the two equal; "
+                              "convert --to megatron-dist for such a run")
     if arch.experts:
         ckpt.notes.append("experts written as SequentialMLP's (local_experts.<j>); a --moe-grouped-gemm run's legacy load "
                           "expects GroupedMLP's weight1/weight2: convert --to megatron-dist for it (torch_dist loads into either)")

@@ -9,7 +9,8 @@ module order, 64-aligned starts, gaps unspecified; buckets of --overlap-grad-red
 beside them the objects ``per_bucket_numel``, ``per_bucket_numel_unpadded`` (a list over the buffers) and
 ``optimizer`` (the param groups, with the step). A MoE model at EP > 1 has two optimizers, each with its own
 buffers, keys prefixed ``chained_<i>.``: the dense one's per TP x PP rank, the experts' per rank of the expert
-tensor x expert x pipeline group (:func:`rank_buffers`).
+tensor x expert x pipeline group (:func:`rank_buffers`), the experts split over the expert tensor-parallel size
+(``--expert-tensor-parallel-size``, by default the TP size).
 
 The layout follows the model's module order, which the files do not record; the local spec's and Transformer
 Engine's differ in where a layer's input norm sits. Reading tries both and keeps the one under which every 1-D
@@ -77,7 +78,7 @@ class Buffer:
     chunk: int
     tp_rank: int
     experts: bool  # the expert optimizer's (no tied embedding in it)
-    params: list[tuple[Rule, tuple[int, ...]]]
+    params: list[tuple[Rule, tuple[int, ...]]]  # tp_rank's pieces: of the TP split, or the expert TP split's
 
     def stem(self, dtype: torch.dtype) -> str:
         """The key stem of its buckets, which append ``bucket_idx_<k>``."""
@@ -85,14 +86,22 @@ class Buffer:
         return f"{self.prefix}gbuf_idx_{self.gbuf}.dtype_{(dtype, grad)}."
 
 
+def pieces(rule: Rule, arch: MegatronArch, tp: int, ep: int, etp: int) -> int:
+    """How many tensor-parallel pieces the buffers hold ``rule`` in: the expert tensor-parallel size for a routed
+    expert of a ChainedOptimizer's expert part (EP > 1), else the TP size."""
+    return etp if arch.experts and ep > 1 and is_expert(rule) else tp
+
+
 def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: PipelineSplit, ep: int,
-                 full_shape: Callable[[Rule], tuple[int, ...]]) -> list[Buffer]:
+                 full_shape: Callable[[Rule], tuple[int, ...]], etp: int | None = None) -> list[Buffer]:
     """Every rank's buffers, one per model chunk (:class:`.megatron_pipeline.PipelineSplit`) holding any of the
     optimizer's parameters. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
     embedding included: it has its own place in the buffer). A MoE model at EP > 1 has megatron-core's
     ChainedOptimizer: the dense parameters' (part 0, G as above) and the experts' (part 1) on each rank of the
-    expert tensor x expert x pipeline group, G = t + tp x (e + ep x p) (its order tp-ep-pp), holding the experts
-    local to expert rank e; at EP 1 one optimizer holds every parameter."""
+    expert tensor x expert x pipeline group, G = t + etp x (e + ep x p) (its order tp-ep-pp; ``etp`` the expert
+    tensor-parallel size, by default ``tp``), holding the experts local to expert rank e, each in ``etp`` pieces; at
+    EP 1 one optimizer holds every parameter."""
+    etp = etp or tp
     stages = chunk_rules(order, arch, pipeline)
     if arch.tied and pipeline.pp > 1:
         stages[-1][-1].append(tied_output_rule(arch))
@@ -103,21 +112,20 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: Pipel
         return (f"{CHAINED}{part}." if chained else "") + GROUP_PREFIX.format(g)
 
     def owner(rule: Rule, p: int, t: int) -> tuple[str, bool]:
-        """The optimizer holding ``rule`` on TP rank t of stage p: its key prefix, and whether it is the experts'."""
+        """The optimizer holding ``rule``'s piece t on stage p: its key prefix, and whether it is the experts'."""
         if chained and is_expert(rule):
-            return prefix(1, t + tp * (stack_index(rule.megatron)[1] // per + ep * p)), True
+            return prefix(1, t + etp * (stack_index(rule.megatron)[1] // per + ep * p)), True
         return prefix(0, t + tp * p), False
 
     out = []
     for p, chunks in enumerate(stages):
-        for t in range(tp):
-            held: dict[tuple[str, bool], list[tuple[int, tuple[Rule, tuple[int, ...]]]]] = {}
-            for v, rules_ in enumerate(chunks):
-                for r in rules_:
-                    shape = tuple(split(r, torch.empty(full_shape(r), device="meta"), tp)[t].shape)
-                    held.setdefault(owner(r, p, t), []).append((v, (r, shape)))
-            for (pre, experts), params in held.items():
-                out += [Buffer(pre, g, p, v, t, experts, mine) for g, (v, mine) in enumerate(chunk_buffers(params))]
+        held: dict[tuple[str, bool, int], list[tuple[int, tuple[Rule, tuple[int, ...]]]]] = {}
+        for v, rules_ in enumerate(chunks):
+            for r in rules_:
+                for t, piece in enumerate(split(r, torch.empty(full_shape(r), device="meta"), pieces(r, arch, tp, ep, etp))):
+                    held.setdefault((*owner(r, p, t), t), []).append((v, (r, tuple(piece.shape))))
+        for (pre, experts, t), params in held.items():
+            out += [Buffer(pre, g, p, v, t, experts, mine) for g, (v, mine) in enumerate(chunk_buffers(params))]
     return out
 
 
@@ -167,10 +175,11 @@ def bucket_keys(tensor_keys: list[str], buffers: list[Buffer], where: str) -> di
 
 
 def read_layout(reader, arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, full_shape: Callable[[Rule], tuple[int, ...]],
-                model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any]) -> dict[str, list[Region]]:
-    """Megatron name -> its TP pieces' regions, under the module order whose fp32 masters match the model; the
-    buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
-    orders = [(name, rank_buffers(arch, order, tp, pipeline, ep, full_shape), order) for name, order in module_orders(arch)]
+                model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any], etp: int | None = None) -> dict[str, list[Region]]:
+    """Megatron name -> its tensor-parallel pieces' regions (:func:`pieces`), under the module order whose fp32
+    masters match the model; the buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
+    etp = etp or tp
+    orders = [(name, rank_buffers(arch, order, tp, pipeline, ep, full_shape, etp), order) for name, order in module_orders(arch)]
     stems = bucket_keys(reader.tensor_keys(), orders[0][1], where)  # the buffers are the orders' same
     stored = set(reader.tensor_keys())
     for key in (f"{s}.{k}" for ss in stems.values() for s in ss for k in FLAT_KEYS):
@@ -189,22 +198,22 @@ def read_layout(reader, arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep
                 tried.append(f"{name}: {buf.prefix}gbuf_idx_{buf.gbuf} lays out to buckets of {sizes}, the checkpoint holds "
                              f"{[h[0] if len(h) == 1 else h for h in held]}")
                 break
-            for meg, region in placed.items():
-                regions.setdefault(meg, [None] * tp)[buf.tp_rank] = region
-        if fits and _masters_match(reader, order, regions, tp, model_full, tried, name):
+            for rule, _ in buf.params:
+                regions.setdefault(rule.megatron, [None] * pieces(rule, arch, tp, ep, etp))[buf.tp_rank] = placed[rule.megatron]
+        if fits and _masters_match(reader, order, regions, model_full, tried, name):
             return regions  # type: ignore[return-value]
     raise CorruptCheckpointError(where, "the distributed optimizer's buckets fit no known module order "
                                  f"({'; '.join(tried)}); save with --dist-ckpt-optim-fully-reshardable")
 
 
-def _masters_match(reader, order: list[Rule], regions, tp: int, model_full, tried: list[str], name: str) -> bool:
+def _masters_match(reader, order: list[Rule], regions, model_full, tried: list[str], name: str) -> bool:
     for rule in order:
         if len(rule.hf) != 1 or regions.get(rule.megatron) is None:
             continue
         full = model_full(rule)
         if full.dim() != 1:
             continue
-        for t, piece in enumerate(split(rule, full, tp)):
+        for t, piece in enumerate(split(rule, full, len(regions[rule.megatron]))):
             master = region_tensor(reader, regions[rule.megatron][t], "param")
             if not torch.equal(master.to(piece.dtype), piece):
                 tried.append(f"{name}: {rule.megatron}'s fp32 master is not its weight")
@@ -249,7 +258,7 @@ def sharded_object(value: Any) -> io.BytesIO:
 
 def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, dtype: torch.dtype, groups: list[list[dict[str, Any]]],
                   full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor],
-                  args: dict[str, Any]) -> dict[str, Any]:
+                  args: dict[str, Any], etp: int | None = None) -> dict[str, Any]:
     """The DCP entries of every buffer's buckets (:func:`rank_buffers`) in the local spec's module order, as the
     written ``args``' pipeline split, --overlap-grad-reduce and --ddp-bucket-size make them: lazy flat tensors built
     from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary padded) and
@@ -261,7 +270,8 @@ def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int,
         raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
-    buffers = rank_buffers(arch, order, tp, pipeline, ep, full_shape)
+    etp = etp or tp
+    buffers = rank_buffers(arch, order, tp, pipeline, ep, full_shape, etp)
     placed = {(b.prefix, b.gbuf): layout(b, b.stem(dtype), arch, pipeline.pp, args) for b in buffers}
     where = {(rule.megatron, b.tp_rank): placed[(b.prefix, b.gbuf)][0][rule.megatron] for b in buffers for rule, _ in b.params}
     built: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -274,7 +284,7 @@ def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int,
             bufs = {f"{b.stem(dtype)}bucket_idx_{k}": torch.zeros(n, dtype=torch.float32)
                     for b in mine for k, n in enumerate(placed[(b.prefix, b.gbuf)][1])}
             for rule in dict.fromkeys(r for b in mine if b.tp_rank == 0 for r, _ in b.params):
-                for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), tp)):
+                for t, piece in enumerate(split(rule, full_tensor(rule, key).float(), pieces(rule, arch, tp, ep, etp))):
                     r = where[(rule.megatron, t)]
                     bufs[r.bucket][r.start:r.end] = piece.reshape(-1)
             built[(p, key)] = bufs

@@ -45,7 +45,7 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    MEGATRON_ARGS, expert_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, pipeline_split, target_shape,
+    MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, pipeline_split, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit, recorded_flags
@@ -171,8 +171,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     if sharding_type == buckets.DP_RESHARDABLE:  # flat buckets per TP x PP rank: the same TP x PP as the args
         tp, pp, ep = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                          "expert_model_parallel_size"))
+        etp = expert_tensor_parallel_size(arch, tp, ep, args_d.get("expert_tensor_parallel_size"), common_path)
         regions = buckets.read_layout(reader, arch, tp, pipeline_split(arch, pp, args_d, common_path), ep, full_shape, lambda r: stored_full(r, names[r.megatron]),
-                                      directory, args_d)
+                                      directory, args_d, etp)
 
         def lazy_flat(rule: Rule, skey: str, tag: str) -> dict[str, LazyTensor]:
             pieces = [lambda r=r: buckets.region_tensor(reader, r, skey) for r in regions[rule.megatron]]
@@ -224,6 +225,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     layout = {k: int(args_d.get(a) or 1) for k, a in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
                                                       ("ep", "expert_model_parallel_size"))}
     rng_keys = _rng_keys(reader, layout["tp"], layout["pp"])
+    etp_arg = args_d.get("expert_tensor_parallel_size")  # the experts' own TP size, where the run set one
 
     def rng_states() -> list[dict[str, Any]]:
         found = _rng_states(reader, rng_keys)
@@ -237,7 +239,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         model=model, config=hf_config(arch, args_d), optimizer=optimizer,
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": reader.spec(names[all_rules[0].megatron]).dtype_name, "iteration": step,
-                **({"master_dtype": "float32"} if has_master else {}), **({"pipeline": pipeline} if pipeline else {})},
+                **({"master_dtype": "float32"} if has_master else {}), **({"pipeline": pipeline} if pipeline else {}),
+                **({"etp": etp_arg} if arch.experts and isinstance(etp_arg, int) and etp_arg != layout["tp"] else {})},
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step, extra_state=extra,
         rank_state={RNG: rng} if rng is not None else {},
         components=carried_components(owner, manifest, NATIVE_KEY),
@@ -404,15 +407,17 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
                         distributed_optimizer: str | None = None, pp: int = 1, transformer_impl: str = "transformer_engine",
-                        ep: int | None = None, ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None) -> None:
+                        ep: int | None = None, ddp: dict[str, Any] | None = None, pipeline: dict[str, Any] | None = None,
+                        etp: int | None = None) -> None:
     """``dst/latest_checkpointed_iteration.txt`` and ``dst/iter_<step>/`` in torch_dist: megatron-core's
     ``dist_checkpointing.load`` reads it at any pipeline size and at tensor-parallel sizes whose padded
     vocabulary (a multiple of 128 x TP) is ``tp``'s. Tensors are built one stored tensor at a time.
     ``distributed_optimizer``: the DistributedOptimizer's layout, ``fully_reshardable`` (per tensor, loads at
     any DP x TP x PP) or ``dp_reshardable`` (flat buckets of the local spec at exactly ``tp`` x ``pp``, as the
     loading run's Megatron-LM data-parallel flags ``ddp`` make them: ``overlap_grad_reduce``, ``ddp_bucket_size``; and
-    its pipeline split flags ``pipeline``: a buffer per model chunk of a virtual pipeline, uneven stages). The
-    model's tensors are the same for every split."""
+    its pipeline split flags ``pipeline``: a buffer per model chunk of a virtual pipeline, uneven stages; ``etp``:
+    its --expert-tensor-parallel-size, the experts' pieces in their buffers). The model's tensors are the same for
+    every split."""
     if distributed_optimizer not in (None, FULLY_RESHARDABLE, buckets.DP_RESHARDABLE):
         raise ConversionError(f"unknown distributed-optimizer layout {distributed_optimizer!r}")
     flat = distributed_optimizer == buckets.DP_RESHARDABLE
@@ -422,6 +427,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     arch, padded, dtype = target_shape(ckpt, tp)
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
+    etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}")
     all_rules = rules(arch, te_names=True)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
@@ -467,12 +473,12 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format="torch_dist", transformer_impl=transformer_impl, world_size=tp * pp * ep,
         data_parallel_size=ep, use_distributed_optimizer=bool(distributed_optimizer),
-        **({"expert_model_parallel_size": ep} if arch.experts else {}),
+        **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp} if arch.experts else {}),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
         **(ddp or {}), **split.to_args(),
     ))
-    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed)
+    rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed, etp=etp)
     ckpt.notes.extend(rng_notes)
     for (t, p, _), entry in rng.items():
         state[_rng_key(p, t, pp, tp)] = buckets.sharded_object([entry])
@@ -558,4 +564,4 @@ def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, dtype: torch.d
             return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
         return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
 
-    return buckets.write_entries(arch, tp, split, ep, dtype, groups, full_shape, full_tensor, args)
+    return buckets.write_entries(arch, tp, split, ep, dtype, groups, full_shape, full_tensor, args, args.get("expert_tensor_parallel_size"))

@@ -44,15 +44,16 @@ def rank_seed(seed: int, pp_rank: int) -> int:
     return seed + 100 * pp_rank  # Megatron-LM's _set_random_seed (without --data-parallel-random-init)
 
 
-def tracker_states(seed: int, tp_rank: int, ep_rank: int = 0) -> dict[str, torch.Tensor]:
-    """megatron-core's model_parallel_cuda_manual_seed(seed) on TP rank ``tp_rank`` and expert-parallel rank
-    ``ep_rank``, the expert tensor-parallel rank the TP rank (its default expert TP size is the TP size)."""
+def tracker_states(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """megatron-core's model_parallel_cuda_manual_seed(seed) on TP rank ``tp_rank``, expert-parallel rank
+    ``ep_rank`` and expert tensor-parallel rank ``etp_rank`` (by default the TP rank: the default expert TP size is
+    the TP size)."""
     return {DATA: cuda_state(seed), MODEL: cuda_state(seed + 2718 + tp_rank),
-            EXPERT: cuda_state(seed + 1024 + 100 * ep_rank + tp_rank)}
+            EXPERT: cuda_state(seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank))}
 
 
-def megatron_rank_rng(source: dict[str, Any] | None, seed: int, tp_rank: int, pp_rank: int, ep_rank: int = 0
-                      ) -> tuple[dict[str, Any], bool]:
+def megatron_rank_rng(source: dict[str, Any] | None, seed: int, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+                      etp_rank: int | None = None) -> tuple[dict[str, Any], bool]:
     """One rank's ``rng_state`` entry, and whether its CUDA and tracker streams came from the source."""
     s = rank_seed(seed, pp_rank)
     if source is None:
@@ -64,7 +65,7 @@ def megatron_rank_rng(source: dict[str, Any] | None, seed: int, tp_rank: int, pp
     tracker = (source or {}).get(TRACKER)
     carried = is_cuda_state(cuda) and isinstance(tracker, dict) and bool(tracker) and all(is_cuda_state(v) for v in tracker.values())
     if not carried:
-        cuda, tracker = cuda_state(s), tracker_states(s, tp_rank, ep_rank)
+        cuda, tracker = cuda_state(s), tracker_states(s, tp_rank, ep_rank, etp_rank)
     return {"random_rng_state": py, "np_rng_state": nps, "torch_rng_state": cpu, "cuda_rng_state": cuda,
             "rng_tracker_states": dict(tracker)}, carried
 
@@ -88,17 +89,18 @@ def our_rng(entry: Any) -> dict[str, Any] | None:
     return out
 
 
-def megatron_rng_states(sources: list[dict[str, Any]] | None, tp: int, pp: int, seed: int = DEFAULT_SEED, ep: int = 1
-                        ) -> tuple[dict[tuple[int, int, int], dict[str, Any]], list[str]]:
+def megatron_rng_states(sources: list[dict[str, Any]] | None, tp: int, pp: int, seed: int = DEFAULT_SEED, ep: int = 1,
+                        etp: int | None = None) -> tuple[dict[tuple[int, int, int], dict[str, Any]], list[str]]:
     """Every (tp rank, pp rank, expert-parallel rank)'s ``rng_state`` entry, rank t + tp x e + tp x ep x p (Megatron's
     default order) taking the source's rank of that number (``sources``: one per rank, or None), and a note on what
-    is not the source's."""
+    is not the source's. ``etp``: the expert tensor-parallel size (dividing ``tp``; by default ``tp``), rank t's
+    expert TP rank t mod etp."""
     entries, carried = {}, 0
     for p in range(pp):
         for e in range(ep):
             for t in range(tp):
                 rank = t + tp * e + tp * ep * p
-                entries[(t, p, e)], whole = megatron_rank_rng(sources[rank] if sources else None, seed, t, p, e)
+                entries[(t, p, e)], whole = megatron_rank_rng(sources[rank] if sources else None, seed, t, p, e, t % (etp or tp))
                 carried += whole
     note = rng_note(seed, carried, tp * pp * ep, sources is not None)
     return entries, [note] if note else []

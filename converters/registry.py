@@ -314,6 +314,17 @@ def _megatron_ep(ckpt: LogicalCheckpoint, o: Options) -> int | None:
     return int(value) if value else None
 
 
+def _megatron_etp(ckpt: LogicalCheckpoint, o: Options, tp: int) -> int | None:
+    """The loading run's --expert-tensor-parallel-size: given, else a Megatron source's own where it divides the
+    target's TP (said in a note), else None (the TP size, Megatron-LM's default)."""
+    given = o.extra.get("etp_size")
+    source = ckpt.source.get("etp")
+    if given or not isinstance(source, int) or source < 1 or tp % source or source == tp:
+        return given
+    ckpt.notes.append(f"--expert-tensor-parallel-size {source}: the source's (the experts' own TP size); pass it for another")
+    return source
+
+
 def _megatron_ddp(o: Options) -> dict[str, Any]:
     """The loading run's Megatron-LM --overlap-grad-reduce and --ddp-bucket-size (the distributed optimizer's buckets)."""
     size = o.extra.get("ddp_bucket_size")
@@ -348,7 +359,8 @@ def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     pp = layout_value(ckpt, o, "pp", 1)
     megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite, distributed_optimizer=layout, pp=pp,
                                       transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o),
-                                      ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, pp))
+                                      ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, pp),
+                                      etp=_megatron_etp(ckpt, o, layout_value(ckpt, o, "tp", 1)))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file
@@ -384,7 +396,8 @@ def _write_megatron(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     megatron.write_megatron(ckpt, dst, int(tp), int(pp), te, o.overwrite,
                             distributed_optimizer=bool(o.extra.get("use_distributed_optimizer")), ep=_megatron_ep(ckpt, o),
-                            ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, int(pp)))
+                            ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, int(pp)),
+                            etp=_megatron_etp(ckpt, o, int(tp)))
 
 
 register(

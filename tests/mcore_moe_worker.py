@@ -81,7 +81,7 @@ def build(args, tp: int, ep: int):
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)), moe_router_load_balancing_type="none",
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
-        moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, expert_tensor_parallel_size=ETP or tp,
     )
     model = GPTModel(
         config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm), vocab_size=args.padded_vocab_size,
@@ -109,6 +109,8 @@ def chained_optimizer(model):
     return ChainedOptimizer([FP32Optimizer(adam(p), config, init_state_fn) for p in parts if p])
 
 
+# --expert-tensor-parallel-size: the experts' own tensor-parallel size (Megatron-LM's default: the TP size)
+ETP = int(os.environ["MCORE_ETP"]) if os.environ.get("MCORE_ETP") else None
 # --use-distributed-optimizer: torch_dist in its fully_reshardable or dp_reshardable layout; legacy files (MCORE_CKPT=torch,
 # any value) with distrib_optim.pt
 DISTOPT = os.environ.get("MCORE_DISTOPT")
@@ -125,6 +127,7 @@ def own_args(args, tp: int, ep: int, iteration: int) -> argparse.Namespace:
     """The arguments of a Megatron-LM run of its own (no Hugging Face model type or config)."""
     own = {k: v for k, v in vars(args).items() if k not in ("hf_model_type", "hf_config")}
     own.update(expert_model_parallel_size=ep, tensor_model_parallel_size=tp, world_size=tp * ep, iteration=iteration,
+               expert_tensor_parallel_size=ETP or tp,
                moe_grouped_gemm=os.environ.get("MCORE_GROUPED") == "1")
     return argparse.Namespace(**own)
 
@@ -195,7 +198,7 @@ def main() -> None:
         moe_utils.te_general_gemm = None
     ep = int(os.environ.get("MCORE_EP", "1"))
     tp = dist.get_world_size() // ep
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
     source = iteration_dir(directory)
     legacy = os.environ.get("MCORE_CKPT") == "torch"
     save_as = os.environ.get("MCORE_SAVE", os.environ.get("MCORE_CKPT", "torch_dist"))  # torch, torch_dist or both
@@ -269,6 +272,13 @@ def main() -> None:
             save(model, None, own_args(args, tp, ep, 1), out, 1)
     else:
         model.train()
+        if tp > 1:  # MoELayer refuses to train at TP > 1 without --sequence-parallel (a performance guard: gloo has no
+            # reduce-scatter for it on CPU); with no dropout, no token drop and no aux loss its eval forward is the same math
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            for module in model.modules():
+                if isinstance(module, MoELayer):
+                    module.train(False)
         losses = []
         if scenario == "train-save":
             step(model, optimizer, 0)

@@ -190,6 +190,39 @@ def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, op
     assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["dp_reshardable", pytest.param("fully_reshardable", marks=pytest.mark.slow)])
+def test_expert_tensor_parallel_run_resumes_through_universal(mixtral, tmp_path, layout):
+    """Megatron-LM's MoE recipes split the experts over their own tensor-parallel size
+    (--expert-tensor-parallel-size 1 beside TP 2): megatron-core trains the Mixtral a step at TP2 x EP2 with ETP1
+    (4 processes) and saves; the experts' buffers are per expert tensor x expert rank, each expert whole in them.
+    interop reads it (the dp_reshardable read had failed, "holds no distributed-optimizer bucket ...dp_group_idx_2"),
+    keeps the size through universal (a note says the target takes it), writes the same layout tensor for tensor,
+    and megatron-core loads it at ETP1 and trains on with the uninterrupted run's losses. A legacy target, which is
+    written with the two sizes equal, and a size that does not divide TP are refused in one line."""
+    _, _, dist = mixtral
+    own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(ROOT / "tests" / "mcore_moe_worker.py")]
+    env = {**worker_env(), "MCORE_EP": "2", "MCORE_ETP": "1", "MCORE_DISTOPT": layout}
+    run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
+    assert cli("convert", own, tmp_path / "u", "--to", "universal").returncode == 0
+    assert registry.read(str(tmp_path / "u"))[1].source["etp"] == 1
+    done = cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local", "--dist-optim-layout", layout)
+    assert done.returncode == 0, done.stderr
+    assert "note: --expert-tensor-parallel-size 1: the source's" in done.stdout + done.stderr
+    report = cli("diff", own, back)
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
+    resumed.mkdir()
+    run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
+    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(json.loads((own / "losses.json").read_text()), rel=1e-6)
+    for target, says in ((["--to", "megatron"], "--expert-tensor-parallel-size 1 with --tp 2: legacy files are written with the two equal; "
+                                                "convert --to megatron-dist for such a run"),
+                         (["--to", "megatron-dist", "--tp", "2", "--expert-tensor-parallel-size", "3"],
+                          "--expert-tensor-parallel-size 3: an expert tensor-parallel size of 3 with TP 2: read and written where it divides TP")):
+        bad = cli("convert", tmp_path / "u", tmp_path / "bad", *target)
+        assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+        assert bad.stderr.strip().splitlines()[-1] == f"interop convert: error: {says}", bad.stderr
+
+
 def test_a_damaged_chained_optimizer_entry_is_one_named_error(tmp_path):
     """A MoE run's common.pt with the distributed optimizer holds megatron-core's chained parts ({0: dense, 1:
     experts}); a value of another type in a part (a hyper-parameter, the layout's name) is one line naming common.pt
