@@ -94,7 +94,7 @@ def _options(args: argparse.Namespace) -> registry.Options:
         trust_pickle=getattr(args, "trust_pickle", False),
         overwrite=getattr(args, "overwrite", False),
         max_shard_size=getattr(args, "max_shard_size", None) or parse_size("5GiB"),
-        extra={k: getattr(args, k, None) for k in ("world_size", "zero_stage", "ep_size", "dtype", "deepspeed_config", "fsdp", "tp", "pp", "transformer_impl", "param_groups", "use_distributed_optimizer", "dist_optim_layout", "etp_size", "overlap_grad_reduce", "ddp_bucket_size", *registry.PIPELINE_FLAGS, "merge_adapters", "adapter_config", "base_model")},
+        extra={k: getattr(args, k, None) for k in (*registry.TARGET_FLAGS, "dtype", "merge_adapters", "adapter_config", "base_model")},
         config=config_arg.load_config_arg(args.config) if getattr(args, "config", None) else None,
     )
 
@@ -243,6 +243,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     target = registry.writer(args.to)
     registry.check_dtype_flag(target, args.dtype)
+    registry.check_target_flags(target, options.extra)
     several = args.workers > 1 or workers.launched()
     if several and not target.spreads:
         raise ConfigurationError(f"--to {target.name} is written by one process; several processes write "

@@ -64,6 +64,31 @@ class Format:
     holds_adapters: bool = False
     # several processes can write it together (``torchrun ... convert`` / ``--workers``), each a share of the bytes
     spreads: bool = False
+    # the loading run's layout flags (TARGET_FLAGS, as convert's options name them) its writer reads
+    flags: frozenset[str] = frozenset()
+
+
+# Megatron-LM's pipeline split flags, as its arguments name them (converters.megatron_pipeline reads them)
+PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "pipeline_model_parallel_layout")
+# what Megatron targets read of the loading run
+MEGATRON_FLAGS = frozenset({"tp", "pp", "ep_size", "etp_size", "transformer_impl", "use_distributed_optimizer", "overlap_grad_reduce",
+                            "ddp_bucket_size", *PIPELINE_FLAGS})
+# convert's options that describe the loading run's layout: each read by the targets whose ``flags`` name it
+TARGET_FLAGS = ("world_size", "zero_stage", "ep_size", "etp_size", "deepspeed_config", "param_groups", "fsdp", "tp", "pp", "transformer_impl",
+                "use_distributed_optimizer", "dist_optim_layout", "overlap_grad_reduce", "ddp_bucket_size", *PIPELINE_FLAGS)
+_OPTION_NAMES = {"etp_size": "--expert-tensor-parallel-size"}  # where the option is not its key's spelling
+
+
+def check_target_flags(fmt: Format, extra: dict[str, Any]) -> None:
+    """A layout flag the target does not read is refused, not ignored: the user meant a loading run the output
+    would not be written for."""
+    for key in TARGET_FLAGS:
+        if extra.get(key) not in (None, False) and key not in fmt.flags:
+            option = _OPTION_NAMES.get(key, "--" + key.replace("_", "-"))
+            takers = ", ".join(n for n, f in FORMATS.items() if key in f.flags)
+            raise ConfigurationError(f"{option}: --to {fmt.name} has no place for it (it describes the loading run of {takers})")
 
 
 def check_dtype_flag(fmt: Format, dtype: str | None) -> None:
@@ -265,6 +290,7 @@ register(
         takes_dtype=True,
         module_names=True,
         holds_adapters=True,
+        flags=frozenset({"world_size", "zero_stage", "ep_size", "deepspeed_config", "param_groups"}),
     )
 )
 def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -281,6 +307,7 @@ register(
         loads_with='engine.load_checkpoint(\'{dst}\') with "checkpoint": {"load_universal": true} in the DeepSpeed config',
         module_names=True,
         holds_adapters=True,
+        flags=frozenset({"deepspeed_config"}),
     )
 )
 def _write_accelerate(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -299,6 +326,7 @@ register(
         loads_with="accelerator.load_state('{dst}')",
         module_names=True,
         holds_adapters=True,
+        flags=frozenset({"world_size", "fsdp"}),
     )
 )
 def _at_precision(ckpt: LogicalCheckpoint, o: Options) -> LogicalCheckpoint:
@@ -334,12 +362,6 @@ def _megatron_ddp(o: Options) -> dict[str, Any]:
     return {"overlap_grad_reduce": bool(o.extra.get("overlap_grad_reduce")), "ddp_bucket_size": int(size) if size else None}
 
 
-# Megatron-LM's pipeline split flags, as its arguments name them (converters.megatron_pipeline reads them)
-PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                  "pipeline_model_parallel_layout")
-
-
 def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str, Any]:
     """The loading run's Megatron-LM pipeline split flags: those given, else a Megatron source's own split when the
     target has its pipeline size (said in a note), else none (an even split)."""
@@ -372,6 +394,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         _write_megatron_dist,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
+        flags=MEGATRON_FLAGS | {"dist_optim_layout"},
     )
 )
 register(
@@ -409,6 +432,7 @@ register(
         _write_megatron,
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
+        flags=MEGATRON_FLAGS | {"dist_optim_layout"},  # refused by the writer in one line that names the legacy flag
     )
 )
 def _write_peft(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:

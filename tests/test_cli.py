@@ -318,6 +318,22 @@ def test_sizes_below_one_are_refused(sources, tmp_path, capsys, flag, value):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("target,flags,option,takers", [
+    ("hf", ["--tp", "2"], "--tp", "megatron-dist, megatron"),
+    ("universal", ["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank", "megatron-dist, megatron"),
+    ("accelerate", ["--zero-stage", "3"], "--zero-stage", "deepspeed"),
+    ("deepspeed", ["--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size", "megatron-dist, megatron"),
+    ("megatron-dist", ["--world-size", "4"], "--world-size", "deepspeed, accelerate"),
+])
+def test_a_layout_flag_the_target_does_not_read_is_refused(sources, tmp_path, capsys, target, flags, option, takers):
+    """A flag describing a loading run the target is not written for (it had been ignored, exit 0: a user who
+    asked for TP2 got a Hugging Face directory and no word) is one line naming the flag and the targets that read
+    it, nothing written."""
+    code, _, err = run_cli(capsys, "convert", sources / "uni", tmp_path / "out", "--to", target, *flags)
+    assert_one_line_error(code, err, f"{option}: --to {target} has no place for it (it describes the loading run of {takers})")
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_prints_what_it_wrote_and_the_defaults_it_chose(sources, tmp_path, capsys):
     """The size printed is the output's bytes on disk; layout sizes neither given nor recorded by the source are
     said in a note (and recorded in the output's manifest)."""

@@ -120,14 +120,14 @@ def test_a_stored_tensor_of_several_module_tensors_leaves_the_model_known():
     assert joined and all(plans[n].views is None for n in joined)
 
 
-def imports_transformers(tmp_path, conversions: list, *flags: str) -> list[str]:
-    """Each conversion (source, output under ``tmp_path``, target) in a process of its own, answers kept under
-    ``tmp_path``: whether it imported transformers, as the line it printed last."""
+def imports_transformers(tmp_path, conversions: list) -> list[str]:
+    """Each conversion (source, output under ``tmp_path``, target, its flags...) in a process of its own, answers
+    kept under ``tmp_path``: whether it imported transformers, as the line it printed last."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{facts.CACHE_ENV: str(tmp_path / "kept")})
     probe = ("import sys; from converters import cli; rc = cli.main(sys.argv[1:]); "
              "print('transformers imported' if 'transformers' in sys.modules else 'transformers not imported'); sys.exit(rc)")
     seen = []
-    for source, out, target in conversions:
+    for source, out, target, *flags in conversions:
         done = subprocess.run([sys.executable, "-c", probe, "convert", str(source), str(tmp_path / out), "--to", target, *flags],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -152,8 +152,8 @@ def test_a_moe_conversion_with_its_answers_kept_does_not_import_transformers(tmp
     from safetensors.torch import load_file
 
     _, src = saved(tmp_path, "mixtral")
-    seen = imports_transformers(tmp_path, [(src, "uni", "universal"), (src, "acc", "accelerate"), (tmp_path / "acc", "hf", "hf")],
-                                "--world-size", "1")
+    seen = imports_transformers(tmp_path, [(src, "uni", "universal"), (src, "acc", "accelerate", "--world-size", "1"),
+                                           (tmp_path / "acc", "hf", "hf")])
     assert seen == ["transformers imported", "transformers not imported", "transformers not imported"]
     (engine,) = (tmp_path / "acc").glob("**/model.safetensors")
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in load_file(engine))  # fused for the engine
