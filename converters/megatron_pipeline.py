@@ -177,7 +177,9 @@ def layout_segments(layout: str, num_layers: int) -> list[str]:
     """A --pipeline-model-parallel-layout string's segments (model chunks in layer order), unrolled as megatron-core
     unrolls them, and checked as its validate_layer_layout checks them for a model of ``num_layers`` layers."""
     text = layout.replace(",", "")
-    bound = 4 * (num_layers + 2) + 4096  # the unrolled string holds the layers, E, L and the separators
+    # the unrolled string holds the layers, E, L and the separators; never more than a megabyte (num_layers is the
+    # checkpoint's word too)
+    bound = min(4 * (num_layers + 2) + 4096, 1 << 20)
     for pattern in _UNROLL:
         try:
             size = len(text) + sum(len(m.group(1)) * int(m.group(2)) - len(m.group(0)) for m in pattern.finditer(text))

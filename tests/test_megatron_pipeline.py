@@ -121,7 +121,7 @@ def test_pipeline_split_from_args_reads_megatron_lm_names():
     {"virtual_pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": 10**12}, {"pipeline_model_parallel_size": -1},
     {"num_layers_per_virtual_pipeline_stage": 3}, {"virtual_pipeline_model_parallel_size": "two"}, {"decoder_first_pipeline_num_layers": -1},
     {"decoder_first_pipeline_num_layers": True}, {"num_layers": None}, {"decoder_last_pipeline_num_layers": [1]},
-    {"pipeline_model_parallel_layout": "E(t|)*99999999999|tttL"}, {"pipeline_model_parallel_layout": "Et*" + "9" * 5000 + "|L"},
+    {"pipeline_model_parallel_layout": "E(t|)*99999999999|tttL"}, {"num_layers": 10**9, "pipeline_model_parallel_layout": "E(t|)*999999999|L"}, {"pipeline_model_parallel_layout": "Et*" + "9" * 5000 + "|L"},
     {"pipeline_model_parallel_layout": ["E", "tttt", "L"]}, {"pipeline_model_parallel_layout": "Et|tt|t|L", "virtual_pipeline_model_parallel_size": 3},
 ])
 def test_pipeline_split_from_hostile_args_is_one_error(hostile):
