@@ -93,15 +93,14 @@ def pieces(rule: Rule, arch: MegatronArch, tp: int, ep: int, etp: int) -> int:
 
 
 def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: PipelineSplit, ep: int,
-                 full_shape: Callable[[Rule], tuple[int, ...]], etp: int | None = None) -> list[Buffer]:
+                 full_shape: Callable[[Rule], tuple[int, ...]], etp: int) -> list[Buffer]:
     """Every rank's buffers, one per model chunk (:class:`.megatron_pipeline.PipelineSplit`) holding any of the
     optimizer's parameters. A dense optimizer's on TP x PP rank G = t + tp x p (the last stage's tied copy of the
     embedding included: it has its own place in the buffer). A MoE model at EP > 1 has megatron-core's
     ChainedOptimizer: the dense parameters' (part 0, G as above) and the experts' (part 1) on each rank of the
     expert tensor x expert x pipeline group, G = t + etp x (e + ep x p) (its order tp-ep-pp; ``etp`` the expert
-    tensor-parallel size, by default ``tp``), holding the experts local to expert rank e, each in ``etp`` pieces; at
-    EP 1 one optimizer holds every parameter."""
-    etp = etp or tp
+    tensor-parallel size, :func:`.megatron.expert_tensor_parallel_size`), holding the experts local to expert rank e,
+    each in ``etp`` pieces; at EP 1 one optimizer holds every parameter."""
     stages = chunk_rules(order, arch, pipeline)
     if arch.tied and pipeline.pp > 1:
         stages[-1][-1].append(tied_output_rule(arch))
@@ -175,10 +174,9 @@ def bucket_keys(tensor_keys: list[str], buffers: list[Buffer], where: str) -> di
 
 
 def read_layout(reader, arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, full_shape: Callable[[Rule], tuple[int, ...]],
-                model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any], etp: int | None = None) -> dict[str, list[Region]]:
+                model_full: Callable[[Rule], torch.Tensor], where: str, args: dict[str, Any], etp: int) -> dict[str, list[Region]]:
     """Megatron name -> its tensor-parallel pieces' regions (:func:`pieces`), under the module order whose fp32
     masters match the model; the buckets as the saving run's args made them (:mod:`.megatron_buffer`)."""
-    etp = etp or tp
     orders = [(name, rank_buffers(arch, order, tp, pipeline, ep, full_shape, etp), order) for name, order in module_orders(arch)]
     stems = bucket_keys(reader.tensor_keys(), orders[0][1], where)  # the buffers are the orders' same
     stored = set(reader.tensor_keys())
@@ -258,7 +256,7 @@ def sharded_object(value: Any) -> io.BytesIO:
 
 def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int, dtype: torch.dtype, groups: list[list[dict[str, Any]]],
                   full_shape: Callable[[Rule], tuple[int, ...]], full_tensor: Callable[[Rule, str], torch.Tensor],
-                  args: dict[str, Any], etp: int | None = None) -> dict[str, Any]:
+                  args: dict[str, Any], etp: int) -> dict[str, Any]:
     """The DCP entries of every buffer's buckets (:func:`rank_buffers`) in the local spec's module order, as the
     written ``args``' pipeline split, --overlap-grad-reduce and --ddp-bucket-size make them: lazy flat tensors built
     from ``full_tensor(rule, key)`` (the full Megatron tensor of the fp32 master or a moment, vocabulary padded) and
@@ -270,7 +268,6 @@ def write_entries(arch: MegatronArch, tp: int, pipeline: PipelineSplit, ep: int,
         raise ConversionError("the dp_reshardable layout is written for untied or single-stage embeddings; "
                               "use --dist-optim-layout fully_reshardable, or --ckpt-format torch's distrib_optim.pt (--to megatron)")
     _, order = module_orders(arch)[0]
-    etp = etp or tp
     buffers = rank_buffers(arch, order, tp, pipeline, ep, full_shape, etp)
     placed = {(b.prefix, b.gbuf): layout(b, b.stem(dtype), arch, pipeline.pp, args) for b in buffers}
     where = {(rule.megatron, b.tp_rank): placed[(b.prefix, b.gbuf)][0][rule.megatron] for b in buffers for rule, _ in b.params}

@@ -497,7 +497,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             if flat:  # the groups are an object of each buffer's, beside its buckets
                 kind = {"param_state_sharding_type": distributed_optimizer}
                 common["optimizer"] = {0: kind, 1: dict(kind)} if chained else kind
-                state.update(_bucket_entries(arch, tp, split, ep, dtype, [groups, expert_groups], state, model, opt, padded, padding,
+                state.update(_bucket_entries(arch, tp, split, ep, etp, dtype, [groups, expert_groups], state, model, opt, padded, padding,
                                              vars(args)))
             elif chained:  # each of the ChainedOptimizer's DistributedOptimizers: its groups, the layout it names
                 common["optimizer"] = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": distributed_optimizer}
@@ -552,7 +552,7 @@ def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[
     return groups
 
 
-def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
+def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, etp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
                     padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
     def full_shape(rule: Rule) -> tuple[int, ...]:  # the stored tensor's, less its stacking (layers, experts)
@@ -564,4 +564,4 @@ def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, dtype: torch.d
             return _full(rule, model, padded, lambda r: padding_rows(padding, r, "master", "model"), torch.float32)
         return _full(rule, opt.tensors[key], padded, lambda r: padding_rows(padding, r, f"optim:{key}"))
 
-    return buckets.write_entries(arch, tp, split, ep, dtype, groups, full_shape, full_tensor, args, args.get("expert_tensor_parallel_size"))
+    return buckets.write_entries(arch, tp, split, ep, dtype, groups, full_shape, full_tensor, args, etp)

@@ -28,6 +28,12 @@ from typing import Any
 
 from interop.errors import ConversionError
 
+LAYOUT_FLAG = "pipeline_model_parallel_layout"
+# Megatron-LM's pipeline split flags, as its arguments name them (each read by PipelineSplit.from_args)
+PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  LAYOUT_FLAG)
+
 
 @dataclass(frozen=True)
 class PipelineSplit:
@@ -51,7 +57,7 @@ class PipelineSplit:
             emb, loss = bool(args.get("account_for_embedding_in_pipeline_split")), bool(args.get("account_for_loss_in_pipeline_split"))
             vpp = args.get("virtual_pipeline_model_parallel_size") or args.get("num_virtual_stages_per_pipeline_rank")
             per_chunk = args.get("num_layers_per_virtual_pipeline_stage")
-            layout = args.get("pipeline_model_parallel_layout")
+            layout = args.get(LAYOUT_FLAG)
             if layout is not None:
                 return cls._from_layout(layout, n, pp, args)
             if not vpp and per_chunk:  # Megatron-LM's validate_args: the stage's layers (and the embedding / loss) per chunk
@@ -72,9 +78,7 @@ class PipelineSplit:
         (its segments / PP) and takes no other split flag."""
         if not isinstance(layout, str):
             raise ConversionError(f"a pipeline layout of type {type(layout).__name__} (Megatron-LM's is a string)")
-        others = [k for k in ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                              "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
-                              "account_for_loss_in_pipeline_split") if args.get(k) not in (None, False)]
+        others = [k for k in PIPELINE_FLAGS if k != LAYOUT_FLAG and args.get(k) not in (None, False)]
         if others:
             raise ConversionError(f"--pipeline-model-parallel-layout takes no other pipeline split flag (Megatron-LM refuses it), "
                                   f"but --{others[0].replace('_', '-')} is given too")
@@ -95,13 +99,13 @@ class PipelineSplit:
             "num_virtual_stages_per_pipeline_rank": None if self.layout else vpp, "num_layers_per_virtual_pipeline_stage": None,
             "decoder_first_pipeline_num_layers": self.first, "decoder_last_pipeline_num_layers": self.last,
             "account_for_embedding_in_pipeline_split": self.embedding, "account_for_loss_in_pipeline_split": self.loss,
-            "pipeline_model_parallel_layout": self.layout,
+            LAYOUT_FLAG: self.layout,
         }
 
     def flags(self) -> dict[str, Any]:
         """The Megatron-LM flags (argument names) that set this split apart from an even one without virtual stages."""
         if self.layout is not None:
-            return {"pipeline_model_parallel_layout": self.layout}
+            return {LAYOUT_FLAG: self.layout}
         given = {"num_virtual_stages_per_pipeline_rank": self.vpp if self.vpp > 1 else None, "decoder_first_pipeline_num_layers": self.first,
                  "decoder_last_pipeline_num_layers": self.last, "account_for_embedding_in_pipeline_split": self.embedding,
                  "account_for_loss_in_pipeline_split": self.loss}

@@ -18,6 +18,7 @@ from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
 from . import detection
+from .megatron_pipeline import PIPELINE_FLAGS, flag_text
 
 # The converter modules, imported when first used: a conversion imports its source's reader and its target's writer,
 # not every format's (start-up is a tenth of a 1 GiB conversion); detection asks converters.detection, which
@@ -68,10 +69,6 @@ class Format:
     flags: frozenset[str] = frozenset()
 
 
-# Megatron-LM's pipeline split flags, as its arguments name them (converters.megatron_pipeline reads them)
-PIPELINE_FLAGS = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                  "pipeline_model_parallel_layout")
 # what Megatron targets read of the loading run
 MEGATRON_FLAGS = frozenset({"tp", "pp", "ep_size", "etp_size", "transformer_impl", "use_distributed_optimizer", "overlap_grad_reduce",
                             "ddp_bucket_size", *PIPELINE_FLAGS})
@@ -369,8 +366,6 @@ def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str
     source = ckpt.source.get("pipeline")
     if given or not isinstance(source, dict) or not source or int(ckpt.source.get("pp") or 1) != pp:
         return given
-    from .megatron_pipeline import flag_text
-
     ckpt.notes.append(f"pipeline split: the source's ({flag_text(source)}); pass the loading run's pipeline flags for another")
     return {k: v for k, v in source.items() if k in PIPELINE_FLAGS}
 
