@@ -40,7 +40,7 @@ from interop.universal import scalar_entry, scalar_value
 from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
 from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
 from .megatron_map import (
-    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, rules,
+    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
     chunk_rules, stack_index, tied_output_rule,
 )
 from .megatron_pipeline import PipelineSplit, recorded_flags
@@ -445,6 +445,7 @@ class _RankModel:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
     # the model chunk (virtual pipeline stage) holding each name; the tied copies are the last chunk's
     chunk: dict[str, int] = field(default_factory=dict)
+    buffers: tuple[str, ...] = ()  # names in ``tensors`` that are buffers (a router's expert bias): in no optimizer
 
     def chunks(self, names: list[str], copies: dict[str, torch.Tensor]) -> list[tuple[int, list[tuple[str, tuple[int, ...]]]]]:
         """``names`` (and the tied ``copies``) as (chunk, [(name, shape)]) per gradient buffer
@@ -512,7 +513,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
         path = files.all_paths[(t, p, e)]
         if len(cs) != vpp:
             raise CorruptCheckpointError(path, f"holds {len(cs)} model chunks; rank (0, 0) holds {vpp}")
-        names, tensors, copies, chunk_of = [], {}, {}, {}
+        names, tensors, copies, chunk_of, buffers = [], {}, {}, {}, []
         for v, chunk in enumerate(cs):
             for key, value in chunk.items():
                 if not is_tensor(value):
@@ -547,10 +548,13 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     )
                 if rule.megatron in tensors:
                     raise CorruptCheckpointError(path, f"holds {rule.megatron} twice (as {key!r} too)")
-                names.append(rule.megatron)
                 tensors[rule.megatron] = value
+                if rule.buffer:
+                    buffers.append(rule.megatron)
+                    continue
+                names.append(rule.megatron)
                 chunk_of[rule.megatron] = v
-        out[(t, p, e)] = _RankModel(names, tensors, copies, chunk_of)
+        out[(t, p, e)] = _RankModel(names, tensors, copies, chunk_of, tuple(buffers))
     return out
 
 
@@ -583,7 +587,7 @@ def _ungrouped(rank: _RankModel, optim: tuple, ep_rank: int, per: int, hidden: i
             for m in parts:
                 per_name[m] = {k: pieces[k][m] if k in pieces else v for k, v in entries.items()}
     groups = [{**g, "params": [m for n in g["params"] for m in expanded.get(n, [n])]} for g in groups]
-    return _RankModel(names, tensors), (per_name, groups, master)
+    return _RankModel(names, tensors, buffers=rank.buffers), (per_name, groups, master)
 
 
 def _check_experts(arch: MegatronArch, files: LegacyFiles, args: dict[str, Any], where: str) -> None:
@@ -625,7 +629,7 @@ def _merge_expert_ranks(files: LegacyFiles, ranks3: dict, optim3: dict) -> tuple
     for (t, p, e) in sorted(ranks3):
         rm, (per_name, groups, master) = ranks3[(t, p, e)], optim3[(t, p, e)]
         if e == 0:
-            ranks[(t, p)] = _RankModel(list(rm.names), dict(rm.tensors))
+            ranks[(t, p)] = _RankModel(list(rm.names), dict(rm.tensors), buffers=rm.buffers)
             optim[(t, p)] = (dict(per_name), [{**g, "params": list(g["params"])} for g in groups], dict(master))
             continue
         twice = set(rm.names) & set(ranks[(t, p)].tensors)
@@ -881,7 +885,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     padded = int(args_d.get("padded_vocab_size") or padded_vocab(arch.vocab, files.tp))
     _check_vocab(files, ranks, padded)
 
-    placed = {n: key for key, rm in sorted(ranks.items()) for n in rm.names if key[0] == 0}
+    placed = {n: key for key, rm in sorted(ranks.items()) for n in (*rm.names, *rm.buffers) if key[0] == 0}
     missing = [r.megatron for r in all_rules if r.megatron not in placed]
     if missing:
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
@@ -911,14 +915,14 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     for rule in all_rules:
         key0 = placed[rule.megatron]
         piece = ranks[key0].tensors[rule.megatron]
-        if has_master:
+        if has_master and not rule.buffer:
             getter = lambda key, r=rule: optim[key][2][r.megatron]  # noqa: E731
             model.update(lazy_for(rule, "master", getter, "float32", tuple(piece.shape)))
         else:
             getter = lambda key, r=rule: ranks[key].tensors[r.megatron]  # noqa: E731
             model.update(lazy_for(rule, "model", getter, dtype_name_of(piece), tuple(piece.shape)))
 
-    optimizer = _logical_optimizer(all_rules, optim, placed, lazy_for, files)
+    optimizer = _logical_optimizer(parameters(all_rules), optim, placed, lazy_for, files)
     step = files.iteration if files.iteration is not None else int(head.get("iteration") or 0)
     extra: dict[str, Any] = {}
     if any(_nonzero(rows) for rows, _ in padding.values()):  # not part of the Hugging Face model, but of Megatron's
@@ -1094,6 +1098,16 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     return arch, padded_vocab(arch.vocab, tp), dtype
 
 
+def note_unmapped(ckpt: LogicalCheckpoint, all_rules: list[Rule]) -> None:
+    """A note naming the source's tensors Megatron's GPT model has no place for (a hub GLM-4.5's multi-token
+    prediction layer, model.layers.<n>): not written, and said, never dropped in silence."""
+    mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
+    unmapped = sorted(set(ckpt.model) - mapped)
+    if unmapped:
+        ckpt.notes.append(f"Megatron's model has no place for {len(unmapped)} tensor(s), not written: {unmapped[:5]}")
+        log.warning("%s", ckpt.notes[-1])
+
+
 def pipeline_split(arch: MegatronArch, pp: int, flags: dict[str, Any] | None, where: str | None = None) -> PipelineSplit:
     """A run's pipeline split: ``pp`` stages of the model's layers, as its Megatron-LM pipeline ``flags`` (a loading
     run's, or a saved run's args; virtual stages, first / last stage layer counts, ...) split them; even without.
@@ -1184,11 +1198,7 @@ def write_megatron(
                               "(Megatron-LM loads the plain optimizer too)")
     hyper = megatron_hyper(opt)
     model = ckpt.model
-    mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
-    unmapped = sorted(set(model) - mapped)
-    if unmapped:
-        ckpt.notes.append(f"Megatron's model has no place for {len(unmapped)} tensor(s), not written: {unmapped[:5]}")
-        log.warning("%s", ckpt.notes[-1])
+    note_unmapped(ckpt, all_rules)
     padding = component_state(ckpt, PADDING) or {}
     scheduler = component_state(ckpt, SCHEDULER)
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)
@@ -1307,6 +1317,10 @@ def _write_stage(chunks: list[list[Rule]], offsets: list[int], model, opt: Optim
             values = hf_values(rule, lambda n: model.get(n))
             if values is None:
                 raise ConversionError(f"the source has no {list(rule.hf)} for Megatron's {rule.megatron}")
+            if rule.buffer:  # in the model's state only, in its own dtype (the expert bias: fp32); no optimizer numbers it
+                for t, piece in enumerate(pieces.pieces(rule, values, fused_dtype([x.spec for x in values]), None, "model")):
+                    models[t][v][local_name(rule.megatron, offsets[v])] = piece
+                continue
             fill = padding_rows(padding, rule, "master", "model")
             weights = pieces.pieces(rule, values, dtype, fill, "model")
             name = local_name(rule.megatron, offsets[v])

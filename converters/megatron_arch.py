@@ -54,6 +54,8 @@ class MegatronArch:
     model_type: str = "llama"  # the Hugging Face model_type to export as
     rotary_percent: float = 1.0  # the part of each head rotary embeddings turn (Phi-3's partial_rotary_factor)
     options: tuple[tuple[str, Any], ...] = ()  # the family's config carried as Megatron args (soft-capping, windows)
+    dense_first: int = 0  # a MoE model's dense layers before its first MoE layer (first_k_dense_replace)
+    dense_ffn: int = 0  # their MLP's width (Megatron's --ffn-hidden-size beside --moe-ffn-hidden-size); 0 without them
 
     @property
     def spec(self) -> Family:
@@ -64,9 +66,14 @@ class MegatronArch:
         """Each MoE layer's experts (0: a dense model); carried as Megatron's ``--num-experts``."""
         return int(dict(self.options).get("num_experts") or 0)
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` (global index) is a MoE layer: all of a MoE model's but its first dense ones."""
+        return bool(self.experts) and layer >= self.dense_first
+
     def check_tp(self, tp: int, where: str | None = None) -> None:
         """Megatron splits whole attention heads and whole query groups over tensor-parallel ranks."""
-        problems = [f"{n} {v}" for n, v in (("attention heads", self.heads), ("query groups", self.groups), ("ffn size", self.ffn)) if v % tp]
+        sizes = (("attention heads", self.heads), ("query groups", self.groups), ("ffn size", self.ffn), ("dense layers' ffn size", self.dense_ffn))
+        problems = [f"{n} {v}" for n, v in sizes if v % tp]
         if problems:
             raise ConversionError(
                 f"{where + ': ' if where else ''}tensor-parallel size {tp} does not divide the model's {', '.join(problems)}"
@@ -91,7 +98,7 @@ class MegatronArch:
                 raise ValueError("kept for another model type")
             return arch
 
-        return kept("megatron-arch", 1, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
+        return kept("megatron-arch", 2, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
 
     def to_json(self) -> dict[str, Any]:
         import dataclasses
@@ -116,7 +123,7 @@ class MegatronArch:
             kind = kinds.get(name, int)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise TypeError(f"{name}: {value!r}")
-            if kind is int and value <= 0:
+            if kind is int and value < (0 if name in ("dense_first", "dense_ffn") else 1):
                 raise ValueError(f"{name}: {value!r}")
         try:
             fam = family_for(raw["model_type"])  # a family this code still maps, the one kept
@@ -150,12 +157,16 @@ class MegatronArch:
                                   f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
         options = tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args)
+        dense_first = 0
         if fam.experts:
             if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
                 raise ConversionError(f"{kind} with dense layers among its MoE layers (mlp_only_layers, decoder_sparse_step): "
                                       "its Megatron map has MoE layers only")
-            if fam.renormalised_attr:  # Megatron's routing order: softmax over every expert first, or over the top-k
-                options += (("moe_router_pre_softmax", not getattr(cfg, fam.renormalised_attr)),)
+            dense_first = int(getattr(cfg, fam.dense_first_attr) or 0) if fam.dense_first_attr else 0
+            if dense_first >= cfg.num_hidden_layers:
+                raise ConversionError(f"{kind} with {fam.dense_first_attr} {dense_first} of {cfg.num_hidden_layers} layers has no "
+                                      "MoE layer; Megatron's MoE model needs one")
+            options += _moe_options(fam, cfg, kind)
         return cls(
             family=fam.name, num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
             groups=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -164,6 +175,7 @@ class MegatronArch:
             tied=bool(tied_groups(config)), gated=fam.gated, norm=fam.norm, eps=float(getattr(cfg, fam.eps_attr)),
             max_positions=cfg.max_position_embeddings, linear_bias=mlp_bias,
             qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent, options=options,
+            dense_first=dense_first, dense_ffn=cfg.intermediate_size if dense_first else 0,  # the dense layers: Llama's MLP
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -200,8 +212,8 @@ class MegatronArch:
                 kw[name] = value
         options = dict(self.options)
         kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None})
-        if fam.renormalised_attr:
-            kw[fam.renormalised_attr] = not options.get("moe_router_pre_softmax", False)
+        if fam.experts:
+            kw.update(_moe_config(self, fam, options))
         defaults = transformers.AutoConfig.for_model(self.model_type)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
             if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:
@@ -230,8 +242,13 @@ class MegatronArch:
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
             model_type = a.get("hf_model_type")
             experts = int(a.get("num_experts") or 0)
+            if a.get("multi_latent_attention"):
+                raise ConversionError(f"{where}: multi-latent attention (--multi-latent-attention, DeepSeek-V3's) has no Megatron "
+                                      "name map here; convert a model with grouped-query attention")
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
-                if experts and rope and swiglu and norm == "RMSNorm":
+                if experts and a.get("moe_router_score_function") == "sigmoid":
+                    model_type = "glm4_moe"  # the family with a sigmoid router on grouped-query attention
+                elif experts and rope and swiglu and norm == "RMSNorm":
                     model_type = ("qwen3_moe" if a.get("qk_layernorm") else
                                   "qwen2_moe" if a.get("moe_shared_expert_intermediate_size") else "mixtral")
                 elif rope and swiglu and norm == "RMSNorm":
@@ -250,12 +267,14 @@ class MegatronArch:
             if bool(experts) != bool(fam.experts):
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
+            carried = {arg for _, arg in fam.config_args}  # what the family's config says either way (GLM-4.5's use_qk_norm)
             for flag in ("qk_layernorm", "apply_layernorm_1p", "moe_shared_expert_gate"):  # structure the family's map must agree with
-                if bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
+                if flag not in carried and bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
                     raise ConversionError(
                         f"{where}: the run {'used' if a.get(flag) else 'did not use'} --{flag.replace('_', '-')}, which a "
                         f"{model_type} model {'does not have' if a.get(flag) else 'needs'}; no Hugging Face name map fits it")
             padded = a.get("padded_vocab_size")
+            dense_first = _dense_first(a, where) if experts else 0
             return cls(
                 family=fam.name, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,
                 head_dim=a.get("kv_channels") or a["hidden_size"] // heads,
@@ -266,8 +285,8 @@ class MegatronArch:
                 linear_bias=bool(a.get("add_bias_linear", True)), qkv_bias=qkv_bias,
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
                 rotary_percent=float(a.get("rotary_percent", 1.0)),
-                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args)
-                + ((("moe_router_pre_softmax", bool(a.get("moe_router_pre_softmax"))),) if experts and fam.renormalised_attr else ()),
+                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ()),
+                dense_first=dense_first, dense_ffn=(a.get("ffn_hidden_size") or 4 * a["hidden_size"]) if dense_first else 0,
             )
         except KeyError as exc:
             raise ConversionError(f"{where}: Megatron args lack {exc.args[0]!r}, so the model's shape is unknown") from None
@@ -295,6 +314,9 @@ class MegatronArch:
             args.update(moe_ffn_hidden_size=self.ffn, moe_grouped_gemm=False, moe_router_score_function="softmax",
                         moe_router_pre_softmax=bool(dict(self.options).get("moe_router_pre_softmax")), moe_layer_freq=1,
                         expert_model_parallel_size=1)
+            args.update(fam.router_args)
+            if self.dense_first:  # Megatron-LM's --moe-layer-freq "([0]*k+[1]*(n-k))", parsed to its list
+                args.update(moe_layer_freq=[0] * self.dense_first + [1] * (self.num_layers - self.dense_first), ffn_hidden_size=self.dense_ffn)
         args.update(extra)
         return args
 
@@ -320,10 +342,25 @@ _MOE_UNMAPPED = {
 
 
 def _check_moe(a: dict[str, Any], where: str, fam: Family, grouped_gemm: bool = False) -> None:
-    """What the family's model has it maps (either routing order where its config says which, shared experts;
-    grouped-GEMM experts where the format stores them as SequentialMLP's)."""
-    mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None, "moe_shared_expert_intermediate_size": fam.shared_experts,
-              "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": grouped_gemm}
+    """What the family's model has it maps (either routing order where its config says which, shared experts,
+    its router's score function, expert bias and groups, dense layers first; grouped-GEMM experts where the format
+    stores them as SequentialMLP's)."""
+    mapped = {"moe_router_pre_softmax": fam.renormalised_attr is not None and not _sigmoid(fam),
+              "moe_shared_expert_intermediate_size": fam.shared_experts,
+              "moe_grouped_gemm": grouped_gemm, "moe_use_legacy_grouped_gemm": grouped_gemm, "moe_layer_freq": bool(fam.dense_layer),
+              **{arg: _carries(fam, arg) for arg in _MOE_CARRIED}}
+    for arg, value in fam.router_args.items():  # the family's router: a run's must be the same
+        if arg in _MOE_UNMAPPED and a.get(arg, _MOE_UNMAPPED[arg][0]) != value:
+            raise ConversionError(f"{where}: this MoE run has --{arg.replace('_', '-')} {a.get(arg, _MOE_UNMAPPED[arg][0])}, but a "
+                                  f"{fam.name} model's router has {value}; no Hugging Face name map fits it")
+        mapped[arg] = True
+    if fam.shared_multiple_attr:
+        _shared_multiple(_count_arg(a, "moe_shared_expert_intermediate_size", where), _count_arg(a, "moe_ffn_hidden_size", where), fam, where)
+    scaling = a.get("moe_router_topk_scaling_factor")
+    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0):
+        raise ConversionError(f"{where}: --moe-router-topk-scaling-factor {scaling!r} is not a positive number")
+    if fam.routing_groups and _count_arg(a, "moe_router_num_groups", where) > 1:
+        _check_groups(_count_arg(a, "moe_router_topk", where), _count_arg(a, "moe_router_group_topk", where), where)
     for arg, (plain, what) in _MOE_UNMAPPED.items():
         value = a.get(arg, plain)
         if arg == "moe_layer_freq" and isinstance(value, (list, tuple)) and set(value) == {1}:
@@ -333,6 +370,109 @@ def _check_moe(a: dict[str, Any], where: str, fam: Family, grouped_gemm: bool = 
         if value is not None and value != plain and not mapped.get(arg):
             raise ConversionError(f"{where}: this MoE run has {what} (--{arg.replace('_', '-')} {value}); the Megatron MoE "
                                   "map reads SequentialMLP experts with softmax top-k routing only")
+
+
+# router arguments a family carries from its config where it names them (config_args, routing_groups)
+_MOE_CARRIED = ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
+
+
+def _count_arg(a: dict[str, Any], name: str, where: str) -> int:
+    """A whole-number argument of an untrusted run (absent: 0), or one line naming it."""
+    value = a.get(name) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a count")
+    return value
+
+
+def _moe_args(a: dict[str, Any], fam: Family) -> tuple[tuple[str, Any], ...]:
+    """A run's MoE arguments a family keeps beyond its config_args, in :func:`_moe_options`' order (checked first by
+    :func:`_check_moe`)."""
+    out: tuple[tuple[str, Any], ...] = ()
+    if fam.shared_multiple_attr:
+        out += (("moe_shared_expert_intermediate_size", a.get("moe_shared_expert_intermediate_size")),)
+    if fam.routing_groups and (a.get("moe_router_num_groups") or 1) > 1:
+        out += (("moe_router_num_groups", a["moe_router_num_groups"]), ("moe_router_group_topk", a.get("moe_router_group_topk")))
+    if fam.renormalised_attr and not _sigmoid(fam):
+        out += (("moe_router_pre_softmax", bool(a.get("moe_router_pre_softmax"))),)
+    return out
+
+
+def _sigmoid(fam: Family) -> bool:
+    return fam.router_args.get("moe_router_score_function") == "sigmoid"
+
+
+def _carries(fam: Family, arg: str) -> bool:
+    groups = ("moe_router_num_groups", "moe_router_group_topk") if fam.routing_groups else ()
+    return arg in groups or arg in {a for _, a in fam.config_args}
+
+
+def _check_groups(topk: int, group_topk: int, where: str) -> None:
+    """megatron-core ranks expert groups by the sum of their top topk / group_topk scores; transformers' DeepSeek-V3
+    router (and GLM-4.5's) by their top 2: the same routing only where topk / group_topk is 2."""
+    if group_topk < 1 or topk % group_topk or topk // group_topk != 2:
+        raise ConversionError(f"{where}: group-limited routing of top-{topk} over {group_topk} groups: megatron-core ranks groups by "
+                              f"their best {topk}/{group_topk} scores, transformers by their best 2; they route alike only "
+                              "where the top-k is twice the groups picked")
+
+
+def _moe_options(fam: Family, cfg: Any, kind: str) -> tuple[tuple[str, Any], ...]:
+    """A MoE config's routing and shared experts as Megatron-LM arguments (beyond the family's config_args)."""
+    out: tuple[tuple[str, Any], ...] = ()
+    topk = int(cfg.num_experts_per_tok)
+    if fam.shared_multiple_attr:
+        shared = int(getattr(cfg, fam.shared_multiple_attr) or 0)
+        out += (("moe_shared_expert_intermediate_size", shared * getattr(cfg, fam.ffn_attr) if shared else None),)
+    if fam.routing_groups:
+        groups, picked = (getattr(cfg, a) for a in fam.routing_groups)
+        if groups and groups > 1:
+            _check_groups(topk, int(picked or 0), f"{kind} ({fam.routing_groups[0]} {groups}, {fam.routing_groups[1]} {picked})")
+            out += (("moe_router_num_groups", int(groups)), ("moe_router_group_topk", int(picked)))
+    if fam.renormalised_attr:
+        renormalised = bool(getattr(cfg, fam.renormalised_attr))
+        if not _sigmoid(fam):  # Megatron's routing order: softmax over every expert first, or over the top-k
+            out += (("moe_router_pre_softmax", not renormalised),)
+        elif topk > 1 and not renormalised:
+            raise ConversionError(f"{kind} with {fam.renormalised_attr}=False: megatron-core renormalises a sigmoid router's "
+                                  "top-k scores always; no Megatron argument routes as this model does")
+    return out
+
+
+def _moe_config(arch: "MegatronArch", fam: Family, options: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_moe_options` and of the dense layers' arguments: the MoE config's attributes."""
+    kw: dict[str, Any] = {}
+    if fam.renormalised_attr:
+        kw[fam.renormalised_attr] = True if _sigmoid(fam) else not options.get("moe_router_pre_softmax", False)
+    if fam.shared_multiple_attr:
+        kw[fam.shared_multiple_attr] = _shared_multiple(options.get("moe_shared_expert_intermediate_size") or 0, arch.ffn, fam)
+    if fam.routing_groups:
+        kw.update(zip(fam.routing_groups, (options.get("moe_router_num_groups") or 1, options.get("moe_router_group_topk") or 1)))
+    if fam.dense_first_attr:
+        kw[fam.dense_first_attr] = arch.dense_first
+        if arch.dense_first:
+            kw["intermediate_size"] = arch.dense_ffn
+    return kw
+
+
+def _shared_multiple(shared: int, ffn: int, fam: Family, where: str | None = None) -> int:
+    """How many routed experts wide the shared experts are (the family's config says so: n_shared_experts)."""
+    if ffn and shared % ffn:
+        raise ConversionError(f"{where + ': ' if where else ''}shared experts {shared} wide: a {fam.name} model's are a multiple "
+                              f"of a routed expert's width ({ffn}, its {fam.ffn_attr})")
+    return shared // ffn if ffn else 0
+
+
+def _dense_first(a: dict[str, Any], where: str) -> int:
+    """How many dense layers come before the MoE ones in Megatron-LM's --moe-layer-freq (1: none; a pattern list);
+    other patterns (every other layer MoE) have no Hugging Face config that says them."""
+    freq = a.get("moe_layer_freq", 1)
+    if freq is None or (type(freq) is int and freq == 1):
+        return 0
+    if isinstance(freq, (list, tuple)) and all(type(v) is int and v in (0, 1) for v in freq) and len(freq) == a.get("num_layers"):
+        k = list(freq).index(1) if 1 in freq else len(freq)
+        if list(freq) == [0] * k + [1] * (len(freq) - k) and k < len(freq):
+            return k
+    raise ConversionError(f"{where}: --moe-layer-freq {freq!r}: only dense layers first, then MoE layers ([0]*k+[1]*(n-k)), "
+                          "is a Hugging Face model's (first_k_dense_replace)")
 
 
 SHAPE_KEYS = {  # the sizes the arguments decide, whatever a recorded config says

@@ -34,7 +34,7 @@ from interop.tensors import LazyTensor, TensorSpec
 
 from .megatron_buffer import DISTRIBUTED_GROUPS, buckets, chunk_buffers, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
-from .megatron_map import Rule, chunk_rules, is_expert, rules, split, stack_index, tied_output_rule
+from .megatron_map import Rule, chunk_rules, is_expert, parameters, rules, split, stack_index, tied_output_rule
 from .megatron_pipeline import PipelineSplit
 
 DP_RESHARDABLE = "dp_reshardable"
@@ -59,9 +59,9 @@ class Region:
 def module_orders(arch: MegatronArch) -> list[tuple[str, list[Rule]]]:
     """The candidate module orders, each as rules under Transformer Engine's names (torch_dist's): the local
     spec's (input norm first in a layer) and Transformer Engine's (norms inside linear_qkv and linear_fc1)."""
-    te = rules(arch, te_names=True)
+    te = parameters(rules(arch, te_names=True))  # the buffers' (a router's expert bias) are no gradients
     by_name = {r.megatron: r for r in te}
-    local = [by_name[r.megatron] if r.megatron in by_name else by_name[r.aliases[0]] for r in rules(arch, te_names=False)]
+    local = [by_name[r.megatron] if r.megatron in by_name else by_name[r.aliases[0]] for r in parameters(rules(arch, te_names=False))]
     return [("local", local), ("transformer_engine", te)]
 
 

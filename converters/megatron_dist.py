@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from interop.lazy_import import torch
@@ -45,14 +46,17 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, padding_rows, pipeline_split, target_shape,
+    MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, note_unmapped, padding_rows,
+    pipeline_split, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit, recorded_flags
 from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
-from .megatron_map import EXPERTS, LAYER_PREFIX, VOCAB, Rule, is_expert, megatron_pieces, merge, rules, stack_index
+from .megatron_map import (
+    EXPERTS, LAYER_PREFIX, VOCAB, Rule, extra_state_key, is_expert, megatron_pieces, merge, parameters, rules, stack_index,
+)
 from .megatron_pieces import RankPieces, fused_dtype
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
 
@@ -74,23 +78,55 @@ MASTER = "fp32_param"  # megatron-core's mixed-precision optimizer: optimizer.st
 DIST_MASTER = "param"  # its DistributedOptimizer, 'fully_reshardable': optimizer.state.param.<model key> (fp32)
 FULLY_RESHARDABLE = "fully_reshardable"
 RNG_STATE = "rng_state"  # Megatron-LM's per TP x PP rank object: rng_state/shard_<p>.<t>_<PP>.<TP>
-LAYER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")  # a MoE layer's shared experts
 
 
 NATIVE_KEY = "megatron_dist"  # the native component of our checkpoint around a torch_dist iteration directory
 
 
-def stacked_name(megatron: str) -> str:
-    """``decoder.layers.<i>.x`` -> ``decoder.layers.x`` (torch_dist stacks the layers on dimension 0), and an
-    expert's ``decoder.layers.<i>.mlp.experts.local_experts.<e>.x`` -> ``decoder.layers.mlp.experts.experts.x``
-    (the experts on dimension 1, whatever the expert-parallel size)."""
-    if not megatron.startswith(LAYER_PREFIX):
-        return megatron
-    rest = megatron[len(LAYER_PREFIX):].split(".", 1)[1]
-    if rest.startswith(EXPERTS):
-        rest = "mlp.experts.experts." + rest[len(EXPERTS):].split(".", 1)[1]
-    return LAYER_PREFIX + rest
+@dataclass(frozen=True)
+class StoredKeys:
+    """How torch_dist names and stacks a model's tensors. By default megatron-core stacks the layers:
+    ``decoder.layers.<i>.x`` is row i of ``decoder.layers.x``, and an expert's
+    ``decoder.layers.<i>.mlp.experts.local_experts.<e>.x`` is [i, e] of ``decoder.layers.mlp.experts.experts.x``
+    (whatever the expert-parallel size). ``per_layer``: its non-homogeneous layers (a MoE model with dense layers
+    first, ``--moe-layer-freq`` a pattern): each layer's own keys, ``decoder.layers.<i>.x``, the experts stacked in
+    ``decoder.layers.<i>.mlp.experts.experts.x``."""
+
+    per_layer: bool = False
+
+    @classmethod
+    def of(cls, args: dict[str, Any]) -> "StoredKeys":
+        """megatron-core's TransformerBlock.sharded_state_dict: per-layer keys where --moe-layer-freq is a pattern
+        (Megatron-LM's args hold it parsed, a list) or every N-th layer (N > 1)."""
+        freq = args.get("moe_layer_freq", 1)
+        return cls(isinstance(freq, (list, tuple)) or (isinstance(freq, int) and not isinstance(freq, bool) and freq > 1))
+
+    def name(self, megatron: str) -> str:
+        if not megatron.startswith(LAYER_PREFIX):
+            return megatron
+        layer, rest = megatron[len(LAYER_PREFIX):].split(".", 1)
+        if rest.startswith(EXPERTS):
+            rest = "mlp.experts.experts." + rest[len(EXPERTS):].split(".", 1)[1]
+        return LAYER_PREFIX + (f"{layer}." if self.per_layer else "") + rest
+
+    def index(self, megatron: str) -> tuple[int, ...]:
+        """Where the tensor lies in its stored tensor's leading (stacking) dimensions."""
+        index = stack_index(megatron)
+        return index[1:] if self.per_layer else index
+
+    def extra_states(self, all_rules: list[Rule], arch: MegatronArch) -> list[str]:
+        """The keys of megatron-core's linears' extra states (None without FP8), each a ShardedObject stored as
+        ``<key>/shard_<offset>_<shape>`` with the layer (and expert) stacking as its offset and shape."""
+        out = []
+        for rule in all_rules:
+            key = extra_state_key(rule.megatron)
+            if key is None or not key.startswith(LAYER_PREFIX):
+                continue
+            index, layers = self.index(rule.megatron), arch.num_layers
+            shape = ((layers,) if not self.per_layer else ()) + ((arch.experts,) if is_expert(rule) else ())
+            offset, shape = (index, shape) if index else ((0,), (1,))
+            out.append(f"{self.name(key)}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
+        return out
 
 
 # --- where a checkpoint is ----------------------------------------------------------------------------------
@@ -118,10 +154,12 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     reader = DCPReader(directory)
     stored = set(reader.tensor_keys())
     all_rules = rules(arch)
-    names = {r.megatron: next((stacked_name(n) for n in (r.megatron, *r.aliases) if stacked_name(n) in stored), None) for r in all_rules}
+    params = parameters(all_rules)  # what the optimizer holds: not the buffers (a router's expert bias)
+    keys = StoredKeys.of(args_d)
+    names = {r.megatron: next((keys.name(n) for n in (r.megatron, *r.aliases) if keys.name(n) in stored), None) for r in all_rules}
     missing = [r.megatron for r in all_rules if names[r.megatron] is None]
     if missing:
-        raise CorruptCheckpointError(directory, f"holds no {stacked_name(missing[0])} ({len(missing)} tensors missing)")
+        raise CorruptCheckpointError(directory, f"holds no {keys.name(missing[0])} ({len(missing)} tensors missing)")
     padded = reader.spec(names[all_rules[0].megatron]).shape[0]
     if args_d.get("padded_vocab_size") and int(args_d["padded_vocab_size"]) != padded:
         raise CorruptCheckpointError(directory, f"embedding has {padded} rows, but args.padded_vocab_size is {args_d['padded_vocab_size']}")
@@ -129,17 +167,18 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     padding: dict[str, Any] = {}  # the padded vocabulary rows, as stand-ins where one chunk holds them
 
     def full_shape(rule: Rule) -> tuple[int, ...]:
-        key = next(stacked_name(n) for n in (rule.megatron, *rule.aliases) if stacked_name(n) in stored)
-        return tuple(reader.spec(key).shape[len(stack_index(rule.megatron)):])
+        key = next(keys.name(n) for n in (rule.megatron, *rule.aliases) if keys.name(n) in stored)
+        return tuple(reader.spec(key).shape[len(keys.index(rule.megatron)):])
 
     def check_stacking(rule: Rule, key: str) -> None:
-        spec, n = reader.spec(key), len(stack_index(rule.megatron))
-        for what, held, expected in zip(("layers", "experts")[:n], spec.shape, (arch.num_layers, arch.experts)):
+        spec, n = reader.spec(key), len(keys.index(rule.megatron))
+        stacking = (("experts", arch.experts),) if keys.per_layer else (("layers", arch.num_layers), ("experts", arch.experts))
+        for (what, expected), held in zip(stacking[:n], spec.shape):
             if held != expected:
                 raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
 
     def stored_full(rule: Rule, key: str) -> torch.Tensor:
-        spec, index = reader.spec(key), stack_index(rule.megatron)
+        spec, index = reader.spec(key), keys.index(rule.megatron)
         if not index:
             return reader.read(key)
         n = len(index)
@@ -148,7 +187,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
     def lazy_for(rule: Rule, key: str, tag: str) -> dict[str, LazyTensor]:
         spec = reader.spec(key)
-        shape = tuple(spec.shape[len(stack_index(rule.megatron)):])
+        shape = tuple(spec.shape[len(keys.index(rule.megatron)):])
         if rule.split == VOCAB and shape[0] > arch.vocab:
             region = ((arch.vocab, 0), (shape[0] - arch.vocab, shape[1]))
             rows = reader.view(key, *region)
@@ -156,7 +195,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         # each layer's chunks as views of the data files: a tensor whose rows lie whole in them is copied file to file
         # (its stacking checked against the args first, as the torch path checks it)
         check_stacking(rule, key)
-        tiles = reader.tiles(key, stack_index(rule.megatron))
+        tiles = reader.tiles(key, keys.index(rule.megatron))
         return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype_name,
                           hf_shapes(rule, arch, shape), tiles=tiles)
 
@@ -185,14 +224,14 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
         has_master = True
         for rule in all_rules:
-            model.update(lazy_flat(rule, "param", "master"))
+            model.update(lazy_for(rule, names[rule.megatron], "model") if rule.buffer else lazy_flat(rule, "param", "master"))
         prefixes = buckets.part_prefixes(arch, ep)
-        split = dense_and_experts(all_rules) if len(prefixes) == 2 else [all_rules]
+        split = dense_and_experts(params) if len(prefixes) == 2 else [params]
         parts = [({"param_groups": buckets.param_groups(reader, prefix, directory)}, rs) for prefix, rs in zip(prefixes, split)]
-        optimizer = _optimizer(reader, parts, names,
-                               ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"), common_path)
+        optimizer = _optimizer(reader, parts, names, ["exp_avg", "exp_avg_sq"], lambda rule, skey: lazy_flat(rule, skey, f"optim:{skey}"),
+                               common_path, keys)
     else:
-        parts = _chained_parts(common.get("optimizer") or {}, all_rules, common_path)
+        parts = _chained_parts(common.get("optimizer") or {}, params, common_path)
         prefixed = len(parts) > 1 and any(k.startswith(CHAINED) for k in stored)  # megatron-core's, unless told not to
 
         def optim_key(rule: Rule, what: str) -> str:
@@ -200,13 +239,14 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             return (f"{CHAINED}{part}." if part is not None else "") + f"{OPTIM_PREFIX}{what}.{names[rule.megatron]}"
 
         master_key = DIST_MASTER if sharding_type == FULLY_RESHARDABLE else MASTER
-        masters = {r.megatron: optim_key(r, master_key) for r in all_rules}
+        masters = {r.megatron: optim_key(r, master_key) for r in params}
         has_master = all(k in stored for k in masters.values())
         # the first weight is what a writer asks for first (every target leads with the model): its bytes are hashed
         # while the rest is planned (numpy's import and the row plans), not after
         reader.start_checks(masters[all_rules[0].megatron] if has_master else names[all_rules[0].megatron])
         for rule in all_rules:
-            model.update(lazy_for(rule, masters[rule.megatron], "master") if has_master else lazy_for(rule, names[rule.megatron], "model"))
+            master = has_master and not rule.buffer
+            model.update(lazy_for(rule, masters[rule.megatron], "master") if master else lazy_for(rule, names[rule.megatron], "model"))
         master_keys = {MASTER, DIST_MASTER} if sharding_type == FULLY_RESHARDABLE else {MASTER}
         unprefixed = [k.split(".", 1)[1] if k.startswith(CHAINED) else k for k in stored]
         state_keys = sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in unprefixed if k.startswith(OPTIM_PREFIX)} - master_keys)
@@ -215,7 +255,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             key = optim_key(rule, skey)
             return lazy_for(rule, key, f"optim:{skey}") if key in stored else {}
 
-        optimizer = _optimizer(reader, parts, names, state_keys, state_lazy, common_path)
+        optimizer = _optimizer(reader, parts, names, state_keys, state_lazy, common_path, keys)
     step = int(common.get("iteration") or 0)
     extra: dict[str, Any] = {}
     if any(_nonzero(t) for t in padding.values()):  # built with torch for a target that keeps them (as the legacy reader)
@@ -308,7 +348,7 @@ def _chained_parts(saved: Any, all_rules: list[Rule], common_path: str) -> list[
 
 
 def _optimizer(reader, parts: list[tuple[dict[str, Any], list[Rule]]], names, state_keys: list[str],
-               state_lazy: Callable[[Rule, str], dict[str, LazyTensor]], common_path: str) -> OptimizerState | None:
+               state_lazy: Callable[[Rule, str], dict[str, LazyTensor]], common_path: str, keys: StoredKeys) -> OptimizerState | None:
     """Adam's state by Hugging Face name: ``state_lazy(rule, key)`` gives a rule's tensors of one state key; each
     part holds the param groups (and the step) of one of megatron-core's optimizers and the rules it holds."""
     if not state_keys:
@@ -324,7 +364,7 @@ def _optimizer(reader, parts: list[tuple[dict[str, Any], list[Rule]]], names, st
         for rule in part_rules:
             for skey in state_keys:
                 tensors.setdefault(skey, {}).update(state_lazy(rule, skey))
-            shape = reader.spec(names[rule.megatron]).shape[len(stack_index(rule.megatron)):]
+            shape = reader.spec(names[rule.megatron]).shape[len(keys.index(rule.megatron)):]
             members[is_no_decay(rule.megatron, tuple(shape))].extend(rule.hf)
         held = [m for m in members if m]  # megatron-core makes a group only for parameters it has
         if not isinstance(groups, list) or len(groups) != len(held):
@@ -367,7 +407,7 @@ def _layer(rule: Rule, source: dict[str, LazyTensor], fill_for, spec: TensorSpec
     return out
 
 
-def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, tag: str,
+def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fill_for, tag: str, keys: StoredKeys,
              dtype: torch.dtype | None = None) -> LazyTensor | None:
     """One stored tensor of ``source``'s tensors (cast to ``dtype`` if given): the rules' full Megatron tensors
     (one per layer, or one), stacked when per layer. None when the source has none of them. The shape comes
@@ -381,7 +421,7 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     fused = first.fuse([RowNumbers.shaped(s.shape) for s in specs]).shape  # (meta tensors would import torch's compiler)
     full_shape = (padded, *fused[1:]) if first.split == VOCAB else tuple(fused)
     out_dtype = dtype or fused_dtype(specs)
-    index = stack_index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
+    index = keys.index(first.megatron)  # the rules come layer by layer, and within a layer expert by expert
     stacked: tuple[int, ...] = ()
     if len(index) == 1:
         stacked = (len(rules_),)
@@ -397,12 +437,12 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     shape = (*stacked, *full_shape)
     if not stacked:
         whole = part(first)
-        return LazyTensor(TensorSpec(shape, out_dtype), whole.load, origin=stacked_name(first.megatron), parts=lambda: (whole,))
+        return LazyTensor(TensorSpec(shape, out_dtype), whole.load, origin=keys.name(first.megatron), parts=lambda: (whole,))
 
     def load() -> torch.Tensor:
         return torch.stack([part(r).load() for r in rules_]).reshape(shape)
 
-    return LazyTensor(TensorSpec(shape, out_dtype), load, origin=stacked_name(first.megatron), parts=lambda: (part(r) for r in rules_))
+    return LazyTensor(TensorSpec(shape, out_dtype), load, origin=keys.name(first.megatron), parts=lambda: (part(r) for r in rules_))
 
 
 def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrite: bool = False,
@@ -429,9 +469,14 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     ep = expert_parallel_size(ckpt, arch, ep)
     etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}")
     all_rules = rules(arch, te_names=True)
+    note_unmapped(ckpt, all_rules)
+    split_args = split.to_args()
+    args_d = arch.to_args(tp, pp)
+    keys = StoredKeys.of(args_d)
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
-        by_key.setdefault(_stored_key(rule, transformer_impl), []).append(rule)
+        by_key.setdefault(_stored_key(rule, transformer_impl, keys), []).append(rule)
+    param_keys = {k: rs for k, rs in by_key.items() if not rs[0].buffer}  # what the optimizer holds
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
     # a MoE model's optimizer at EP > 1 is megatron-core's ChainedOptimizer: the dense parameters' (0) and the
@@ -443,31 +488,25 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
 
     state: dict[str, Any] = {}
     for key, rs in by_key.items():
-        state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), "model", dtype)
+        state[key] = _stacked(rs, model, padded, lambda r: padding_rows(padding, r, "model", "master"), "model", keys,
+                              None if rs[0].buffer else dtype)  # a buffer keeps its dtype (megatron-core's expert bias: fp32)
         if state[key] is None:
             raise ConversionError(f"the source has no {list(rs[0].hf)} for Megatron's {rs[0].megatron}")
     mixed = dtype != torch.float32
     if distributed_optimizer and opt is not None and sorted(opt.tensors) != ["exp_avg", "exp_avg_sq"]:
         raise ConversionError(f"the distributed optimizer keeps Adam's exp_avg and exp_avg_sq; the source has {sorted(opt.tensors)}")
     for skey, per in (opt.tensors.items() if opt and not flat else []):
-        for key, rs in by_key.items():
-            t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"), f"optim:{skey}")
+        for key, rs in param_keys.items():
+            t = _stacked(rs, per, padded, lambda r, s=skey: padding_rows(padding, r, f"optim:{s}"), f"optim:{skey}", keys)
             if t is not None:
                 state[f"{prefix(rs[0])}{OPTIM_PREFIX}{skey}.{key}"] = t
     if (mixed or distributed_optimizer) and opt is not None and not flat:  # the fp32 main params, from the fp32 weights
-        for key, rs in by_key.items():
+        for key, rs in param_keys.items():
             name = DIST_MASTER if distributed_optimizer else MASTER
             state[f"{prefix(rs[0])}{OPTIM_PREFIX}{name}.{key}"] = _stacked(
-                rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), "master", torch.float32)
-    layers = arch.num_layers
-    linears = LAYER_LINEARS if not arch.experts else LAYER_LINEARS[:2] + SHARED_LINEARS * arch.spec.shared_experts
-    for module in linears:  # megatron-core's linears keep an extra
-        for i in range(layers):  # state per layer (None without FP8), stored as torch_dist stores every sharded object:
-            state[f"{LAYER_PREFIX}{module}._extra_state/shard_{i}_{layers}"] = [None]  # a list of its replicas' data
-    for module in ("linear_fc1", "linear_fc2") if arch.experts else ():  # and an expert's per layer and expert
-        for i in range(layers):
-            for e in range(arch.experts):
-                state[f"{LAYER_PREFIX}mlp.experts.experts.{module}._extra_state/shard_{i}.{e}_{layers}.{arch.experts}"] = [None]
+                rs, model, padded, lambda r: padding_rows(padding, r, "master", "model"), "master", keys, torch.float32)
+    for key in keys.extra_states(all_rules, arch):  # megatron-core's linears' extra states, stored as torch_dist stores
+        state[key] = [None]  # every sharded object: a list of its replicas' data
     step = int(ckpt.step or 0)
     args = argparse.Namespace(**arch.to_args(
         tp, pp, iteration=step, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -476,7 +515,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         **({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp} if arch.experts else {}),
         dist_ckpt_optim_fully_reshardable=distributed_optimizer == FULLY_RESHARDABLE,
         no_save_optim=opt is None, hf_config=dict(ckpt.config), padded_vocab_size=padded, seed=DEFAULT_SEED, no_save_rng=False,
-        **(ddp or {}), **split.to_args(),
+        **(ddp or {}), **split_args,
     ))
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp), tp, pp, args.seed, etp=etp)
     ckpt.notes.extend(rng_notes)
@@ -493,11 +532,11 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             groups = [{**g, "step": float(step_value or 0.0)} for g in inner["param_groups"]]
             common["content_metadata"] = {"distrib_optim_sharding_type": distributed_optimizer, "singleton_local_shards": False,
                                           "chained_optim_avoid_prefix": True}  # what Megatron-LM's load asks the optimizer for
-            expert_groups = _expert_groups(groups[0], [r for r in all_rules if is_expert(r)], state) if chained else []
+            expert_groups = _expert_groups(groups[0], [r for r in all_rules if is_expert(r)], state, keys) if chained else []
             if flat:  # the groups are an object of each buffer's, beside its buckets
                 kind = {"param_state_sharding_type": distributed_optimizer}
                 common["optimizer"] = {0: kind, 1: dict(kind)} if chained else kind
-                state.update(_bucket_entries(arch, tp, split, ep, etp, dtype, [groups, expert_groups], state, model, opt, padded, padding,
+                state.update(_bucket_entries(arch, tp, split, ep, etp, dtype, [groups, expert_groups], state, keys, model, opt, padded, padding,
                                              vars(args)))
             elif chained:  # each of the ChainedOptimizer's DistributedOptimizers: its groups, the layout it names
                 common["optimizer"] = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": distributed_optimizer}
@@ -505,7 +544,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
             else:
                 common["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": distributed_optimizer}
         elif chained:
-            expert_groups = _expert_groups(inner["param_groups"][0], [r for r in all_rules if is_expert(r)], state)
+            expert_groups = _expert_groups(inner["param_groups"][0], [r for r in all_rules if is_expert(r)], state, keys)
             # each its own dicts: torch.save keeps shared objects shared, and megatron-core's load fills each part's state
             parts = [inner, {"state": dict(inner["state"]), "param_groups": expert_groups}]
             common["optimizer"] = {i: {"optimizer": part} if mixed else part for i, part in enumerate(parts)}
@@ -531,20 +570,20 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
 
-def _stored_key(rule: Rule, transformer_impl: str) -> str:
+def _stored_key(rule: Rule, transformer_impl: str, keys: StoredKeys) -> str:
     """A rule's torch_dist key. A MoE layer's pre-MLP norm is its own module in both of megatron-core's specs: TE's
     saves it as ``pre_mlp_layernorm.weight``, the local spec under TE's dense name (its sharded_state_dict_keys_map:
     ``mlp.linear_fc1.layer_norm_weight``)."""
     if transformer_impl == "local" and rule.aliases and rule.megatron.endswith(".pre_mlp_layernorm.weight"):
-        return stacked_name(rule.aliases[0])
-    return stacked_name(rule.megatron)
+        return keys.name(rule.aliases[0])
+    return keys.name(rule.megatron)
 
 
-def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[str, Any]) -> list[dict[str, Any]]:
+def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[str, Any], keys: StoredKeys) -> list[dict[str, Any]]:
     """The expert optimizer's param groups as megatron-core's _get_param_groups makes them: the decay group for its
     matrices, a no-decay one only if an expert has biases or norms; the dense groups' hyper-parameters."""
     def shape(rule: Rule) -> tuple[int, ...]:
-        return tuple(state[stacked_name(rule.megatron)].spec.shape[2:])
+        return tuple(state[keys.name(rule.megatron)].spec.shape[len(keys.index(rule.megatron)):])
 
     groups = [{**decay, "is_expert_parallel": True}]
     if any(is_no_decay(r.megatron, shape(r)) for r in expert_rules):
@@ -552,12 +591,13 @@ def _expert_groups(decay: dict[str, Any], expert_rules: list[Rule], state: dict[
     return groups
 
 
-def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, etp: int, dtype: torch.dtype, groups, state, model, opt: OptimizerState, padded: int,
+def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, etp: int, dtype: torch.dtype, groups, state, keys: StoredKeys, model,
+                    opt: OptimizerState, padded: int,
                     padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
     def full_shape(rule: Rule) -> tuple[int, ...]:  # the stored tensor's, less its stacking (layers, experts)
-        shape = state[_stored_key(rule, "local")].spec.shape
-        return tuple(shape[len(stack_index(rule.megatron)):])
+        shape = state[_stored_key(rule, "local", keys)].spec.shape
+        return tuple(shape[len(keys.index(rule.megatron)):])
 
     def full_tensor(rule: Rule, key: str) -> torch.Tensor:
         if key == "param":

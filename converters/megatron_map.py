@@ -41,6 +41,7 @@ class Rule:
     fuse: Callable[[list[torch.Tensor]], torch.Tensor]
     unfuse: Callable[[torch.Tensor], list[torch.Tensor]]
     aliases: tuple[str, ...] = ()  # other names of the same tensor (Transformer Engine fuses norms into linears)
+    buffer: bool = False  # a persistent buffer (the router's expert bias): no gradient, no optimizer state
 
 
 def cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -116,7 +117,8 @@ def _fusers(arch: MegatronArch) -> dict[str, tuple[Callable, Callable]]:
 
 
 def _exists(param: Param, arch: MegatronArch) -> bool:
-    flags = {"linear_bias": arch.linear_bias, "qkv_bias": arch.qkv_bias, "layernorm": arch.norm == "LayerNorm", None: True}
+    flags = {"linear_bias": arch.linear_bias, "qkv_bias": arch.qkv_bias, "layernorm": arch.norm == "LayerNorm",
+             "qk_layernorm": bool(dict(arch.options).get("qk_layernorm")), None: True}
     return flags[param.when]
 
 
@@ -164,18 +166,20 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     out.append(Rule("embedding.word_embeddings.weight", (fam.embedding,), VOCAB, FIRST, _one, _as_list))
     if fam.position_embedding:
         out.append(Rule("embedding.position_embeddings.weight", (fam.position_embedding,), REPLICATED, FIRST, _one, _as_list))
-    fused_into = _linears(fam.layer)
     for i in range(arch.num_layers):
         m, h = f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i)
-        for p in _layer_order(fam.layer, te_names):
+        moe = arch.is_moe_layer(i) or not arch.experts
+        table = fam.layer if moe else fam.dense_layer  # a MoE model's dense layers first (first_k_dense_replace)
+        fused_into = _linears(table)
+        for p in _layer_order(table, te_names):
             if not _exists(p, arch):
                 continue
             names = [f"{m}{p.megatron}"] + ([f"{m}{_te_name(p)}"] if p.norm_of else [])
             if p.norm_of and te_names and p.norm_of in fused_into:  # TE fuses it into its linear; a MoE layer has none
                 names.reverse()
             fuse, unfuse = fusers[p.fuse]
-            out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:])))
-        for e in range(arch.experts):
+            out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:]), p.buffer))
+        for e in range(arch.experts if moe else 0):
             for p in fam.experts:
                 if _exists(p, arch):
                     fuse, unfuse = fusers[p.fuse]
@@ -185,6 +189,11 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     if not arch.tied:
         out.append(Rule("output_layer.weight", (fam.output,), VOCAB, LAST, _one, _as_list))
     return out
+
+
+def parameters(all_rules: list[Rule]) -> list[Rule]:
+    """The rules of the model's parameters, in order: what an optimizer holds (buffers have no state)."""
+    return [r for r in all_rules if not r.buffer]
 
 
 def tied_output_rule(arch: MegatronArch) -> Rule:

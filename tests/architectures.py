@@ -76,6 +76,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
 OUTSIDE_GRID: dict[str, tuple[str, str, dict]] = {
     "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", dict(LLAMA, head_dim=6, moe_num_experts=4, moe_k=2,
                                                                      moe_intermediate_size=20, moe_layer_start_index=1)),
+    # GLM-4.5's: a dense layer first, then MoE layers with a sigmoid router (a score-correction bias, groups, scaled
+    # weights) and a shared expert; q/k/v biases, q/k norms, rotary embeddings on half of each head (tests/test_megatron_moe.py)
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", dict(
+        LLAMA, num_hidden_layers=3, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, moe_intermediate_size=20, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }
 
 
@@ -98,6 +104,10 @@ def build(name: str) -> transformers.PreTrainedModel:
         for pname, p in model.named_parameters():
             if p.dim() == 1:  # norms and biases start at 1 / 0: make each one its own
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+        kept = model.state_dict()
+        for bname, b in model.named_buffers():  # persistent ones too (a router's score-correction bias starts at 0:
+            if bname in kept and b.is_floating_point() and b.dim() == 1:  # one dropped would pass for one kept)
+                b.copy_(torch.rand(b.shape, generator=g) * 0.1)
     return model.eval()
 
 

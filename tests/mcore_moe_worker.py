@@ -70,7 +70,7 @@ def build(args, tp: int, ep: int):
     from dataclasses import replace
 
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     grouped = os.environ.get("MCORE_GROUPED") == "1"  # GroupedMLP experts (weight1 / weight2), megatron-core's layout
     if grouped:
@@ -82,11 +82,17 @@ def build(args, tp: int, ep: int):
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, expert_tensor_parallel_size=ETP or tp,
+        **{k: getattr(args, k) for k in ROUTER_ARGS if getattr(args, k, None) is not None},
     )
+    if isinstance(config.moe_layer_freq, list):  # dense layers first: Megatron-LM's per-layer specs
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm)
     model = GPTModel(
-        config, get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm), vocab_size=args.padded_vocab_size,
+        config, spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base, rotary_percent=getattr(args, "rotary_percent", 1.0),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
     if grouped:  # GroupedMLP's forward asserts bf16 (its kernel's dtype): the experts alone are told so, weights stay fp32
         import copy
@@ -98,6 +104,12 @@ def build(args, tp: int, ep: int):
                 module.config = copy.copy(module.config)
                 module.config.bf16 = True
     return model
+
+
+# a sigmoid router with an expert bias, group-limited and scaled (GLM-4.5, DeepSeek-V3), dense layers first: as the
+# checkpoint's arguments say
+ROUTER_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_layer_freq")
 
 
 def chained_optimizer(model):

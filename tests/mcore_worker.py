@@ -192,8 +192,18 @@ def train_step(model, optimizer, step: int) -> float | None:
         torch.autograd.backward(out, grad)
     if received is not None:
         dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    expert_bias_step(model)
     optimizer.step()
     return loss
+
+
+def expert_bias_step(model) -> None:
+    """Megatron-LM's finalize_model_grads moves a sigmoid router's expert biases (--moe-router-enable-expert-bias,
+    buffers) by the step's token counts, before the optimizer step."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    if getattr(model.config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias([model], model.config)
 
 
 def megatron_param_groups(model):
@@ -256,7 +266,7 @@ def data_parallel_step(ddp, optimizer, step: int) -> float:
     """One step with each data-parallel rank on its rows of the batch; the loss is the whole batch's mean (on the
     last pipeline stage; the backward pass crosses stages as gradients sent back). Then Megatron-LM's
     finalize_model_grads: the data-parallel reduction, and a tied embedding's gradients summed over the first and
-    last stages."""
+    last stages; and a sigmoid router's expert biases moved by the step's token counts (--moe-router-enable-expert-bias)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
 
@@ -276,6 +286,7 @@ def data_parallel_step(ddp, optimizer, step: int) -> float:
         dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     ddp.finish_grad_sync()
     _allreduce_word_embedding_grads([ddp], ddp.config)
+    expert_bias_step(ddp)
     ok, _, _ = optimizer.step()
     assert ok
     loss = mean.detach().clone()

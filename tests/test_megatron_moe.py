@@ -493,3 +493,122 @@ def test_grouped_gemm_legacy_files_are_read(mixtral, tmp_path):
     mcore_moe("load-train", back, back)
     expected = json.loads((own / "losses.json").read_text())
     assert json.loads((back / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+
+# --- DeepSeek-V3-style MoE on grouped-query attention: GLM-4.5 --------------------------------------------------
+def test_glm4_moe_arguments_and_per_layer_keys_are_megatron_cores(converted, tmp_path):
+    """GLM-4.5's model as Megatron-LM's arguments: the dense first layer (--moe-layer-freq [0]*1+[1]*2, its own
+    --ffn-hidden-size), the sigmoid router with its expert bias, group-limited and scaled top-k, the shared expert's
+    width, q/k norms, q/k/v biases and half-rotary heads; torch_dist keeps each layer under its own keys
+    (megatron-core's non-homogeneous layers: decoder.layers.<i>.x, the experts stacked per layer), the router's
+    expert bias among them, fp32. Back to Hugging Face every tensor is the source's, the score-correction bias too."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, hf, dist = converted("glm4_moe")
+    args = vars(load_megatron_file(str(dist / "iter_0000000" / COMMON))["args"])
+    wanted = {"num_layers": 3, "moe_layer_freq": [0, 1, 1], "ffn_hidden_size": 52, "moe_ffn_hidden_size": 20, "num_experts": 4,
+              "moe_router_topk": 2, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+              "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5, "moe_router_dtype": "fp32",
+              "moe_shared_expert_intermediate_size": 20, "qk_layernorm": True, "add_qkv_bias": True, "add_bias_linear": False,
+              "rotary_percent": 0.5, "kv_channels": 8}
+    assert {k: args.get(k) for k in wanted} == wanted
+    meta = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
+    assert tuple(meta["decoder.layers.0.mlp.linear_fc1.weight"].size) == (104, 36)  # the dense layer's [gate; up]
+    assert tuple(meta["decoder.layers.2.mlp.experts.experts.linear_fc2.weight"].size) == (4, 36, 20)
+    bias = meta["decoder.layers.1.mlp.router.expert_bias"]
+    assert (tuple(bias.size), bias.properties.dtype) == ((4,), torch.float32)
+    assert not any(k.startswith(("decoder.layers.mlp.", "decoder.layers.self_attention.")) for k in meta)  # no stacked key
+    assert cli("convert", dist, tmp_path / "back", "--to", "hf").returncode == 0
+    back = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+    theirs = model.state_dict()
+    assert {k: bool(torch.equal(t, theirs[k])) for k, t in back.state_dict().items()} == {k: True for k in theirs}
+    assert theirs["model.layers.2.mlp.gate.e_score_correction_bias"].abs().sum() > 0  # randomised: a dropped one shows
+
+
+def test_glm4_moe_routing_megatron_cannot_hold_is_refused(tmp_path):
+    """What megatron-core cannot route as transformers' GLM-4.5 does is refused in one line, nothing written: groups
+    ranked by other than their top-2 scores, top-k weights not renormalised; a run's dense layers interleaved
+    (--moe-layer-freq 2), which no Hugging Face config says."""
+    model = architectures.build("glm4_moe")
+    for change, message in (
+        (dict(n_group=2, topk_group=2), "group-limited routing of top-2 over 2 groups: megatron-core ranks groups by their best 2/2 scores, "
+                                        "transformers by their best 2"),
+        (dict(norm_topk_prob=False), "glm4_moe with norm_topk_prob=False: megatron-core renormalises a sigmoid router's top-k scores always"),
+    ):
+        for k, v in change.items():
+            setattr(model.config, k, v)
+        model.save_pretrained(tmp_path / "hf")
+        done = cli("convert", tmp_path / "hf", tmp_path / "out", "--to", "megatron-dist")
+        assert done.returncode == 2 and not (tmp_path / "out").exists(), done.stderr
+        assert message in done.stderr.strip().splitlines()[-1]
+        model = architectures.build("glm4_moe")
+    args = {**MegatronArch._asked_from_hf(model.config.to_dict()).to_args(1, 1), "moe_layer_freq": 2}
+    with pytest.raises(ConversionError, match=r"common.pt: --moe-layer-freq 2: only dense layers first, then MoE layers"):
+        MegatronArch.from_args(args, "common.pt")
+
+
+# megatron-core's judgement of GLM-4.5: its logits at EP2 by default (TP2 slow), its training run resumed from
+# torch_dist's dp_reshardable layout by default, the plain optimizer and legacy files (plain and distrib_optim.pt) slow
+GLM_RUNS = [("torch_dist", "dp_reshardable"), pytest.param("torch_dist", None, marks=pytest.mark.slow),
+            pytest.param("torch", None, marks=pytest.mark.slow), pytest.param("torch", "distrib_optim.pt", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["ep2", "tp2"])
+def test_megatron_core_routes_glm4_moe_as_transformers(converted, tmp_path, ep):
+    """megatron-core's GPT model built from our arguments (Megatron-LM's per-layer specs: a dense layer, then MoE
+    layers with the sigmoid router, expert bias, expert groups, scaling and shared expert) loads our torch_dist
+    checkpoint strictly and gives transformers' logits; it saves the model itself (a Megatron-LM run's arguments,
+    no Hugging Face model type: the family is told by its sigmoid router) and interop reads every tensor back."""
+    model, hf, dist = converted("glm4_moe")
+    ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+    torch.save(ids, dist / "ids.pt")
+    own = tmp_path / "own"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "mcore_moe_worker.py"), "logits", str(dist), str(own)]
+    run_workers(cmd, {**worker_env(), "MCORE_EP": str(ep)}, timeout=600)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(dist / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
+    fmt, ckpt = registry.read(str(own))
+    assert (fmt.name, ckpt.config["model_type"], ckpt.config["first_k_dense_replace"]) == ("megatron-dist", "glm4_moe", 1)
+    moe_layers = len({k.split(".mlp.")[0] for k in model.state_dict() if ".mlp.experts." in k})
+    n = len(model.state_dict()) + (4 * 3 - 2) * moe_layers  # the files hold each layer's experts one tensor each
+    report = cli("diff", hf, own)
+    assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+
+
+@pytest.mark.parametrize(("fmt", "optimizer"), GLM_RUNS, ids=["dist-dp_reshardable", "dist-megatron", "legacy", "legacy-distrib_optim"])
+def test_megatron_core_resumes_a_glm4_moe_run_through_universal(converted, legacy, tmp_path, fmt, optimizer):
+    """megatron-core trains GLM-4.5 a step at EP2 (its router's expert biases move by the step's token counts, as
+    Megatron-LM's finalize_model_grads moves them: buffers, in no optimizer) and saves; interop reads it through
+    universal (the moments of every parameter, none of the buffer) and writes the same format back tensor for
+    tensor; megatron-core loads it and trains on with the uninterrupted run's losses."""
+    source = converted("glm4_moe")[2] if fmt == "torch_dist" else legacy("glm4_moe")
+    own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
+    if fmt == "torch_dist":
+        worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
+        env = {**worker_env(), "MCORE_EP": "2", **({"MCORE_DISTOPT": optimizer} if optimizer else {})}
+        run_workers(worker + ["train-save", str(source), str(own)], env, timeout=600)
+    else:
+        mcore_moe("train-save", source, own, distributed=bool(optimizer))
+    u = tmp_path / "u"
+    assert cli("convert", own, u, "--to", "universal").returncode == 0
+    ckpt = registry.read(str(u))[1]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert bias in ckpt.model and bias not in ckpt.optimizer.tensors["exp_avg"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in ckpt.optimizer.tensors["exp_avg"]
+    moved = ckpt.model[bias].load() - converted("glm4_moe")[0].state_dict()[bias]
+    assert moved.abs().min() > 0  # each expert's bias moved by the update rate, up or down
+    target = (["--to", "megatron-dist"] + (["--dist-optim-layout", optimizer] if optimizer else []) if fmt == "torch_dist"
+              else ["--to", "megatron", "--ep-size", "2"] + (["--use-distributed-optimizer"] if optimizer else []))
+    done = cli("convert", u, back, *target, "--transformer-impl", "local")
+    assert done.returncode == 0, done.stderr
+    report = cli("diff", own, back)
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
+    resumed.mkdir()
+    if fmt == "torch_dist":
+        run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
+    else:
+        mcore_moe("load-train", back, resumed, distributed=bool(optimizer))
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)

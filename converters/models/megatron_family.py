@@ -36,8 +36,9 @@ class Param:
     hf: tuple[str, ...]
     split: str
     fuse: str = ONE
-    when: str | None = None  # a MegatronArch flag the tensor exists under ("linear_bias", "qkv_bias", "layernorm")
+    when: str | None = None  # a MegatronArch flag the tensor exists under ("linear_bias", "qkv_bias", "layernorm", "qk_layernorm")
     norm_of: str | None = None  # Transformer Engine fuses this norm into that linear (``<linear>.layer_norm_<p>``)
+    buffer: bool = False  # a persistent buffer (the router's expert bias): in the model's state, not a parameter
 
 
 def norm(megatron_module: str, hf_module: str, norm_of: str | None = None) -> tuple[Param, ...]:
@@ -60,6 +61,16 @@ class Family:
     layer_prefix: str  # "model.layers.{i}."
     layer: tuple[Param, ...]
     experts: tuple[Param, ...] = ()  # a MoE layer's tensors of each expert ("{e}" in both names), after ``layer``'s
+    # the layers of a MoE model before its first MoE layer (DeepSeek-V3's and GLM-4.5's first_k_dense_replace, the
+    # config attribute ``dense_first_attr``; Megatron's --moe-layer-freq [0]*k+[1]*(n-k)): their tensors
+    dense_layer: tuple[Param, ...] = ()
+    dense_first_attr: str | None = None
+    # the config attribute giving the shared experts' width as a multiple of a routed expert's (n_shared_experts);
+    # None: the config gives it itself (config_args), or there are none
+    shared_multiple_attr: str | None = None
+    # the config attributes of group-limited routing (DeepSeek-V3's n_group, topk_group: --moe-router-num-groups,
+    # --moe-router-group-topk); None: the family routes over all experts at once
+    routing_groups: tuple[str, str] | None = None
     # the config attribute saying whether the top-k routing weights are renormalised (Qwen3-MoE's norm_topk_prob);
     # None: always (Mixtral). Megatron's --moe-router-pre-softmax is its negation (softmax over all, then top-k)
     renormalised_attr: str | None = None
@@ -68,6 +79,11 @@ class Family:
     def shared_experts(self) -> bool:
         """Whether its MoE layers have megatron-core's shared experts (``mlp.shared_experts``)."""
         return any(p.megatron.startswith("mlp.shared_experts.") for p in self.layer)
+
+    @property
+    def router_args(self) -> dict[str, Any]:
+        """The router's Megatron-LM arguments the family sets (its score function, expert bias, router dtype)."""
+        return {k: v for k, v in self.megatron_args.items() if k.startswith("moe_router_")}
     position_embedding: str | None = None  # learned absolute positions; None: rotary
     norm: str = "RMSNorm"
     eps_attr: str = "rms_norm_eps"  # the config's attribute for the norm's epsilon
@@ -93,7 +109,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import gemma, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
+    from . import gemma, glm4_moe, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
