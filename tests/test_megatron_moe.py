@@ -612,3 +612,20 @@ def test_megatron_core_resumes_a_glm4_moe_run_through_universal(converted, legac
         mcore_moe("load-train", back, resumed, distributed=bool(optimizer))
     expected = json.loads((own / "losses.json").read_text())
     assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tensor_megatron_has_no_place_for_is_named_not_dropped(tmp_path):
+    """A hub GLM-4.5 carries its multi-token-prediction layer as model.layers.<n> (transformers ignores it on load);
+    Megatron's GPT model has no place for it: torch_dist and legacy targets write the rest and name it in a note."""
+    from safetensors.torch import load_file, save_file
+
+    model, hf = architectures.saved(tmp_path, "glm4_moe")
+    path = next(hf.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    tensors["model.layers.3.eh_proj.weight"] = torch.ones(36, 72)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    for target in ("megatron-dist", "megatron"):
+        done = cli("convert", hf, tmp_path / target, "--to", target)
+        assert done.returncode == 0, done.stderr
+        assert ("note: Megatron's model has no place for 1 tensor(s), not written: ['model.layers.3.eh_proj.weight']"
+                in done.stdout + done.stderr), done.stdout + done.stderr
