@@ -863,6 +863,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown; pass the model's config "
                                      "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
+    legacy_layout(arch, first)
     _check_experts(arch, files, args_d, first)
     states3 = {key: (head if key == (0, 0, 0) else _rank_state(p, load_megatron_file(p, trust_pickle, stored=True)))
                for key, p in files.all_paths.items()}
@@ -944,7 +945,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if has_master:
         source["master_dtype"] = "float32"
     config = hf_config(arch, args_d)
-    notes = []
+    notes = norm_eps_notes(arch, config)
     if not args_d.get("vocab_size"):
         notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
     return LogicalCheckpoint(
@@ -1093,9 +1094,33 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     if isinstance(window, int):
         said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
                     "the same up to that many tokens); the recorded Hugging Face config keeps it")
+    said += norm_eps_notes(arch, ckpt.config)
     ckpt.notes.extend(n for n in said if n not in ckpt.notes)
     dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     return arch, padded_vocab(arch.vocab, tp), dtype
+
+
+def legacy_layout(arch: MegatronArch, where: str) -> None:
+    """Legacy per-rank files hold each rank's own piece, which for multi-latent attention's down-projections
+    depends on the spec (column-parallel in the local one, duplicated in Transformer Engine's), and the files do
+    not say which: refused in one line; torch_dist stores the global tensors, which both load."""
+    if arch.spec.megatron_args.get("multi_latent_attention"):
+        raise ConversionError(f"{where}: a {arch.model_type} model's multi-latent attention in legacy per-rank files is not "
+                              "read or written (its pieces depend on the run's spec); use --ckpt-format torch_dist (--to megatron-dist)")
+
+
+def norm_eps_notes(arch: MegatronArch, config: dict[str, Any]) -> list[str]:
+    """megatron-core builds every norm with --norm-epsilon; the Hugging Face model may build some with another
+    (DeepSeek-V3's q/kv latent norms keep RMSNorm's default 1e-6 whatever rms_norm_eps says; asked of the built
+    modules). Written and read all the same, the outputs then differ slightly: said in a note, both ways."""
+    from .models.facts import norm_epsilons
+
+    other: dict[float, set[str]] = {}
+    for name, eps in norm_epsilons(config).items():
+        if eps != arch.eps:
+            other.setdefault(eps, set()).add(re.sub(r"\.\d+\.", ".<n>.", name))
+    return [f"transformers builds {', '.join(sorted(names))} with eps {eps:g}, megatron-core every norm with --norm-epsilon "
+            f"{arch.eps:g}: their outputs differ slightly" for eps, names in sorted(other.items())]
 
 
 def note_unmapped(ckpt: LogicalCheckpoint, all_rules: list[Rule]) -> None:
@@ -1166,6 +1191,7 @@ def write_megatron(
     in each rank's file, a gradient buffer each; uneven stages), :meth:`.megatron_pipeline.PipelineSplit.from_args`'s
     names. Both recorded in the args."""
     arch, padded, dtype = target_shape(ckpt, tp)
+    legacy_layout(arch, "--to megatron")
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
     if expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}") != tp:

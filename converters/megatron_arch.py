@@ -87,8 +87,8 @@ class MegatronArch:
         per config and installed transformers, then kept (``models.kept``), as :meth:`to_hf` is."""
         import json
 
-        try:
-            key = json.dumps(config, sort_keys=True, default=str)
+        try:  # the family's table is this code too: an answer kept before it changed is not this one's
+            key = json.dumps([config, repr(family_for(config.get("model_type")))], sort_keys=True, default=str)
         except (TypeError, ValueError):  # keys JSON cannot sort: asked every time
             return cls._asked_from_hf(config)
 
@@ -185,7 +185,7 @@ class MegatronArch:
         import dataclasses
         import json
 
-        key = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        key = json.dumps([dataclasses.asdict(self), repr(self.spec)], sort_keys=True, default=str)
         return kept("megatron-config", 1, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
 
     def _asked_hf(self) -> dict[str, Any]:
@@ -211,7 +211,7 @@ class MegatronArch:
             if isinstance(name, str):
                 kw[name] = value
         options = dict(self.options)
-        kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None})
+        kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None or attr in fam.nullable})
         if fam.experts:
             kw.update(_moe_config(self, fam, options))
         defaults = transformers.AutoConfig.for_model(self.model_type)
@@ -242,12 +242,9 @@ class MegatronArch:
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
             model_type = a.get("hf_model_type")
             experts = int(a.get("num_experts") or 0)
-            if a.get("multi_latent_attention"):
-                raise ConversionError(f"{where}: multi-latent attention (--multi-latent-attention, DeepSeek-V3's) has no Megatron "
-                                      "name map here; convert a model with grouped-query attention")
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
-                if experts and a.get("moe_router_score_function") == "sigmoid":
-                    model_type = "glm4_moe"  # the family with a sigmoid router on grouped-query attention
+                if experts and a.get("moe_router_score_function") == "sigmoid":  # the families with a sigmoid router:
+                    model_type = "deepseek_v3" if a.get("multi_latent_attention") else "glm4_moe"  # on MLA, on GQA
                 elif experts and rope and swiglu and norm == "RMSNorm":
                     model_type = ("qwen3_moe" if a.get("qk_layernorm") else
                                   "qwen2_moe" if a.get("moe_shared_expert_intermediate_size") else "mixtral")
@@ -268,7 +265,10 @@ class MegatronArch:
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
             carried = {arg for _, arg in fam.config_args}  # what the family's config says either way (GLM-4.5's use_qk_norm)
-            for flag in ("qk_layernorm", "apply_layernorm_1p", "moe_shared_expert_gate"):  # structure the family's map must agree with
+            if a.get("multi_latent_attention") and a.get("rope_type") != "rope":  # Megatron-LM's MLA default is YaRN
+                raise ConversionError(f"{where}: multi-latent attention with --rope-type {a.get('rope_type') or 'yarn'} (YaRN "
+                                      "scaling) is not mapped; only --rope-type rope is")
+            for flag in ("qk_layernorm", "apply_layernorm_1p", "moe_shared_expert_gate", "multi_latent_attention"):  # structure the family's map must agree with
                 if flag not in carried and bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
                     raise ConversionError(
                         f"{where}: the run {'used' if a.get(flag) else 'did not use'} --{flag.replace('_', '-')}, which a "

@@ -46,7 +46,7 @@ from .dcp import DCPReader, write_dcp
 from .engine_checkpoint import RNG, Written, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
-    MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, note_unmapped, padding_rows,
+    MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, norm_eps_notes, note_unmapped, padding_rows,
     pipeline_split, target_shape,
 )
 from .megatron_arch import MegatronArch
@@ -275,8 +275,9 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
 
     rng = DeferredList(rng_states) if rng_keys is not None else None
     pipeline = recorded_flags({**args_d, "num_layers": arch.num_layers}, common_path)
+    config = hf_config(arch, args_d)
     return LogicalCheckpoint(
-        model=model, config=hf_config(arch, args_d), optimizer=optimizer,
+        model=model, config=config, optimizer=optimizer, notes=norm_eps_notes(arch, config),
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": reader.spec(names[all_rules[0].megatron]).dtype_name, "iteration": step,
                 **({"master_dtype": "float32"} if has_master else {}), **({"pipeline": pipeline} if pipeline else {}),
@@ -473,9 +474,10 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     split_args = split.to_args()
     args_d = arch.to_args(tp, pp)
     keys = StoredKeys.of(args_d)
+    mla = bool(args_d.get("multi_latent_attention"))
     by_key: dict[str, list[Rule]] = {}
     for rule in all_rules:
-        by_key.setdefault(_stored_key(rule, transformer_impl, keys), []).append(rule)
+        by_key.setdefault(_stored_key(rule, transformer_impl, keys, mla), []).append(rule)
     param_keys = {k: rs for k, rs in by_key.items() if not rs[0].buffer}  # what the optimizer holds
     padding = component_state(ckpt, PADDING) or {}
     model, opt = ckpt.model, ckpt.optimizer
@@ -570,12 +572,16 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
     log.info("wrote Megatron torch_dist checkpoint %s (iteration %d, %d stored tensors)", dst, step, len(state))
 
 
-def _stored_key(rule: Rule, transformer_impl: str, keys: StoredKeys) -> str:
+def _stored_key(rule: Rule, transformer_impl: str, keys: StoredKeys, mla: bool = False) -> str:
     """A rule's torch_dist key. A MoE layer's pre-MLP norm is its own module in both of megatron-core's specs: TE's
     saves it as ``pre_mlp_layernorm.weight``, the local spec under TE's dense name (its sharded_state_dict_keys_map:
-    ``mlp.linear_fc1.layer_norm_weight``)."""
-    if transformer_impl == "local" and rule.aliases and rule.megatron.endswith(".pre_mlp_layernorm.weight"):
-        return keys.name(rule.aliases[0])
+    ``mlp.linear_fc1.layer_norm_weight``). The local spec's multi-latent-attention layer has no key map: every norm
+    under its own module's name (``self_attention.q_layernorm.weight``, ``pre_mlp_layernorm.weight``)."""
+    if transformer_impl == "local" and rule.aliases:
+        if mla and ".layer_norm_" in rule.megatron:
+            return keys.name(rule.aliases[0])
+        if not mla and rule.megatron.endswith(".pre_mlp_layernorm.weight"):
+            return keys.name(rule.aliases[0])
     return keys.name(rule.megatron)
 
 
@@ -596,7 +602,7 @@ def _bucket_entries(arch, tp: int, split: PipelineSplit, ep: int, etp: int, dtyp
                     padding: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, Any]:
     """The dp_reshardable buckets: each rule's full fp32 master (from the weights) and moments, vocabulary padded."""
     def full_shape(rule: Rule) -> tuple[int, ...]:  # the stored tensor's, less its stacking (layers, experts)
-        shape = state[_stored_key(rule, "local", keys)].spec.shape
+        shape = state[_stored_key(rule, "local", keys, bool(args.get("multi_latent_attention")))].spec.shape
         return tuple(shape[len(keys.index(rule.megatron)):])
 
     def full_tensor(rule: Rule, key: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from interop.errors import ConversionError
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit
 from .models.megatron_family import (  # noqa: F401 - the split kinds are also this module's
-    CAT, COLS, GATED, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROWS, VOCAB, T, Family, Param,
+    CAT, COLS, GATED, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROPE_KV, ROPE_Q, ROWS, VOCAB, T, Family, Param,
 )
 
 FIRST, LAST = -1, -2  # stage markers for tensors outside the layers
@@ -111,14 +111,44 @@ def _halves(t: torch.Tensor) -> list[torch.Tensor]:
     return [p.contiguous() for p in t.chunk(2, dim=0)]
 
 
+def _rope_rows(arch: MegatronArch, lead_arg: str | None, heads: int) -> tuple[Callable, Callable]:
+    """Multi-latent attention's rotary rows: each of ``heads`` blocks is ``[lead; rope]`` (``lead_arg``'s rows: a
+    head's no-rope part, or the kv latent). megatron-core's MLA takes the rope rows' even then odd entries before
+    rotating halves (rope_utils' ``multi_latent_attention`` branch), as transformers does with ``rope_interleave``
+    (its default): those rows are stored as they are. A model that rotates halves without it (``rope_interleave``
+    False) has its rope rows stored interleaved, so that megatron-core's reordering gives them back."""
+    options = dict(arch.options)
+    rope = options.get("qk_pos_emb_head_dim") or 0
+    lead = options.get(lead_arg) or 0 if lead_arg else 0
+    if options.get("hf_rope_interleave") is not False or not rope:
+        return _one, _as_list
+
+    def interleave(ts: list[torch.Tensor]) -> torch.Tensor:  # halves -> pairs
+        rest = tuple(ts[0].shape[1:])
+        g = ts[0].reshape(heads, lead + rope, *rest)
+        half = rope // 2
+        pairs = cat([g[:, lead:lead + half].reshape(heads, half, 1, *rest), g[:, lead + half:].reshape(heads, half, 1, *rest)],
+                    dim=2).reshape(heads, rope, *rest)  # (cat, not torch.stack: the planner's RowNumbers pass here too)
+        return cat([g[:, :lead], pairs], dim=1).reshape(heads * (lead + rope), *rest).contiguous()
+
+    def halves(t: torch.Tensor) -> list[torch.Tensor]:  # pairs -> halves: megatron-core's own reordering
+        rest = tuple(t.shape[1:])
+        g = t.reshape(heads, lead + rope, *rest)
+        return [cat([g[:, :lead], g[:, lead::2], g[:, lead + 1::2]], dim=1).reshape(heads * (lead + rope), *rest).contiguous()]
+
+    return interleave, halves
+
+
 def _fusers(arch: MegatronArch) -> dict[str, tuple[Callable, Callable]]:
     return {ONE: (_one, _as_list), T: (_t, _t_back), QKV: _qkv(arch), PACKED_QKV: _packed_qkv(arch, False),
-            PACKED_QKV_T: _packed_qkv(arch, True), CAT: (_cat, _halves)}
+            PACKED_QKV_T: _packed_qkv(arch, True), CAT: (_cat, _halves),
+            ROPE_Q: _rope_rows(arch, "qk_head_dim", arch.heads), ROPE_KV: _rope_rows(arch, "kv_lora_rank", 1)}
 
 
 def _exists(param: Param, arch: MegatronArch) -> bool:
     flags = {"linear_bias": arch.linear_bias, "qkv_bias": arch.qkv_bias, "layernorm": arch.norm == "LayerNorm",
-             "qk_layernorm": bool(dict(arch.options).get("qk_layernorm")), None: True}
+             "qk_layernorm": bool(dict(arch.options).get("qk_layernorm")), None: True,
+             "q_lora": dict(arch.options).get("q_lora_rank") is not None, "no_q_lora": dict(arch.options).get("q_lora_rank") is None}
     return flags[param.when]
 
 
@@ -202,7 +232,9 @@ def tied_output_rule(arch: MegatronArch) -> Rule:
     return Rule("output_layer.weight", (arch.spec.embedding,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
 
 
-LINEAR_MODULES = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")  # the attention's, an MLP's or an expert's
+# the attention's (multi-latent attention's projections too), an MLP's or an expert's
+LINEAR_MODULES = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                  "linear_kv_down_proj", "linear_kv_up_proj")
 
 
 def extra_state_key(name: str) -> str | None:

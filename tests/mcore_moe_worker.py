@@ -66,6 +66,29 @@ def grouped_gemm_on_cpu() -> None:
     gg.ops = SimpleNamespace(gmm=gmm)
 
 
+def mla_attention_on_cpu() -> None:
+    """megatron-core 0.16.1's multi-latent attention hands its core attention the q/k and v head sizes
+    (``k_channels``, ``v_channels``), which only Transformer Engine's attention takes. The local spec's
+    DotProductAttention computes the same softmax(q k^T x scale) v for any q/k head size (MLA gives it the scale);
+    here it takes them and lays its output out by v's head size. The rest (projections, norms, rotary embedding,
+    sharded state dict) stays megatron-core's MLA. Without Transformer Engine installed its module also names
+    TELinear as None where it asks isinstance(..., TELinear): a class no layer is an instance of, here."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.TELinear = type("TransformerEngineNotInstalled", (), {})
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # (megatron-core's Attention base builds one without, which MLA then replaces)
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    backends.LocalSpecProvider.core_attention = lambda self: MLACoreAttention
+
+
 def build(args, tp: int, ep: int):
     from dataclasses import replace
 
@@ -82,12 +105,21 @@ def build(args, tp: int, ep: int):
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
         moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, expert_tensor_parallel_size=ETP or tp,
-        **{k: getattr(args, k) for k in ROUTER_ARGS if getattr(args, k, None) is not None},
+        **{k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None},
     )
+    if getattr(args, "multi_latent_attention", False):  # DeepSeek-V3: megatron-core's config class for MLA
+        from dataclasses import fields
+
+        mla_attention_on_cpu()
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        mla = {k: getattr(args, k) for k in MLA_ARGS}
+        config = MLATransformerConfig(**{f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in mla}, **mla)
     if isinstance(config.moe_layer_freq, list):  # dense layers first: Megatron-LM's per-layer specs
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
-        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm)
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention)
     model = GPTModel(
         config, spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
@@ -108,8 +140,10 @@ def build(args, tp: int, ep: int):
 
 # a sigmoid router with an expert bias, group-limited and scaled (GLM-4.5, DeepSeek-V3), dense layers first: as the
 # checkpoint's arguments say
-ROUTER_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+CONFIG_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
                "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_layer_freq")
+# multi-latent attention's sizes and rotary embedding (--multi-latent-attention: MLATransformerConfig)
+MLA_ARGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base")
 
 
 def chained_optimizer(model):

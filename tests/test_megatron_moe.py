@@ -547,19 +547,26 @@ def test_glm4_moe_routing_megatron_cannot_hold_is_refused(tmp_path):
         MegatronArch.from_args(args, "common.pt")
 
 
-# megatron-core's judgement of GLM-4.5: its logits at EP2 by default (TP2 slow), its training run resumed from
-# torch_dist's dp_reshardable layout by default, the plain optimizer and legacy files (plain and distrib_optim.pt) slow
-GLM_RUNS = [("torch_dist", "dp_reshardable"), pytest.param("torch_dist", None, marks=pytest.mark.slow),
-            pytest.param("torch", None, marks=pytest.mark.slow), pytest.param("torch", "distrib_optim.pt", marks=pytest.mark.slow)]
+# megatron-core's judgement of GLM-4.5 and DeepSeek-V3: their logits at EP2 by default (TP2 slow); a training run
+# resumed from torch_dist's dp_reshardable layout by default, the plain optimizer and (GLM-4.5) legacy files, plain
+# and with distrib_optim.pt, slow
+DEEPSEEK_STYLE = [("glm4_moe", 2), ("deepseek_v3", 2), ("deepseek_v3_plain_q", 2), pytest.param("glm4_moe", 1, marks=pytest.mark.slow),
+                  pytest.param("deepseek_v3", 1, marks=pytest.mark.slow)]
+RUNS = [("glm4_moe", "torch_dist", "dp_reshardable"), pytest.param("glm4_moe", "torch_dist", None, marks=pytest.mark.slow),
+        pytest.param("glm4_moe", "torch", None, marks=pytest.mark.slow), pytest.param("glm4_moe", "torch", "distrib_optim.pt", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", "torch_dist", "dp_reshardable", marks=pytest.mark.slow),
+        ("deepseek_v3", "torch_dist", None)]
 
 
-@pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["ep2", "tp2"])
-def test_megatron_core_routes_glm4_moe_as_transformers(converted, tmp_path, ep):
+@pytest.mark.parametrize(("name", "ep"), DEEPSEEK_STYLE, ids=["glm4_moe-ep2", "deepseek_v3-ep2", "deepseek_v3_plain_q-ep2",
+                                                                            "glm4_moe-tp2", "deepseek_v3-tp2"])
+def test_megatron_core_routes_deepseek_style_moe_as_transformers(converted, tmp_path, name, ep):
     """megatron-core's GPT model built from our arguments (Megatron-LM's per-layer specs: a dense layer, then MoE
-    layers with the sigmoid router, expert bias, expert groups, scaling and shared expert) loads our torch_dist
-    checkpoint strictly and gives transformers' logits; it saves the model itself (a Megatron-LM run's arguments,
-    no Hugging Face model type: the family is told by its sigmoid router) and interop reads every tensor back."""
-    model, hf, dist = converted("glm4_moe")
+    layers with the sigmoid router, expert bias, expert groups, scaling and shared expert; DeepSeek-V3's
+    multi-latent attention with interleaved rotary pairs) loads our torch_dist checkpoint strictly and gives
+    transformers' logits; it saves the model itself (a Megatron-LM run's arguments, no Hugging Face model type: the
+    family told by its sigmoid router and its attention) and interop reads every tensor back."""
+    model, hf, dist = converted(name)
     ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
     torch.save(ids, dist / "ids.pt")
     own = tmp_path / "own"
@@ -570,20 +577,22 @@ def test_megatron_core_routes_glm4_moe_as_transformers(converted, tmp_path, ep):
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(torch.load(dist / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
     fmt, ckpt = registry.read(str(own))
-    assert (fmt.name, ckpt.config["model_type"], ckpt.config["first_k_dense_replace"]) == ("megatron-dist", "glm4_moe", 1)
+    assert (fmt.name, ckpt.config["model_type"], ckpt.config["first_k_dense_replace"]) == ("megatron-dist", architectures.spec(name)[0], 1)
     moe_layers = len({k.split(".mlp.")[0] for k in model.state_dict() if ".mlp.experts." in k})
     n = len(model.state_dict()) + (4 * 3 - 2) * moe_layers  # the files hold each layer's experts one tensor each
     report = cli("diff", hf, own)
     assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
 
 
-@pytest.mark.parametrize(("fmt", "optimizer"), GLM_RUNS, ids=["dist-dp_reshardable", "dist-megatron", "legacy", "legacy-distrib_optim"])
-def test_megatron_core_resumes_a_glm4_moe_run_through_universal(converted, legacy, tmp_path, fmt, optimizer):
-    """megatron-core trains GLM-4.5 a step at EP2 (its router's expert biases move by the step's token counts, as
-    Megatron-LM's finalize_model_grads moves them: buffers, in no optimizer) and saves; interop reads it through
-    universal (the moments of every parameter, none of the buffer) and writes the same format back tensor for
+@pytest.mark.parametrize(("name", "fmt", "optimizer"), RUNS, ids=["glm4_moe-dist-dp_reshardable", "glm4_moe-dist-megatron", "glm4_moe-legacy",
+                                                                  "glm4_moe-legacy-distrib_optim", "deepseek_v3-dist-dp_reshardable",
+                                                                  "deepseek_v3-dist-megatron"])
+def test_megatron_core_resumes_a_deepseek_style_run_through_universal(converted, legacy, tmp_path, name, fmt, optimizer):
+    """megatron-core trains GLM-4.5 or DeepSeek-V3 a step at EP2 (its router's expert biases move by the step's token
+    counts, as Megatron-LM's finalize_model_grads moves them: buffers, in no optimizer) and saves; interop reads it
+    through universal (the moments of every parameter, none of the buffer) and writes the same format back tensor for
     tensor; megatron-core loads it and trains on with the uninterrupted run's losses."""
-    source = converted("glm4_moe")[2] if fmt == "torch_dist" else legacy("glm4_moe")
+    source = converted(name)[2] if fmt == "torch_dist" else legacy(name)
     own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
     if fmt == "torch_dist":
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
@@ -597,7 +606,7 @@ def test_megatron_core_resumes_a_glm4_moe_run_through_universal(converted, legac
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert bias in ckpt.model and bias not in ckpt.optimizer.tensors["exp_avg"]
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in ckpt.optimizer.tensors["exp_avg"]
-    moved = ckpt.model[bias].load() - converted("glm4_moe")[0].state_dict()[bias]
+    moved = ckpt.model[bias].load() - converted(name)[0].state_dict()[bias]
     assert moved.abs().min() > 0  # each expert's bias moved by the update rate, up or down
     target = (["--to", "megatron-dist"] + (["--dist-optim-layout", optimizer] if optimizer else []) if fmt == "torch_dist"
               else ["--to", "megatron", "--ep-size", "2"] + (["--use-distributed-optimizer"] if optimizer else []))
@@ -629,3 +638,44 @@ def test_a_tensor_megatron_has_no_place_for_is_named_not_dropped(tmp_path):
         assert done.returncode == 0, done.stderr
         assert ("note: Megatron's model has no place for 1 tensor(s), not written: ['model.layers.3.eh_proj.weight']"
                 in done.stdout + done.stderr), done.stdout + done.stderr
+
+
+def test_deepseek_v3_arguments_and_keys_are_megatron_cores(converted, tmp_path):
+    """DeepSeek-V3's multi-latent attention as Megatron-LM's arguments (--multi-latent-attention, its ranks and head
+    sizes, --rope-type rope, --qk-layernorm for the local spec's q/kv norms)
+    and megatron-core's local-spec keys (each norm under its own module: the MLA layer has no key map), every
+    tensor back exactly. Legacy files, whose down-projection pieces depend on the run's spec, and a Megatron-LM run's
+    YaRN rotary scaling (its MLA default) are refused in one line. transformers builds the q/kv latent norms with
+    1e-6 whatever rms_norm_eps says, megatron-core with --norm-epsilon: another rms_norm_eps is said both ways."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, hf, dist = converted("deepseek_v3")
+    args = vars(load_megatron_file(str(dist / "iter_0000000" / COMMON))["args"])
+    c = model.config
+    wanted = {"multi_latent_attention": True, "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank, "qk_head_dim": c.qk_nope_head_dim,
+              "qk_pos_emb_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "hf_rope_interleave": True, "rope_type": "rope",
+              "qk_layernorm": True, "moe_layer_freq": [0, 1], "moe_router_score_function": "sigmoid", "moe_router_num_groups": 2}
+    assert {k: args.get(k) for k in wanted} == wanted
+    meta = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
+    for key, shape in (("decoder.layers.1.self_attention.linear_kv_down_proj.weight", (c.kv_lora_rank + c.qk_rope_head_dim, 36)),
+                       ("decoder.layers.1.self_attention.q_layernorm.weight", (c.q_lora_rank,)),
+                       ("decoder.layers.0.pre_mlp_layernorm.weight", (36,)), ("decoder.layers.1.mlp.router.expert_bias", (4,))):
+        assert tuple(meta[key].size) == shape, key
+    assert cli("convert", dist, tmp_path / "back", "--to", "hf").returncode == 0
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()
+    theirs = model.state_dict()
+    assert {k: bool(torch.equal(t, theirs[k])) for k, t in back.state_dict().items()} == {k: True for k in theirs}
+    done = cli("convert", hf, tmp_path / "legacy", "--to", "megatron")
+    assert done.returncode == 2 and not (tmp_path / "legacy").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "interop convert: error: --to megatron: a deepseek_v3 model's multi-latent attention in legacy per-rank files is not read or "
+        "written (its pieces depend on the run's spec); use --ckpt-format torch_dist (--to megatron-dist)")
+    with pytest.raises(ConversionError, match=r"common.pt: multi-latent attention with --rope-type yarn \(YaRN scaling\) is not mapped"):
+        MegatronArch.from_args({**args, "rope_type": None, "hf_model_type": None}, "common.pt")
+    model.config.rms_norm_eps = 1e-5  # transformers' latent norms keep 1e-6: both ways, said
+    model.save_pretrained(tmp_path / "eps")
+    for src, dst, to in ((tmp_path / "eps", tmp_path / "eps-dist", "megatron-dist"), (tmp_path / "eps-dist", tmp_path / "eps-hf", "hf")):
+        done = cli("convert", src, dst, "--to", to)
+        assert done.returncode == 0, done.stderr
+        assert ("note: transformers builds model.layers.<n>.self_attn.kv_a_layernorm, model.layers.<n>.self_attn.q_a_layernorm with eps "
+                "1e-06, megatron-core every norm with --norm-epsilon 1e-05: their outputs differ slightly") in done.stdout + done.stderr, done.stderr

@@ -122,7 +122,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 4  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 5  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,9 @@ class _Answers:
     # tensor lies in them (None where transformers' operations are no views and must run on the values)
     splits: dict[str, fusion.SplitPlan]
     built_frozen: tuple[str, ...] = ()  # parameters the model's modules build with requires_grad=False
+    # each norm module's epsilon as the model builds it (``variance_epsilon`` or ``eps``): not always the config's
+    # (DeepSeek-V3's q/kv latent norms keep their class default whatever rms_norm_eps says)
+    norm_eps: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -155,7 +158,7 @@ class _Answers:
                 "splits": {k: {"shape": list(p.shape), "patterns": list(p.patterns), "views": None if p.views is None else
                                [[v.stored, list(v.shape), list(v.stride), v.offset] for v in p.views]}
                            for k, p in self.splits.items()},
-                "built_frozen": list(self.built_frozen)}
+                "built_frozen": list(self.built_frozen), "norm_eps": self.norm_eps}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -212,8 +215,11 @@ class _Answers:
             splits[k] = fusion.SplitPlan(ints(v.get("shape")), tuple(strings(v.get("patterns"))), views)
         facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
                            tuple(strings(raw["ignore_unexpected"])))
+        norm_eps = string_map(raw["norm_eps"])
+        if not all(type(v) is float for v in norm_eps.values()):
+            raise ValueError("norm_eps")
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
-                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])))
+                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])), norm_eps)
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -230,7 +236,18 @@ def _asked(key: str) -> _Answers | ConversionError:
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys([*stored.values(), *pieces])},
                     bool(_live_converters(key)), _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
                     tuple(n for n in model.state_dict() if n not in named), splits,
-                    tuple(n for n, p in model.named_parameters() if not p.requires_grad))
+                    tuple(n for n, p in model.named_parameters() if not p.requires_grad), _norm_epsilons(model))
+
+
+def _norm_epsilons(model: torch.nn.Module) -> dict[str, float]:
+    """Every module with a float epsilon (LayerNorm's ``eps``, the RMSNorms' ``variance_epsilon`` or ``eps``) and
+    that epsilon, as built."""
+    out = {}
+    for name, module in model.named_modules():
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if type(eps) is float:
+            out[name] = eps
+    return out
 
 
 def _split_plans(key: str, to_module: Callable[[str], tuple[str, str | None]],
@@ -311,6 +328,13 @@ def built_frozen(config: dict[str, Any] | None) -> tuple[str, ...]:
     these too. Empty for a model transformers cannot build."""
     answers = _kept(config)
     return answers.built_frozen if answers is not None else ()
+
+
+def norm_epsilons(config: dict[str, Any] | None) -> dict[str, float]:
+    """The epsilon each of the model's norm modules is built with (module name -> eps); empty for a model
+    transformers cannot build."""
+    answers = _kept(config)
+    return answers.norm_eps if answers is not None else {}
 
 
 def expert_parameters(config: dict[str, Any] | None) -> dict[str, tuple[str, int]]:

@@ -26,6 +26,10 @@ QKV = "qkv"  # q, k, v: Megatron interleaves them per query group
 PACKED_QKV = "packed_qkv"  # one [q; k; v] tensor (Phi-3's qkv_proj, GPT-2's c_attn bias)
 PACKED_QKV_T = "packed_qkv_t"  # the same, stored (in, out) (GPT-2's c_attn weight)
 CAT = "cat"  # gate and up stacked: [gate; up]
+# multi-latent attention's rows that feed rotary embeddings: each head's [nope; rope] (q) or [latent; rope] (the kv
+# down-projection); megatron-core rotates the rope rows' even/odd pairs (transformers' rope_interleave), a model
+# that rotates halves has them stored interleaved
+ROPE_Q, ROPE_KV = "rope_q", "rope_kv"
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,9 @@ class Param:
     hf: tuple[str, ...]
     split: str
     fuse: str = ONE
-    when: str | None = None  # a MegatronArch flag the tensor exists under ("linear_bias", "qkv_bias", "layernorm", "qk_layernorm")
+    # a MegatronArch flag the tensor exists under ("linear_bias", "qkv_bias", "layernorm", "qk_layernorm", "q_lora",
+    # "no_q_lora": multi-latent attention's query with or without its low-rank bottleneck)
+    when: str | None = None
     norm_of: str | None = None  # Transformer Engine fuses this norm into that linear (``<linear>.layer_norm_<p>``)
     buffer: bool = False  # a persistent buffer (the router's expert bias): in the model's state, not a parameter
 
@@ -96,6 +102,7 @@ class Family:
     linear_bias: str | bool = "mlp_bias"  # the MLP's; Megatron's --add-bias-linear is this and proj_bias at once
     megatron_args: dict[str, Any] = field(default_factory=dict)  # Megatron-LM arguments the family sets
     config_args: tuple[tuple[str, str], ...] = ()  # (HF config attribute, Megatron arg) carried as they are
+    nullable: tuple[str, ...] = ()  # those of them whose None means something (MLA's q_lora_rank: no bottleneck)
     beyond_megatron_lm: str | None = None  # what Megatron-LM's arguments cannot express (a note on the output)
 
 
@@ -109,7 +116,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import gemma, glm4_moe, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
+    from . import deepseek_v3, gemma, glm4_moe, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
