@@ -8,6 +8,7 @@ stage holds which layers: :mod:`.megatron_pipeline`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ class MegatronArch:
                 raise ValueError("kept for another model type")
             return arch
 
-        return kept("megatron-arch", 2, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
+        return kept("megatron-arch", 3, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
 
     def to_json(self) -> dict[str, Any]:
         import dataclasses
@@ -149,14 +150,17 @@ class MegatronArch:
         if act not in fam.activation:
             raise ConversionError(f"{kind} with activation {act!r}: its Megatron map computes {fam.activation[0]} only")
         theta, percent = None, 1.0
+        mla = bool(fam.megatron_args.get("multi_latent_attention"))
         if fam.position_embedding is None:
-            theta, percent = _rope(cfg)
+            theta, percent = _rope(cfg, scaled=mla)
         proj_bias, mlp_bias = _flag(cfg, fam.proj_bias), _flag(cfg, fam.linear_bias)
         if proj_bias != mlp_bias:
             raise ConversionError(f"{kind}: Megatron's --add-bias-linear gives the attention output projection and the MLP "
                                   f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
         options = tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args)
+        if mla:
+            options += _mla_rope(cfg, kind)
         dense_first = 0
         if fam.experts:
             if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
@@ -186,7 +190,7 @@ class MegatronArch:
         import json
 
         key = json.dumps([dataclasses.asdict(self), repr(self.spec)], sort_keys=True, default=str)
-        return kept("megatron-config", 1, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
+        return kept("megatron-config", 2, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
 
     def _asked_hf(self) -> dict[str, Any]:
         import transformers
@@ -203,7 +207,7 @@ class MegatronArch:
             **{fam.ffn_attr: self.ffn if fam.ffn_attr != "n_inner" or self.ffn != 4 * self.hidden else None},
         )
         if fam.position_embedding is None:
-            rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+            rope = {"rope_theta": self.rope_theta, "rope_type": "default", **_hf_yarn(dict(self.options))}
             if self.rotary_percent != 1.0:
                 rope["partial_rotary_factor"] = self.rotary_percent
             kw.update(num_key_value_heads=self.groups, head_dim=self.head_dim, rope_parameters=rope)
@@ -265,9 +269,6 @@ class MegatronArch:
                 raise ConversionError(f"{where}: a {'MoE' if experts else 'dense'} model (--num-experts {experts}), but a "
                                       f"{model_type} model is {'dense' if experts else 'MoE'}; no Hugging Face name map fits it")
             carried = {arg for _, arg in fam.config_args}  # what the family's config says either way (GLM-4.5's use_qk_norm)
-            if a.get("multi_latent_attention") and a.get("rope_type") != "rope":  # Megatron-LM's MLA default is YaRN
-                raise ConversionError(f"{where}: multi-latent attention with --rope-type {a.get('rope_type') or 'yarn'} (YaRN "
-                                      "scaling) is not mapped; only --rope-type rope is")
             for flag in ("qk_layernorm", "apply_layernorm_1p", "moe_shared_expert_gate", "multi_latent_attention"):  # structure the family's map must agree with
                 if flag not in carried and bool(a.get(flag)) != bool(fam.megatron_args.get(flag)):
                     raise ConversionError(
@@ -285,7 +286,8 @@ class MegatronArch:
                 linear_bias=bool(a.get("add_bias_linear", True)), qkv_bias=qkv_bias,
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
                 rotary_percent=float(a.get("rotary_percent", 1.0)),
-                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ()),
+                options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ())
+                + (_mla_rope_args(a) if a.get("multi_latent_attention") else ()),
                 dense_first=dense_first, dense_ffn=(a.get("ffn_hidden_size") or 4 * a["hidden_size"]) if dense_first else 0,
             )
         except KeyError as exc:
@@ -497,12 +499,81 @@ def _flag(cfg: Any, name: str | bool) -> bool:
     return name if isinstance(name, bool) else bool(getattr(cfg, name, False))
 
 
-def _rope(cfg: Any) -> tuple[float, float]:
-    """(rotary base, rotary percent): the full-attention layers' where the config has one per layer type."""
+def _rope(cfg: Any, scaled: bool = False) -> tuple[float, float]:
+    """(rotary base, rotary percent): the full-attention layers' where the config has one per layer type. Scaling
+    is refused but where the caller maps it (``scaled``: multi-latent attention's YaRN, :func:`_mla_rope`)."""
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):
         rope = rope.get("full_attention") or next(iter(rope.values()))
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") not in ("default", *(("yarn",) if scaled else ())):
         raise ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
     percent = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
     return float(rope.get("rope_theta", 10000.0)), float(percent if percent is not None else 1.0)
+
+
+# megatron-core MLATransformerConfig's YaRN fields Megatron-LM has no argument for (its --yarn-* flags feed other
+# models' YaRN only): every Megatron-LM MLA run computes with these, so a model with others cannot be its run
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-scale term, as transformers' and megatron-core's yarn_get_mscale compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _concentration(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The factor megatron-core's MLA multiplies cos and sin by (its _yarn_get_concentration_factor)."""
+    return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+
+
+def _mla_rope(cfg: Any, kind: str) -> tuple[tuple[str, Any], ...]:
+    """Multi-latent attention's rotary scaling as Megatron-LM's arguments: none (``--rope-type rope``) or YaRN
+    (``--rope-type yarn --rotary-scaling-factor --mscale --mscale-all-dim``), chosen so that megatron-core computes
+    transformers' frequencies, cos/sin factor and softmax scale exactly; what it cannot is refused in one line."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") == "default":
+        return (("rope_type", "rope"),)
+    where = f"{kind} with YaRN rotary scaling"
+    for key, fixed in MLA_YARN_FIXED.items():
+        got = rope.get(key) or (None if key == "original_max_position_embeddings" else fixed)
+        if got != fixed:
+            raise ConversionError(f"{where}: {key} {got}; a Megatron-LM run's multi-latent attention computes with {fixed} "
+                                  "(megatron-core's MLATransformerConfig default: Megatron-LM has no argument for it)")
+    if rope.get("truncate", True) is False:
+        raise ConversionError(f"{where}: truncate false; megatron-core's MLA rounds the correction range to integers")
+    factor = float(rope.get("factor") or cfg.max_position_embeddings / rope["original_max_position_embeddings"])
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    # transformers: cos/sin by attention_factor, else mscale / mscale_all_dim's ratio where both are set, else
+    # yarn_get_mscale(factor); the softmax by mscale_all_dim's term squared where it is set. megatron-core: both by
+    # --mscale / --mscale-all-dim (the softmax by the latter alone): that one, and the first --mscale that gives the former
+    wanted = rope.get("attention_factor")
+    if wanted is None:
+        wanted = _concentration(factor, mscale, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0)
+    all_dim = float(mscale_all_dim or 0.0)
+    fits = [float(m) for m in (mscale, 1.0) if m is not None and _concentration(factor, float(m), all_dim) == wanted]
+    if not fits:
+        raise ConversionError(f"{where}: an attention factor {wanted:g} beside mscale_all_dim {all_dim:g}, which megatron-core's "
+                              "--mscale / --mscale-all-dim cannot give together")
+    return (("rope_type", "yarn"), ("rotary_scaling_factor", factor), ("mscale", fits[0]), ("mscale_all_dim", all_dim))
+
+
+def _mla_rope_args(a: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A run's MLA rotary arguments (:func:`_mla_rope`'s), Megatron-LM's defaults where it records none (YaRN:
+    --rope-type's default for MLA; --rotary-scaling-factor 1, --mscale 1, --mscale-all-dim 0)."""
+    if (a.get("rope_type") or "yarn") == "rope":
+        return (("rope_type", "rope"),)
+    return (("rope_type", "yarn"), ("rotary_scaling_factor", float(a.get("rotary_scaling_factor", 1.0))),
+            ("mscale", float(a.get("mscale", 1.0))), ("mscale_all_dim", float(a.get("mscale_all_dim", 0.0))))
+
+
+def _hf_yarn(options: dict[str, Any]) -> dict[str, Any]:
+    """transformers' rope_parameters for an MLA run's YaRN (empty for none): its factor and fixed fields, mscale and
+    mscale_all_dim, and the cos/sin factor itself where transformers would not compute megatron-core's from them."""
+    if options.get("rope_type") != "yarn":
+        return {}
+    factor, mscale, all_dim = options["rotary_scaling_factor"], options["mscale"], options["mscale_all_dim"]
+    out = {"rope_type": "yarn", "factor": factor, **MLA_YARN_FIXED, "mscale": mscale, "mscale_all_dim": all_dim}
+    theirs = _concentration(factor, mscale, all_dim) if mscale and all_dim else _yarn_mscale(factor, 1.0)
+    if theirs != _concentration(factor, mscale, all_dim):
+        out["attention_factor"] = _concentration(factor, mscale, all_dim)
+    return out

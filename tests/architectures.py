@@ -82,10 +82,13 @@ OUTSIDE_GRID: dict[str, tuple[str, str, dict]] = {
         LLAMA, num_hidden_layers=3, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, moe_intermediate_size=20, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
         use_qk_norm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
-    # DeepSeek-V3's model as DeepSeek-V2-Lite has it: q without a low-rank bottleneck (q_lora_rank None), and rotary
-    # embeddings on halves of the rotary part rather than interleaved pairs (rope_interleave False)
+    # DeepSeek-V3's model as DeepSeek-V2-Lite has it: q without a low-rank bottleneck (q_lora_rank None), YaRN
+    # rotary scaling (DeepSeek-V2-Lite's factor; mscales apart: the cos/sin factor and the softmax scale both move); and rotary embeddings on halves of the
+    # rotary part rather than interleaved pairs (rope_interleave False)
     "deepseek_v3_plain_q": ("deepseek_v3", "DeepseekV3ForCausalLM", dict(
-        ARCHITECTURES["deepseek_v3"][2], q_lora_rank=None, rope_interleave=False, qk_rope_head_dim=6)),
+        ARCHITECTURES["deepseek_v3"][2], q_lora_rank=None, rope_interleave=False, qk_rope_head_dim=6, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=0.707))),
 }
 
 

@@ -72,11 +72,13 @@ def mla_attention_on_cpu() -> None:
     DotProductAttention computes the same softmax(q k^T x scale) v for any q/k head size (MLA gives it the scale);
     here it takes them and lays its output out by v's head size. The rest (projections, norms, rotary embedding,
     sharded state dict) stays megatron-core's MLA. Without Transformer Engine installed its module also names
-    TELinear as None where it asks isinstance(..., TELinear): a class no layer is an instance of, here."""
+    TELinear as None where it asks isinstance(..., TELinear): a class no layer is an instance of, here. Its YaRN
+    rotary embedding moves its frequencies to torch.cuda.current_device(): the CPU, here."""
     from megatron.core.models import backends
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    torch.cuda.current_device = lambda: "cpu"  # where megatron-core's YaRN embedding puts its frequencies
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.TELinear = type("TransformerEngineNotInstalled", (), {})
 
@@ -113,7 +115,7 @@ def build(args, tp: int, ep: int):
         mla_attention_on_cpu()
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        mla = {k: getattr(args, k) for k in MLA_ARGS}
+        mla = {k: getattr(args, k) for k in MLA_ARGS if hasattr(args, k)}
         config = MLATransformerConfig(**{f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in mla}, **mla)
     if isinstance(config.moe_layer_freq, list):  # dense layers first: Megatron-LM's per-layer specs
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
@@ -143,7 +145,8 @@ def build(args, tp: int, ep: int):
 CONFIG_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
                "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_layer_freq")
 # multi-latent attention's sizes and rotary embedding (--multi-latent-attention: MLATransformerConfig)
-MLA_ARGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base")
+MLA_ARGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim")
 
 
 def chained_optimizer(model):

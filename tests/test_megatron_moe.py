@@ -547,15 +547,16 @@ def test_glm4_moe_routing_megatron_cannot_hold_is_refused(tmp_path):
         MegatronArch.from_args(args, "common.pt")
 
 
-# megatron-core's judgement of GLM-4.5 and DeepSeek-V3: their logits at EP2 by default (TP2 slow); a training run
-# resumed from torch_dist's dp_reshardable layout by default, the plain optimizer and (GLM-4.5) legacy files, plain
-# and with distrib_optim.pt, slow
-DEEPSEEK_STYLE = [("glm4_moe", 2), ("deepseek_v3", 2), ("deepseek_v3_plain_q", 2), pytest.param("glm4_moe", 1, marks=pytest.mark.slow),
-                  pytest.param("deepseek_v3", 1, marks=pytest.mark.slow)]
+# megatron-core's judgement of GLM-4.5 and DeepSeek-V3: GLM-4.5's logits and DeepSeek-V2-Lite-shaped DeepSeek-V3's
+# (no q bottleneck, YaRN, rotary halves) at EP2 by default, DeepSeek-V3's own shape and TP2 slow; a GLM-4.5 training
+# run resumed from torch_dist's dp_reshardable layout by default, the plain optimizer, DeepSeek-V3 and (GLM-4.5)
+# legacy files, plain and with distrib_optim.pt, slow
+DEEPSEEK_STYLE = [("glm4_moe", 2), pytest.param("deepseek_v3", 2, marks=pytest.mark.slow), ("deepseek_v3_plain_q", 2),
+                  pytest.param("glm4_moe", 1, marks=pytest.mark.slow), pytest.param("deepseek_v3", 1, marks=pytest.mark.slow)]
 RUNS = [("glm4_moe", "torch_dist", "dp_reshardable"), pytest.param("glm4_moe", "torch_dist", None, marks=pytest.mark.slow),
         pytest.param("glm4_moe", "torch", None, marks=pytest.mark.slow), pytest.param("glm4_moe", "torch", "distrib_optim.pt", marks=pytest.mark.slow),
         pytest.param("deepseek_v3", "torch_dist", "dp_reshardable", marks=pytest.mark.slow),
-        ("deepseek_v3", "torch_dist", None)]
+        pytest.param("deepseek_v3", "torch_dist", None, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("name", "ep"), DEEPSEEK_STYLE, ids=["glm4_moe-ep2", "deepseek_v3-ep2", "deepseek_v3_plain_q-ep2",
@@ -644,8 +645,9 @@ def test_deepseek_v3_arguments_and_keys_are_megatron_cores(converted, tmp_path):
     """DeepSeek-V3's multi-latent attention as Megatron-LM's arguments (--multi-latent-attention, its ranks and head
     sizes, --rope-type rope, --qk-layernorm for the local spec's q/kv norms)
     and megatron-core's local-spec keys (each norm under its own module: the MLA layer has no key map), every
-    tensor back exactly. Legacy files, whose down-projection pieces depend on the run's spec, and a Megatron-LM run's
-    YaRN rotary scaling (its MLA default) are refused in one line. transformers builds the q/kv latent norms with
+    tensor back exactly. YaRN (a Megatron-LM MLA run's default) as --rotary-scaling-factor / --mscale / --mscale-all-dim and
+    back; what Megatron-LM's arguments cannot hold (other correction betas or context, a cos/sin factor its mscales
+    cannot give) and legacy files (their down-projection pieces depend on the run's spec) are refused in one line. transformers builds the q/kv latent norms with
     1e-6 whatever rms_norm_eps says, megatron-core with --norm-epsilon: another rms_norm_eps is said both ways."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -670,8 +672,24 @@ def test_deepseek_v3_arguments_and_keys_are_megatron_cores(converted, tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "interop convert: error: --to megatron: a deepseek_v3 model's multi-latent attention in legacy per-rank files is not read or "
         "written (its pieces depend on the run's spec); use --ckpt-format torch_dist (--to megatron-dist)")
-    with pytest.raises(ConversionError, match=r"common.pt: multi-latent attention with --rope-type yarn \(YaRN scaling\) is not mapped"):
-        MegatronArch.from_args({**args, "rope_type": None, "hf_model_type": None}, "common.pt")
+    run = MegatronArch.from_args({**args, "rope_type": None, "hf_model_type": None, "rotary_scaling_factor": 40.0, "mscale": 1.0,
+                                  "mscale_all_dim": 0.0}, "common.pt").to_hf()  # Megatron-LM's MLA default: YaRN
+    assert run["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    yarn = converted("deepseek_v3_plain_q")  # YaRN's arguments, and back to the same rope_parameters
+    yarn_args = vars(load_megatron_file(str(yarn[2] / "iter_0000000" / COMMON))["args"])
+    assert {k: yarn_args.get(k) for k in ("rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "q_lora_rank")} == {
+        "rope_type": "yarn", "rotary_scaling_factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "q_lora_rank": None}
+    assert cli("convert", yarn[2], tmp_path / "yarn-back", "--to", "hf").returncode == 0
+    back_config = json.loads((tmp_path / "yarn-back" / "config.json").read_text())
+    assert (back_config["rope_parameters"], back_config["q_lora_rank"]) == (yarn[0].config.rope_parameters, None)
+    for change, message in ((dict(beta_fast=16.0), "beta_fast 16.0; a Megatron-LM run's multi-latent attention computes with 32.0"),
+                            (dict(original_max_position_embeddings=8192), "original_max_position_embeddings 8192; a Megatron-LM run's"),
+                            (dict(mscale=None, mscale_all_dim=1.0), "an attention factor 1.36889 beside mscale_all_dim 1, which megatron-core's")):
+        config = yarn[0].config.to_dict()
+        config["rope_parameters"] = {**config["rope_parameters"], **change}
+        with pytest.raises(ConversionError, match=re.escape(f"deepseek_v3 with YaRN rotary scaling: {message}")):
+            MegatronArch._asked_from_hf(config)
     model.config.rms_norm_eps = 1e-5  # transformers' latent norms keep 1e-6: both ways, said
     model.save_pretrained(tmp_path / "eps")
     for src, dst, to in ((tmp_path / "eps", tmp_path / "eps-dist", "megatron-dist"), (tmp_path / "eps-dist", tmp_path / "eps-hf", "hf")):

@@ -50,7 +50,7 @@ DEEPSEEK_V3 = register(Family(
     shared_multiple_attr="n_shared_experts", routing_groups=("n_group", "topk_group"),
     qkv_bias=False, proj_bias="attention_bias", linear_bias=False, ffn_attr="moe_intermediate_size",
     renormalised_attr="norm_topk_prob",
-    megatron_args={"multi_latent_attention": True, "qk_layernorm": True, "rope_type": "rope",
+    megatron_args={"multi_latent_attention": True, "qk_layernorm": True,
                    "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_dtype": "fp32"},
     config_args=(("n_routed_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
                  ("routed_scaling_factor", "moe_router_topk_scaling_factor"), ("q_lora_rank", "q_lora_rank"),
