@@ -38,7 +38,7 @@ from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mappe
 from interop.universal import scalar_entry, scalar_value
 
 from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
-from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab
+from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
     chunk_rules, stack_index, tied_output_rule,
@@ -1094,7 +1094,7 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     if isinstance(window, int):
         said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
                     "the same up to that many tokens); the recorded Hugging Face config keeps it")
-    said += norm_eps_notes(arch, ckpt.config)
+    said += norm_eps_notes(arch, ckpt.config) + rope_scaling_notes(dict(arch.options))
     ckpt.notes.extend(n for n in said if n not in ckpt.notes)
     dtype = dtype_from_name(str(ckpt.source.get("dtype") or "float32").removeprefix("torch."))
     return arch, padded_vocab(arch.vocab, tp), dtype

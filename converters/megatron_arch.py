@@ -151,16 +151,17 @@ class MegatronArch:
             raise ConversionError(f"{kind} with activation {act!r}: its Megatron map computes {fam.activation[0]} only")
         theta, percent = None, 1.0
         mla = bool(fam.megatron_args.get("multi_latent_attention"))
+        scaling: tuple[tuple[str, Any], ...] = ()
         if fam.position_embedding is None:
-            theta, percent = _rope(cfg, scaled=mla)
+            theta, percent, rope = _rope(cfg)
+            scaling = _mla_rope(cfg, rope, kind) if mla else _rope_scaling(rope, kind)
         proj_bias, mlp_bias = _flag(cfg, fam.proj_bias), _flag(cfg, fam.linear_bias)
         if proj_bias != mlp_bias:
             raise ConversionError(f"{kind}: Megatron's --add-bias-linear gives the attention output projection and the MLP "
                                   f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
         options = tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args)
-        if mla:
-            options += _mla_rope(cfg, kind)
+        options += scaling
         dense_first = 0
         if fam.experts:
             if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
@@ -207,7 +208,7 @@ class MegatronArch:
             **{fam.ffn_attr: self.ffn if fam.ffn_attr != "n_inner" or self.ffn != 4 * self.hidden else None},
         )
         if fam.position_embedding is None:
-            rope = {"rope_theta": self.rope_theta, "rope_type": "default", **_hf_yarn(dict(self.options))}
+            rope = {"rope_theta": self.rope_theta, "rope_type": "default", **_hf_rope_scaling(dict(self.options))}
             if self.rotary_percent != 1.0:
                 rope["partial_rotary_factor"] = self.rotary_percent
             kw.update(num_key_value_heads=self.groups, head_dim=self.head_dim, rope_parameters=rope)
@@ -287,7 +288,7 @@ class MegatronArch:
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
                 rotary_percent=float(a.get("rotary_percent", 1.0)),
                 options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ())
-                + (_mla_rope_args(a) if a.get("multi_latent_attention") else ()),
+                + (_mla_rope_args(a, where) if a.get("multi_latent_attention") else _rope_scaling_args(a, where)),
                 dense_first=dense_first, dense_ffn=(a.get("ffn_hidden_size") or 4 * a["hidden_size"]) if dense_first else 0,
             )
         except KeyError as exc:
@@ -384,6 +385,14 @@ def _count_arg(a: dict[str, Any], name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a count")
     return value
+
+
+def _number_arg(a: dict[str, Any], name: str, default: float, where: str) -> float:
+    """A non-negative real argument of an untrusted run (absent: Megatron-LM's default), or one line naming it."""
+    value = a.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a non-negative number")
+    return float(value)
 
 
 def _moe_args(a: dict[str, Any], fam: Family) -> tuple[tuple[str, Any], ...]:
@@ -499,16 +508,68 @@ def _flag(cfg: Any, name: str | bool) -> bool:
     return name if isinstance(name, bool) else bool(getattr(cfg, name, False))
 
 
-def _rope(cfg: Any, scaled: bool = False) -> tuple[float, float]:
-    """(rotary base, rotary percent): the full-attention layers' where the config has one per layer type. Scaling
-    is refused but where the caller maps it (``scaled``: multi-latent attention's YaRN, :func:`_mla_rope`)."""
+def _rope(cfg: Any) -> tuple[float, float, dict[str, Any]]:
+    """(rotary base, rotary percent, rope_parameters): the full-attention layers' where the config has one per
+    layer type. Its scaling is the caller's (:func:`_rope_scaling`, :func:`_mla_rope`)."""
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):
         rope = rope.get("full_attention") or next(iter(rope.values()))
-    if rope.get("rope_type", "default") not in ("default", *(("yarn",) if scaled else ())):
-        raise ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
     percent = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    return float(rope.get("rope_theta", 10000.0)), float(percent if percent is not None else 1.0)
+    return float(rope.get("rope_theta", 10000.0)), float(percent if percent is not None else 1.0), rope
+
+
+# Llama 3.x's frequency scaling as megatron-core's RotaryEmbedding._apply_scaling computes it: Megatron-LM sets
+# only its factor (--use-rope-scaling --rope-scaling-factor); the rest are that function's defaults
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _unmapped_scaling(rope: dict[str, Any]) -> ConversionError:
+    return ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
+
+
+def _rope_scaling(rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any], ...]:
+    """A rotary model's frequency scaling as Megatron-LM's arguments, as Megatron-LM's own Llama-3 import sets them:
+    Llama 3.x's (``rope_type`` llama3: ``--use-rope-scaling --rope-scaling-factor``). Other kinds (linear
+    interpolation's ``--rotary-seq-len-interpolation-factor`` never reaches Megatron-LM's GPT model), or Llama 3.x's
+    with fields megatron-core fixes set otherwise, are refused in one line."""
+    kind_ = rope.get("rope_type", "default")
+    if kind_ == "default":
+        return ()
+    if kind_ != "llama3":
+        raise _unmapped_scaling(rope)
+    for key, fixed in LLAMA3_FIXED.items():
+        if rope.get(key) != fixed:
+            raise ConversionError(f"{kind} with llama3 rope scaling: {key} {rope.get(key)}; megatron-core's Llama 3.x scaling "
+                                  f"computes with {fixed} (Megatron-LM has no argument for it)")
+    return (("use_rope_scaling", True), ("rope_scaling_factor", float(rope["factor"])))
+
+
+def _rope_scaling_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
+    """A run's Llama 3.x scaling arguments (:func:`_rope_scaling`'s), where it set them."""
+    if not a.get("use_rope_scaling"):
+        return ()
+    return (("use_rope_scaling", True), ("rope_scaling_factor", _number_arg(a, "rope_scaling_factor", LLAMA3_GPT_FACTOR, where)))
+
+
+# the factor Megatron-LM's GPT builder (gpt_builders.py) computes Llama 3.x scaling with: it hands GPTModel
+# --use-rope-scaling but not --rope-scaling-factor, so megatron-core's default is what a pretrain_gpt run uses
+LLAMA3_GPT_FACTOR = 8.0
+
+
+def rope_scaling_notes(options: dict[str, Any]) -> list[str]:
+    """What a Megatron-LM run would compute unlike the arguments say (a note on the output)."""
+    factor = options.get("rope_scaling_factor")
+    if options.get("use_rope_scaling") and factor != LLAMA3_GPT_FACTOR:
+        return [f"--rope-scaling-factor {factor:g} written; Megatron-LM's GPT builder hands megatron-core's GPTModel only "
+                f"--use-rope-scaling (factor {LLAMA3_GPT_FACTOR:g}): a run must pass rope_scaling_factor={factor:g} itself"]
+    return []
+
+
+def _hf_rope_scaling(options: dict[str, Any]) -> dict[str, Any]:
+    """transformers' rope_parameters for a run's rotary scaling (empty for none): Llama 3.x's, MLA's YaRN."""
+    if options.get("use_rope_scaling"):
+        return {"rope_type": "llama3", "factor": options["rope_scaling_factor"], **LLAMA3_FIXED}
+    return _hf_yarn(options)
 
 
 # megatron-core MLATransformerConfig's YaRN fields Megatron-LM has no argument for (its --yarn-* flags feed other
@@ -526,13 +587,14 @@ def _concentration(factor: float, mscale: float, mscale_all_dim: float) -> float
     return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
 
 
-def _mla_rope(cfg: Any, kind: str) -> tuple[tuple[str, Any], ...]:
+def _mla_rope(cfg: Any, rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any], ...]:
     """Multi-latent attention's rotary scaling as Megatron-LM's arguments: none (``--rope-type rope``) or YaRN
     (``--rope-type yarn --rotary-scaling-factor --mscale --mscale-all-dim``), chosen so that megatron-core computes
     transformers' frequencies, cos/sin factor and softmax scale exactly; what it cannot is refused in one line."""
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") == "default":
         return (("rope_type", "rope"),)
+    if rope.get("rope_type") != "yarn":  # megatron-core's MLA has no other scaling
+        raise _unmapped_scaling(rope)
     where = f"{kind} with YaRN rotary scaling"
     for key, fixed in MLA_YARN_FIXED.items():
         got = rope.get(key) or (None if key == "original_max_position_embeddings" else fixed)
@@ -557,13 +619,16 @@ def _mla_rope(cfg: Any, kind: str) -> tuple[tuple[str, Any], ...]:
     return (("rope_type", "yarn"), ("rotary_scaling_factor", factor), ("mscale", fits[0]), ("mscale_all_dim", all_dim))
 
 
-def _mla_rope_args(a: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+def _mla_rope_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
     """A run's MLA rotary arguments (:func:`_mla_rope`'s), Megatron-LM's defaults where it records none (YaRN:
     --rope-type's default for MLA; --rotary-scaling-factor 1, --mscale 1, --mscale-all-dim 0)."""
-    if (a.get("rope_type") or "yarn") == "rope":
+    kind = a.get("rope_type") or "yarn"
+    if kind == "rope":
         return (("rope_type", "rope"),)
-    return (("rope_type", "yarn"), ("rotary_scaling_factor", float(a.get("rotary_scaling_factor", 1.0))),
-            ("mscale", float(a.get("mscale", 1.0))), ("mscale_all_dim", float(a.get("mscale_all_dim", 0.0))))
+    if kind != "yarn":
+        raise ConversionError(f"{where}: --rope-type {kind!r} is neither rope nor yarn")
+    return (("rope_type", "yarn"), ("rotary_scaling_factor", _number_arg(a, "rotary_scaling_factor", 1.0, where)),
+            ("mscale", _number_arg(a, "mscale", 1.0, where)), ("mscale_all_dim", _number_arg(a, "mscale_all_dim", 0.0, where)))
 
 
 def _hf_yarn(options: dict[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,11 @@ OUTSIDE_GRID: dict[str, tuple[str, str, dict]] = {
         LLAMA, num_hidden_layers=3, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, moe_intermediate_size=20, n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
         use_qk_norm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    # Llama 3.1's rotary scaling (rope_type llama3, factor 8) on a theta and head size that put frequencies in each of
+    # its three bands (kept, smoothed, divided by the factor)
+    "llama3": ("llama", "LlamaForCausalLM", dict(LLAMA, head_dim=12, max_position_embeddings=131072, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192))),
     # DeepSeek-V3's model as DeepSeek-V2-Lite has it: q without a low-rank bottleneck (q_lora_rank None), YaRN
     # rotary scaling (DeepSeek-V2-Lite's factor; mscales apart: the cos/sin factor and the softmax scale both move); and rotary embeddings on halves of the
     # rotary part rather than interleaved pairs (rope_interleave False)

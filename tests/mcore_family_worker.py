@@ -7,7 +7,8 @@ Run by tests/test_megatron_families.py under torch.distributed.run (TP = the wor
 
 The TransformerConfig is what Megatron-LM's ``core_transformer_config_from_args`` makes of the arguments this
 test reads (megatron.training is not on PyPI): ``--swiglu`` -> gated SiLU, ``--openai-gelu`` -> the tanh GELU,
-``--qk-layernorm``, ``--apply-layernorm-1p``, biases, norms, rotary base and percent, tied embeddings.
+``--qk-layernorm``, ``--apply-layernorm-1p``, biases, norms, rotary base, percent and Llama 3.x scaling, tied
+embeddings.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def mcore_logits(megatron_dir: str, ids: torch.Tensor) -> tuple[torch.Tensor, li
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        # Llama 3.x's scaling: the flag as Megatron-LM's GPT builder passes it, the factor as the arguments say
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)), rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
     )
+    if hasattr(model, "rotary_pos_emb"):  # its rotary frequencies, for the test to hold beside transformers'
+        torch.save(model.rotary_pos_emb.inv_freq, os.path.join(megatron_dir, "mcore_inv_freq.pt"))
     result = model.load_state_dict(state["model"], strict=False)
     model.eval()
     b, s = ids.shape

@@ -12,6 +12,7 @@ arguments they carry, and by the note their output says it with.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -21,13 +22,14 @@ import transformers
 
 from converters import registry
 from converters.megatron import load_megatron_file
+from converters.megatron_arch import MegatronArch
 from converters.models.megatron_family import families
 from interop.errors import ConversionError
-from tests.architectures import ARCHITECTURES, build, logits
+from tests.architectures import ARCHITECTURES, build, logits, spec
 from tests.conftest import ROOT, run_workers, worker_env
 
 MAPPED = [n for n, (model_type, *_) in ARCHITECTURES.items() if model_type in families() and "classifier" not in n]
-MCORE = ["llama", "qwen2", "qwen3", "phi3", "gpt2"]  # what megatron-core's local spec builds on a CPU
+MCORE = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gpt2"]  # what megatron-core's local spec builds on a CPU
 
 
 def convert(src, dst, target: str, **extra) -> list[str]:
@@ -42,7 +44,7 @@ def exact_back(tmp_path, name: str, target: str) -> list[str]:
     model.save_pretrained(tmp_path / "hf")
     notes = convert(tmp_path / "hf", tmp_path / "meg", target, tp=2, pp=2)
     convert(tmp_path / "meg", tmp_path / "back", "hf")
-    back = getattr(transformers, ARCHITECTURES[name][1]).from_pretrained(tmp_path / "back").eval()
+    back = getattr(transformers, spec(name)[1]).from_pretrained(tmp_path / "back").eval()
     theirs = model.state_dict()
     assert {k: bool(torch.equal(t, theirs[k])) for k, t in back.state_dict().items()} == {k: True for k in theirs}
     assert torch.equal(logits(back, back.config), logits(model, model.config))
@@ -87,11 +89,14 @@ def test_family_arguments_are_megatron_lms(tmp_path):
 def test_megatron_core_builds_each_family_from_our_arguments_and_gives_transformers_logits(tmp_path):
     """One launch of 2 gloo processes at TP2: megatron-core's GPTModel with the local spec, configured from the
     arguments in our rank files, loads each model (every parameter, none left over) and its logits are
-    transformers' on the source within fp32 rounding."""
-    reference, dirs = {}, []
+    transformers' on the source within fp32 rounding, its rotary frequencies transformers' (Llama 3.1's scaled)."""
+    reference, dirs, frequencies = {}, [], {}
     for name in MCORE:
         model = build(name)
         model.save_pretrained(tmp_path / name / "hf")
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        if rotary is not None:
+            frequencies[str(tmp_path / name / "meg")] = rotary.inv_freq
         meg = tmp_path / name / "meg"
         convert(tmp_path / name / "hf", meg, "megatron", tp=2, pp=1, transformer_impl="local")
         ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
@@ -108,6 +113,37 @@ def test_megatron_core_builds_each_family_from_our_arguments_and_gives_transform
         assert r["missing"] == [] and r["unexpected"] == [], r
         ours = torch.load(f"{r['checkpoint']}/mcore_logits.pt")
         torch.testing.assert_close(ours, reference[r["checkpoint"]], rtol=0, atol=1e-5, msg=lambda m, c=r["checkpoint"]: f"{c}: {m}")
+        if r["checkpoint"] in frequencies:  # (Llama 3.x's scaling moves logits little over a few positions: its frequencies)
+            torch.testing.assert_close(torch.load(f"{r['checkpoint']}/mcore_inv_freq.pt"), frequencies[r["checkpoint"]], rtol=1e-6, atol=0)
+
+
+def test_llama3_rope_scaling_is_megatron_lms_flags(tmp_path):
+    """Llama 3.x's rotary scaling as Megatron-LM's own Llama-3 import sets it (--use-rope-scaling
+    --rope-scaling-factor; megatron-core's frequencies are transformers', test above): every weight and the logits
+    back exactly, and the same rope_parameters. A factor other than the 8 Megatron-LM's GPT builder computes with
+    (Llama 3.2's 32) is written with a note; fields megatron-core fixes, set otherwise, and scalings Megatron-LM's
+    GPT model has no argument for are refused in one line."""
+    notes = exact_back(tmp_path, "llama3", "megatron")
+    assert not any("rope-scaling" in n for n in notes), notes
+    args = vars(load_megatron_file(str(tmp_path / "meg" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt"))["args"])
+    assert (args["use_rope_scaling"], args["rope_scaling_factor"]) == (True, 8.0)
+    model = build("llama3")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == model.config.rope_parameters
+    model.config.rope_parameters = {**model.config.rope_parameters, "factor": 32.0}
+    model.save_pretrained(tmp_path / "factor32")
+    notes = convert(tmp_path / "factor32", tmp_path / "meg32", "megatron-dist", tp=1, pp=1)
+    assert ("--rope-scaling-factor 32 written; Megatron-LM's GPT builder hands megatron-core's GPTModel only --use-rope-scaling "
+            "(factor 8): a run must pass rope_scaling_factor=32 itself") in notes, notes
+    config = build("llama3").config.to_dict()
+    for change, message in ((dict(low_freq_factor=2.0), "llama with llama3 rope scaling: low_freq_factor 2.0; megatron-core's Llama 3.x "
+                                                        "scaling computes with 1.0 (Megatron-LM has no argument for it)"),
+                            (dict(rope_type="linear"), "rope scaling 'linear' has no Megatron equivalent this converter writes")):
+        with pytest.raises(ConversionError, match=re.escape(message)):
+            MegatronArch._asked_from_hf({**config, "rope_parameters": {**config["rope_parameters"], **change}})
+    args = {**args, "hf_model_type": None}
+    assert MegatronArch.from_args(args, "f").to_hf()["rope_parameters"] == model.config.rope_parameters | {"factor": 8.0}  # a run's own
+    with pytest.raises(ConversionError, match=re.escape("model_optim_rng.pt: --rope-scaling-factor 'x' is not a non-negative number")):
+        MegatronArch.from_args({**args, "rope_scaling_factor": "x"}, "model_optim_rng.pt")  # an untrusted run's: one line
 
 
 def test_a_family_without_a_map_is_refused_in_one_line(tmp_path):
