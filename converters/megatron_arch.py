@@ -154,7 +154,7 @@ class MegatronArch:
         scaling: tuple[tuple[str, Any], ...] = ()
         if fam.position_embedding is None:
             theta, percent, rope = _rope(cfg)
-            scaling = _mla_rope(cfg, rope, kind) if mla else _rope_scaling(rope, kind)
+            scaling = _mla_rope(cfg, rope, kind) if mla else _rope_scaling(rope, kind, cfg.max_position_embeddings, percent)
         proj_bias, mlp_bias = _flag(cfg, fam.proj_bias), _flag(cfg, fam.linear_bias)
         if proj_bias != mlp_bias:
             raise ConversionError(f"{kind}: Megatron's --add-bias-linear gives the attention output projection and the MLP "
@@ -240,7 +240,7 @@ class MegatronArch:
         a = args if isinstance(args, dict) else vars(args)
         try:
             heads = a["num_attention_heads"]
-            rope = a.get("position_embedding_type", "learned_absolute") == "rope"
+            rope = a.get("position_embedding_type", "learned_absolute") in ("rope", "yarn")
             groups = a.get("num_query_groups") if a.get("group_query_attention") else None
             swiglu = bool(a.get("swiglu"))
             norm = a.get("normalization", "LayerNorm")
@@ -388,8 +388,9 @@ def _count_arg(a: dict[str, Any], name: str, where: str) -> int:
 
 
 def _number_arg(a: dict[str, Any], name: str, default: float, where: str) -> float:
-    """A non-negative real argument of an untrusted run (absent: Megatron-LM's default), or one line naming it."""
-    value = a.get(name, default)
+    """A non-negative real argument of an untrusted run (absent or None: Megatron-LM's default), or one line naming it."""
+    value = a.get(name)
+    value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a non-negative number")
     return float(value)
@@ -527,14 +528,17 @@ def _unmapped_scaling(rope: dict[str, Any]) -> ConversionError:
     return ConversionError(f"rope scaling {rope.get('rope_type')!r} has no Megatron equivalent this converter writes")
 
 
-def _rope_scaling(rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any], ...]:
-    """A rotary model's frequency scaling as Megatron-LM's arguments, as Megatron-LM's own Llama-3 import sets them:
-    Llama 3.x's (``rope_type`` llama3: ``--use-rope-scaling --rope-scaling-factor``). Other kinds (linear
-    interpolation's ``--rotary-seq-len-interpolation-factor`` never reaches Megatron-LM's GPT model), or Llama 3.x's
-    with fields megatron-core fixes set otherwise, are refused in one line."""
+def _rope_scaling(rope: dict[str, Any], kind: str, max_positions: int, percent: float) -> tuple[tuple[str, Any], ...]:
+    """A rotary model's frequency scaling as Megatron-LM's arguments: Llama 3.x's (``rope_type`` llama3:
+    ``--use-rope-scaling --rope-scaling-factor``, as Megatron-LM's own Llama-3 import sets them) and YaRN
+    (``--position-embedding-type yarn`` with its ``--yarn-*`` fields, Qwen's long-context configs). Other kinds
+    (linear interpolation's ``--rotary-seq-len-interpolation-factor`` never reaches Megatron-LM's GPT model), or
+    fields megatron-core fixes set otherwise, are refused in one line."""
     kind_ = rope.get("rope_type", "default")
     if kind_ == "default":
         return ()
+    if kind_ == "yarn":
+        return _gpt_yarn(rope, kind, max_positions, percent)
     if kind_ != "llama3":
         raise _unmapped_scaling(rope)
     for key, fixed in LLAMA3_FIXED.items():
@@ -544,8 +548,41 @@ def _rope_scaling(rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any], ...
     return (("use_rope_scaling", True), ("rope_scaling_factor", float(rope["factor"])))
 
 
+def _gpt_yarn(rope: dict[str, Any], kind: str, max_positions: int, percent: float) -> tuple[tuple[str, Any], ...]:
+    """YaRN on a GPT model's attention (megatron-core's YarnRotaryEmbedding, its config's ``yarn_*`` fields, as
+    Megatron-LM sets them from ``--rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast
+    --yarn-beta-slow --mscale --mscale-all-dim --[no-]yarn-correction-range-round-to-int``). The softmax scale is
+    unscaled on both sides; only the cos/sin factor must agree (:func:`_yarn_scales`)."""
+    where = f"{kind} with YaRN rotary scaling"
+    if percent != 1.0:
+        raise ConversionError(f"{where} on {percent:g} of each head: megatron-core's YaRN embedding spans the whole head")
+    original = rope.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise ConversionError(f"{where}: original_max_position_embeddings {original!r} is not a context length")
+    factor = float(rope.get("factor") or max_positions / original)
+    mscale, all_dim = _yarn_scales(rope, factor, where)
+    return (("position_embedding_type", "yarn"), ("rotary_scaling_factor", factor), ("yarn_original_max_position_embeddings", original),
+            ("yarn_beta_fast", float(rope.get("beta_fast") or 32.0)), ("yarn_beta_slow", float(rope.get("beta_slow") or 1.0)),
+            ("mscale", mscale), ("mscale_all_dim", all_dim), ("yarn_correction_range_round_to_int", bool(rope.get("truncate", True))))
+
+
 def _rope_scaling_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
-    """A run's Llama 3.x scaling arguments (:func:`_rope_scaling`'s), where it set them."""
+    """A run's rotary scaling arguments (:func:`_rope_scaling`'s), where it set them; Megatron-LM's defaults for
+    the YaRN fields it left unset (YarnRotaryEmbedding's)."""
+    yarn = a.get("position_embedding_type") == "yarn"
+    if yarn and a.get("use_rope_scaling"):
+        raise ConversionError(f"{where}: --position-embedding-type yarn with --use-rope-scaling, which no Hugging Face "
+                              "rope_parameters say together")
+    if yarn:
+        original = a.get("yarn_original_max_position_embeddings") or 4096
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ConversionError(f"{where}: --yarn-original-max-position-embeddings {original!r} is not a context length")
+        rounded = a.get("yarn_correction_range_round_to_int")
+        return (("position_embedding_type", "yarn"), ("rotary_scaling_factor", _number_arg(a, "rotary_scaling_factor", 1.0, where)),
+                ("yarn_original_max_position_embeddings", original),
+                ("yarn_beta_fast", _number_arg(a, "yarn_beta_fast", 32.0, where)), ("yarn_beta_slow", _number_arg(a, "yarn_beta_slow", 1.0, where)),
+                ("mscale", _number_arg(a, "mscale", 1.0, where)), ("mscale_all_dim", _number_arg(a, "mscale_all_dim", 0.0, where)),
+                ("yarn_correction_range_round_to_int", rounded is not False))
     if not a.get("use_rope_scaling"):
         return ()
     return (("use_rope_scaling", True), ("rope_scaling_factor", _number_arg(a, "rope_scaling_factor", LLAMA3_GPT_FACTOR, where)))
@@ -566,10 +603,18 @@ def rope_scaling_notes(options: dict[str, Any]) -> list[str]:
 
 
 def _hf_rope_scaling(options: dict[str, Any]) -> dict[str, Any]:
-    """transformers' rope_parameters for a run's rotary scaling (empty for none): Llama 3.x's, MLA's YaRN."""
+    """transformers' rope_parameters for a run's rotary scaling (empty for none): Llama 3.x's, YaRN (a GPT model's
+    with its own fields, multi-latent attention's with the ones megatron-core fixes)."""
     if options.get("use_rope_scaling"):
         return {"rope_type": "llama3", "factor": options["rope_scaling_factor"], **LLAMA3_FIXED}
-    return _hf_yarn(options)
+    if options.get("position_embedding_type") == "yarn":
+        fields = {"original_max_position_embeddings": options["yarn_original_max_position_embeddings"],
+                  "beta_fast": options["yarn_beta_fast"], "beta_slow": options["yarn_beta_slow"],
+                  **({} if options["yarn_correction_range_round_to_int"] else {"truncate": False})}
+        return _hf_yarn(options["rotary_scaling_factor"], options["mscale"], options["mscale_all_dim"], fields)
+    if options.get("rope_type") == "yarn":
+        return _hf_yarn(options["rotary_scaling_factor"], options["mscale"], options["mscale_all_dim"], MLA_YARN_FIXED)
+    return {}
 
 
 # megatron-core MLATransformerConfig's YaRN fields Megatron-LM has no argument for (its --yarn-* flags feed other
@@ -604,10 +649,17 @@ def _mla_rope(cfg: Any, rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any
     if rope.get("truncate", True) is False:
         raise ConversionError(f"{where}: truncate false; megatron-core's MLA rounds the correction range to integers")
     factor = float(rope.get("factor") or cfg.max_position_embeddings / rope["original_max_position_embeddings"])
+    mscale, all_dim = _yarn_scales(rope, factor, where)
+    return (("rope_type", "yarn"), ("rotary_scaling_factor", factor), ("mscale", mscale), ("mscale_all_dim", all_dim))
+
+
+def _yarn_scales(rope: dict[str, Any], factor: float, where: str) -> tuple[float, float]:
+    """megatron-core's --mscale / --mscale-all-dim for transformers' YaRN: cos and sin are scaled by
+    attention_factor, else mscale / mscale_all_dim's ratio where both are set, else yarn_get_mscale(factor);
+    megatron-core scales them by the ratio always, and (multi-latent attention only, as DeepSeek's models in
+    transformers) the softmax by --mscale-all-dim's term squared. So --mscale-all-dim is mscale_all_dim, and
+    --mscale the first of mscale, 1 whose ratio is transformers' factor exactly; none: one line."""
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    # transformers: cos/sin by attention_factor, else mscale / mscale_all_dim's ratio where both are set, else
-    # yarn_get_mscale(factor); the softmax by mscale_all_dim's term squared where it is set. megatron-core: both by
-    # --mscale / --mscale-all-dim (the softmax by the latter alone): that one, and the first --mscale that gives the former
     wanted = rope.get("attention_factor")
     if wanted is None:
         wanted = _concentration(factor, mscale, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0)
@@ -616,7 +668,7 @@ def _mla_rope(cfg: Any, rope: dict[str, Any], kind: str) -> tuple[tuple[str, Any
     if not fits:
         raise ConversionError(f"{where}: an attention factor {wanted:g} beside mscale_all_dim {all_dim:g}, which megatron-core's "
                               "--mscale / --mscale-all-dim cannot give together")
-    return (("rope_type", "yarn"), ("rotary_scaling_factor", factor), ("mscale", fits[0]), ("mscale_all_dim", all_dim))
+    return fits[0], all_dim
 
 
 def _mla_rope_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
@@ -631,13 +683,11 @@ def _mla_rope_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]
             ("mscale", _number_arg(a, "mscale", 1.0, where)), ("mscale_all_dim", _number_arg(a, "mscale_all_dim", 0.0, where)))
 
 
-def _hf_yarn(options: dict[str, Any]) -> dict[str, Any]:
-    """transformers' rope_parameters for an MLA run's YaRN (empty for none): its factor and fixed fields, mscale and
-    mscale_all_dim, and the cos/sin factor itself where transformers would not compute megatron-core's from them."""
-    if options.get("rope_type") != "yarn":
-        return {}
-    factor, mscale, all_dim = options["rotary_scaling_factor"], options["mscale"], options["mscale_all_dim"]
-    out = {"rope_type": "yarn", "factor": factor, **MLA_YARN_FIXED, "mscale": mscale, "mscale_all_dim": all_dim}
+def _hf_yarn(factor: float, mscale: float, all_dim: float, fields: dict[str, Any]) -> dict[str, Any]:
+    """transformers' YaRN rope_parameters for megatron-core's: its factor, ``fields`` (the original context, the
+    betas), mscale and mscale_all_dim, and the cos/sin factor itself where transformers would not compute
+    megatron-core's from them."""
+    out = {"rope_type": "yarn", "factor": factor, **fields, "mscale": mscale, "mscale_all_dim": all_dim}
     theirs = _concentration(factor, mscale, all_dim) if mscale and all_dim else _yarn_mscale(factor, 1.0)
     if theirs != _concentration(factor, mscale, all_dim):
         out["attention_factor"] = _concentration(factor, mscale, all_dim)

@@ -87,6 +87,10 @@ OUTSIDE_GRID: dict[str, tuple[str, str, dict]] = {
     "llama3": ("llama", "LlamaForCausalLM", dict(LLAMA, head_dim=12, max_position_embeddings=131072, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=8192))),
+    # Qwen3's long-context YaRN (factor 4 over an original context; the cos/sin factor moves), the correction range
+    # not rounded (truncate false)
+    "qwen3_yarn": ("qwen3", "Qwen3ForCausalLM", dict(LLAMA, head_dim=12, max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, truncate=False))),
     # DeepSeek-V3's model as DeepSeek-V2-Lite has it: q without a low-rank bottleneck (q_lora_rank None), YaRN
     # rotary scaling (DeepSeek-V2-Lite's factor; mscales apart: the cos/sin factor and the softmax scale both move); and rotary embeddings on halves of the
     # rotary part rather than interleaved pairs (rope_interleave False)

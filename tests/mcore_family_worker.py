@@ -7,8 +7,8 @@ Run by tests/test_megatron_families.py under torch.distributed.run (TP = the wor
 
 The TransformerConfig is what Megatron-LM's ``core_transformer_config_from_args`` makes of the arguments this
 test reads (megatron.training is not on PyPI): ``--swiglu`` -> gated SiLU, ``--openai-gelu`` -> the tanh GELU,
-``--qk-layernorm``, ``--apply-layernorm-1p``, biases, norms, rotary base, percent and Llama 3.x scaling, tied
-embeddings.
+``--qk-layernorm``, ``--apply-layernorm-1p``, biases, norms, rotary base, percent, Llama 3.x scaling and YaRN
+(its ``yarn_*`` config fields as Megatron-LM's ``_apply_yarn_config_from_args`` sets them), tied embeddings.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def transformer_config(args, tp: int):
         activation = fast_gelu
     else:
         activation = F.gelu
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
@@ -46,6 +46,13 @@ def transformer_config(args, tp: int):
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
     )
+    if args.position_embedding_type == "yarn":  # as Megatron-LM's _apply_yarn_config_from_args sets them
+        for attr, arg in (("rotary_scaling_factor", "rotary_scaling_factor"), ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+                          ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"), ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"),
+                          ("correction_range_round_to_int", "yarn_correction_range_round_to_int")):
+            setattr(config, f"yarn_{attr}", getattr(args, arg))
+        torch.cuda.current_device = lambda: "cpu"  # where megatron-core's YaRN embedding puts its frequencies
+    return config
 
 
 def mcore_logits(megatron_dir: str, ids: torch.Tensor) -> tuple[torch.Tensor, list[str], list[str]]:

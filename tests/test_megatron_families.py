@@ -29,7 +29,7 @@ from tests.architectures import ARCHITECTURES, build, logits, spec
 from tests.conftest import ROOT, run_workers, worker_env
 
 MAPPED = [n for n, (model_type, *_) in ARCHITECTURES.items() if model_type in families() and "classifier" not in n]
-MCORE = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gpt2"]  # what megatron-core's local spec builds on a CPU
+MCORE = ["llama", "llama3", "qwen2", "qwen3", "qwen3_yarn", "phi3", "gpt2"]  # what megatron-core's local spec builds on a CPU
 
 
 def convert(src, dst, target: str, **extra) -> list[str]:
@@ -95,7 +95,7 @@ def test_megatron_core_builds_each_family_from_our_arguments_and_gives_transform
         model = build(name)
         model.save_pretrained(tmp_path / name / "hf")
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-        if rotary is not None:
+        if rotary is not None and rotary.rope_type != "yarn":  # (megatron-core's YaRN keeps its frequencies in two halves)
             frequencies[str(tmp_path / name / "meg")] = rotary.inv_freq
         meg = tmp_path / name / "meg"
         convert(tmp_path / name / "hf", meg, "megatron", tp=2, pp=1, transformer_impl="local")
@@ -144,6 +144,22 @@ def test_llama3_rope_scaling_is_megatron_lms_flags(tmp_path):
     assert MegatronArch.from_args(args, "f").to_hf()["rope_parameters"] == model.config.rope_parameters | {"factor": 8.0}  # a run's own
     with pytest.raises(ConversionError, match=re.escape("model_optim_rng.pt: --rope-scaling-factor 'x' is not a non-negative number")):
         MegatronArch.from_args({**args, "rope_scaling_factor": "x"}, "model_optim_rng.pt")  # an untrusted run's: one line
+
+
+def test_yarn_is_megatron_lms_yarn_flags(tmp_path):
+    """Qwen's long-context YaRN as Megatron-LM's --position-embedding-type yarn and its fields (megatron-core's
+    logits are transformers', test above): every weight and the logits back exactly. YaRN on part of each head
+    (megatron-core's spans the whole head) and a run that sets Llama 3.x's scaling beside it are refused in one line."""
+    exact_back(tmp_path, "qwen3_yarn", "megatron-dist")
+    args = vars(load_megatron_file(str(tmp_path / "meg" / "iter_0000000" / "common.pt"))["args"])
+    wanted = {"position_embedding_type": "yarn", "rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 32,
+              "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False}
+    assert {k: args.get(k) for k in wanted} == wanted
+    config = build("qwen3_yarn").config.to_dict()
+    with pytest.raises(ConversionError, match=re.escape("qwen3 with YaRN rotary scaling on 0.5 of each head: megatron-core's YaRN")):
+        MegatronArch._asked_from_hf({**config, "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 0.5}})
+    with pytest.raises(ConversionError, match=re.escape("common.pt: --position-embedding-type yarn with --use-rope-scaling")):
+        MegatronArch.from_args({**args, "use_rope_scaling": True}, "common.pt")
 
 
 def test_a_family_without_a_map_is_refused_in_one_line(tmp_path):
