@@ -1091,7 +1091,10 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     arch.check_tp(tp)
     said = [f"{arch.model_type}: {arch.spec.beyond_megatron_lm}"] if arch.spec.beyond_megatron_lm else []
     window = ckpt.config.get("sliding_window")
-    if isinstance(window, int):
+    layer_types = ckpt.config.get("layer_types")
+    used = ckpt.config.get("use_sliding_window") is not False and (  # a window the model attends with (Qwen2-MoE's
+        not isinstance(layer_types, list) or "sliding_attention" in layer_types)  # config keeps 0 beside use_sliding_window false)
+    if isinstance(window, int) and window > 0 and used:
         said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
                     "the same up to that many tokens); the recorded Hugging Face config keeps it")
     said += norm_eps_notes(arch, ckpt.config) + rope_scaling_notes(dict(arch.options))

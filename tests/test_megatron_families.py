@@ -62,6 +62,7 @@ def test_family_through_megatron_and_back_is_exact(tmp_path, name, target):
     assert any(beyond in n for n in notes) if beyond else not any("Megatron-Bridge" in n for n in notes)
     window = ARCHITECTURES[name][2].get("sliding_window")
     assert any(f"sliding_window {window}: not written as a Megatron argument" in n for n in notes) == (window is not None)
+    assert any("sliding_window" in n for n in notes) == (window is not None), notes  # none for a window not attended with
 
 
 def test_family_arguments_are_megatron_lms(tmp_path):
