@@ -23,6 +23,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,13 +36,13 @@ from interop.logical import DeferredList, DeferredMapping, DeferredScalars, Logi
 from interop.sharding import ShardingMetadata, Strategy
 from interop.structure import Absent, Is, Keys, ListOf, MapOf, Maybe, OneOf, check
 from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, sub_pieces, zeros
-from interop.universal import scalar_entry, scalar_value
+from interop.universal import same_values, scalar_entry, scalar_value
 
 from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
-from .megatron_arch import SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
+from .megatron_arch import MTP_KEYS, SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
-    chunk_rules, stack_index, tied_output_rule,
+    MTP_PREFIX, chunk_rules, expert_index, mtp_copies, tied_output_rule,
 )
 from .megatron_pipeline import PipelineSplit, recorded_flags
 from .param_order import ADAMW_DEFAULTS
@@ -459,10 +460,13 @@ class _RankModel:
         return [n for n in self.names if not _is_expert(n)], [n for n in self.names if _is_expert(n)]
 
 
-def _expert_at(name: str) -> tuple[int, int] | None:
-    """(layer, local expert) of a tensor in a SequentialMLP expert, None outside the experts."""
-    index = stack_index(name)
-    return index if len(index) == 2 else None
+def _expert_at(name: str) -> tuple[str, int] | None:
+    """(its layer, local expert) of a tensor in a SequentialMLP expert (a decoder layer's or an MTP layer's), None
+    outside the experts."""
+    expert, layer = expert_index(name), layer_of(name)
+    if expert is None:
+        return None
+    return (f"layer {layer}" if layer is not None else f"MTP layer {name[len(MTP_PREFIX):].split('.', 1)[0]}"), expert
 
 
 GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")  # GroupedMLP: a rank's experts in two tensors
@@ -534,7 +538,7 @@ def _rank_models(files: LegacyFiles, states: dict[tuple[int, int, int], dict], c
                     continue
                 if at is not None:
                     if not 0 <= at[1] < per:
-                        raise CorruptCheckpointError(path, f"layer {at[0]} holds local expert {at[1]}, but {experts} experts "
+                        raise CorruptCheckpointError(path, f"{at[0]} holds local expert {at[1]}, but {experts} experts "
                                                      f"over {files.ep} expert-parallel ranks give each {per}: an expert would "
                                                      "be duplicated or dropped")
                     name = _with_expert(name, e * per + at[1])
@@ -863,7 +867,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         raise CorruptCheckpointError(first, "holds no 'args': the model's shape is unknown; pass the model's config "
                                      "with --config CONFIG.json (or the model's directory)")
     arch.check_tp(files.tp, first)
-    legacy_layout(arch, first)
+    legacy_layout(arch, first, files.pp)
     _check_experts(arch, files, args_d, first)
     states3 = {key: (head if key == (0, 0, 0) else _rank_state(p, load_megatron_file(p, trust_pickle, stored=True)))
                for key, p in files.all_paths.items()}
@@ -945,6 +949,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     if has_master:
         source["master_dtype"] = "float32"
     config = hf_config(arch, args_d)
+    model.update({copy: model[main] for copy, main in mtp_copies(arch).items()})  # as a hub checkpoint keeps them
     notes = norm_eps_notes(arch, config)
     if not args_d.get("vocab_size"):
         notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
@@ -982,7 +987,8 @@ def hf_config(arch: MegatronArch, args: dict[str, Any]) -> dict[str, Any]:
     config = arch.to_hf()
     recorded = args.get("hf_config")
     if isinstance(recorded, dict) and recorded.get("model_type") == config["model_type"]:
-        return {**recorded, **{k: v for k, v in config.items() if k in SHAPE_KEYS}}
+        # the MTP layers the run has (a recorded config may declare layers its source did not hold)
+        return {**recorded, **{k: v for k, v in config.items() if k in SHAPE_KEYS or (arch.mtp_layers and k in MTP_KEYS)}}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(config.get(key), int) and config[key] >= arch.vocab:
             config[key] = None
@@ -1089,7 +1095,9 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
         raise ConversionError("the source records no model config; a Megatron checkpoint needs the model's shape")
     arch = MegatronArch.from_hf(ckpt.config)
     arch.check_tp(tp)
-    said = [f"{arch.model_type}: {arch.spec.beyond_megatron_lm}"] if arch.spec.beyond_megatron_lm else []
+    arch, said = mtp_held(ckpt, arch)
+    if arch.spec.beyond_megatron_lm:
+        said.append(f"{arch.model_type}: {arch.spec.beyond_megatron_lm}")
     window = ckpt.config.get("sliding_window")
     layer_types = ckpt.config.get("layer_types")
     used = ckpt.config.get("use_sliding_window") is not False and (  # a window the model attends with (Qwen2-MoE's
@@ -1103,13 +1111,51 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     return arch, padded_vocab(arch.vocab, tp), dtype
 
 
-def legacy_layout(arch: MegatronArch, where: str) -> None:
+def legacy_layout(arch: MegatronArch, where: str, pp: int) -> None:
     """Legacy per-rank files hold each rank's own piece, which for multi-latent attention's down-projections
     depends on the spec (column-parallel in the local one, duplicated in Transformer Engine's), and the files do
-    not say which: refused in one line; torch_dist stores the global tensors, which both load."""
+    not say which: refused in one line; torch_dist stores the global tensors, which both load. So are MTP layers
+    over pipeline stages (see :func:`mtp_stages`)."""
     if arch.spec.megatron_args.get("multi_latent_attention"):
         raise ConversionError(f"{where}: a {arch.model_type} model's multi-latent attention in legacy per-rank files is not "
                               "read or written (its pieces depend on the run's spec); use --ckpt-format torch_dist (--to megatron-dist)")
+    mtp_stages(arch, pp, f"{where}: legacy per-rank files")
+
+
+def mtp_stages(arch: MegatronArch, pp: int, what: str) -> None:
+    """With pipeline stages, megatron-core's last stage keeps a copy of the embedding of its own for its MTP layers
+    (GPTModel builds one where the MTP block is): a per-rank layout (legacy files, dp_reshardable buckets) that no
+    run here has judged. Refused in one line; torch_dist's global tensors (and fully_reshardable) hold it once."""
+    if arch.mtp_layers and pp > 1:
+        raise ConversionError(f"{what} of a model with {arch.mtp_layers} multi-token-prediction layer(s) over {pp} pipeline stages "
+                              "are not read or written (the last stage's own embedding copy); use torch_dist "
+                              "(--to megatron-dist, fully_reshardable for a distributed optimizer)")
+
+
+def mtp_held(ckpt: LogicalCheckpoint, arch: MegatronArch) -> tuple[MegatronArch, list[str]]:
+    """A Hugging Face source's multi-token-prediction layers, and notes: the config declares them (transformers'
+    num_mtp_layers), the checkpoint holds those a hub release ships (``model.layers.<num_hidden_layers + k>.``;
+    transformers' save_pretrained writes none). Written are those it holds, each whole (a missing tensor is
+    refused when its rule is written); their copies of the embedding and head must be the model's own, which
+    megatron-core's MTP layers use (another value is refused, never dropped)."""
+    if not arch.spec.mtp:
+        return arch, []
+    prefix = arch.spec.layer_prefix
+    held = 0
+    while held < arch.mtp_layers and any(n.startswith(prefix.format(i=arch.num_layers + held)) for n in ckpt.model):
+        held += 1
+    notes = []
+    if held < arch.mtp_layers:
+        notes.append(f"the config declares {arch.mtp_layers} multi-token-prediction layer(s), the checkpoint holds "
+                     f"{held or 'none'} (transformers' save_pretrained writes none): written with --mtp-num-layers {held}"
+                     if held else f"the config declares {arch.mtp_layers} multi-token-prediction layer(s), the checkpoint holds "
+                     "none (transformers' save_pretrained writes none): written without them (no --mtp-num-layers)")
+    arch = dataclasses.replace(arch, mtp_layers=held)
+    for copy, main in mtp_copies(arch).items():
+        if copy in ckpt.model and (main not in ckpt.model or not same_values(ckpt.model[copy], ckpt.model[main])):
+            raise ConversionError(f"{copy} is not {main}: megatron-core's multi-token-prediction layers use the model's own "
+                                  "embedding and output layer, so it has no place for another")
+    return arch, notes
 
 
 def norm_eps_notes(arch: MegatronArch, config: dict[str, Any]) -> list[str]:
@@ -1126,10 +1172,10 @@ def norm_eps_notes(arch: MegatronArch, config: dict[str, Any]) -> list[str]:
             f"{arch.eps:g}: their outputs differ slightly" for eps, names in sorted(other.items())]
 
 
-def note_unmapped(ckpt: LogicalCheckpoint, all_rules: list[Rule]) -> None:
+def note_unmapped(ckpt: LogicalCheckpoint, all_rules: list[Rule], arch: MegatronArch) -> None:
     """A note naming the source's tensors Megatron's GPT model has no place for (a hub GLM-4.5's multi-token
     prediction layer, model.layers.<n>): not written, and said, never dropped in silence."""
-    mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied}
+    mapped = {n for r in all_rules for n in r.hf} | {g[0] for g in ckpt.tied} | set(mtp_copies(arch))
     unmapped = sorted(set(ckpt.model) - mapped)
     if unmapped:
         ckpt.notes.append(f"Megatron's model has no place for {len(unmapped)} tensor(s), not written: {unmapped[:5]}")
@@ -1194,7 +1240,7 @@ def write_megatron(
     in each rank's file, a gradient buffer each; uneven stages), :meth:`.megatron_pipeline.PipelineSplit.from_args`'s
     names. Both recorded in the args."""
     arch, padded, dtype = target_shape(ckpt, tp)
-    legacy_layout(arch, "--to megatron")
+    legacy_layout(arch, "--to megatron", pp)
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
     if expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}") != tp:
@@ -1227,7 +1273,7 @@ def write_megatron(
                               "(Megatron-LM loads the plain optimizer too)")
     hyper = megatron_hyper(opt)
     model = ckpt.model
-    note_unmapped(ckpt, all_rules)
+    note_unmapped(ckpt, all_rules, arch)
     padding = component_state(ckpt, PADDING) or {}
     scheduler = component_state(ckpt, SCHEDULER)
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)

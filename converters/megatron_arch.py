@@ -57,6 +57,8 @@ class MegatronArch:
     options: tuple[tuple[str, Any], ...] = ()  # the family's config carried as Megatron args (soft-capping, windows)
     dense_first: int = 0  # a MoE model's dense layers before its first MoE layer (first_k_dense_replace)
     dense_ffn: int = 0  # their MLP's width (Megatron's --ffn-hidden-size beside --moe-ffn-hidden-size); 0 without them
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder's (--mtp-num-layers); a Hugging Face source's are
+    # those its checkpoint holds (transformers' save_pretrained drops them), counted by the writer (``megatron.mtp_held``)
 
     @property
     def spec(self) -> Family:
@@ -99,7 +101,7 @@ class MegatronArch:
                 raise ValueError("kept for another model type")
             return arch
 
-        return kept("megatron-arch", 3, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
+        return kept("megatron-arch", 4, key, lambda: cls._asked_from_hf(config), lambda arch: {"arch": arch.to_json()}, read)
 
     def to_json(self) -> dict[str, Any]:
         import dataclasses
@@ -124,7 +126,7 @@ class MegatronArch:
             kind = kinds.get(name, int)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise TypeError(f"{name}: {value!r}")
-            if kind is int and value < (0 if name in ("dense_first", "dense_ffn") else 1):
+            if kind is int and value < (0 if name in ("dense_first", "dense_ffn", "mtp_layers") else 1):
                 raise ValueError(f"{name}: {value!r}")
         try:
             fam = family_for(raw["model_type"])  # a family this code still maps, the one kept
@@ -181,6 +183,7 @@ class MegatronArch:
             max_positions=cfg.max_position_embeddings, linear_bias=mlp_bias,
             qkv_bias=_flag(cfg, fam.qkv_bias), rope_theta=theta, model_type=kind, rotary_percent=percent, options=options,
             dense_first=dense_first, dense_ffn=cfg.intermediate_size if dense_first else 0,  # the dense layers: Llama's MLP
+            mtp_layers=int(getattr(cfg, "num_mtp_layers", 0) or 0) if fam.mtp else 0,  # as the config declares them
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -191,7 +194,7 @@ class MegatronArch:
         import json
 
         key = json.dumps([dataclasses.asdict(self), repr(self.spec)], sort_keys=True, default=str)
-        return kept("megatron-config", 2, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
+        return kept("megatron-config", 3, key, self._asked_hf, lambda config: {"config": config}, _kept_config)
 
     def _asked_hf(self) -> dict[str, Any]:
         import transformers
@@ -219,6 +222,8 @@ class MegatronArch:
         kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None or attr in fam.nullable})
         if fam.experts:
             kw.update(_moe_config(self, fam, options))
+        if fam.mtp:  # transformers' generic name for the count (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers)
+            kw["num_mtp_layers"] = self.mtp_layers
         defaults = transformers.AutoConfig.for_model(self.model_type)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a default token outside this vocabulary
             if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= self.vocab:
@@ -227,7 +232,7 @@ class MegatronArch:
         config = made.to_diff_dict()
         config.pop("transformers_version", None)
         full = made.to_dict()
-        config.update({k: full[k] for k in SHAPE_KEYS if k in full})  # every size, even one equal to the class default
+        config.update({k: full[k] for k in (*SHAPE_KEYS, *MTP_KEYS) if k in full})  # every size, even one equal to the class default
         causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         return {"architectures": [causal[self.model_type]], "model_type": self.model_type, **config,
                 "vocab_size": self.vocab, "tie_word_embeddings": self.tied}
@@ -277,6 +282,10 @@ class MegatronArch:
                         f"{model_type} model {'does not have' if a.get(flag) else 'needs'}; no Hugging Face name map fits it")
             padded = a.get("padded_vocab_size")
             dense_first = _dense_first(a, where) if experts else 0
+            mtp_layers = _count_arg(a, "mtp_num_layers", where)
+            if mtp_layers and not fam.mtp:
+                raise ConversionError(f"{where}: the run has {mtp_layers} multi-token-prediction layer(s) (--mtp-num-layers), which a "
+                                      f"{model_type} model's Hugging Face layout has no place for")
             return cls(
                 family=fam.name, num_layers=a["num_layers"], hidden=a["hidden_size"], heads=heads, groups=groups or heads,
                 head_dim=a.get("kv_channels") or a["hidden_size"] // heads,
@@ -290,6 +299,7 @@ class MegatronArch:
                 options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ())
                 + (_mla_rope_args(a, where) if a.get("multi_latent_attention") else _rope_scaling_args(a, where)),
                 dense_first=dense_first, dense_ffn=(a.get("ffn_hidden_size") or 4 * a["hidden_size"]) if dense_first else 0,
+                mtp_layers=mtp_layers,
             )
         except KeyError as exc:
             raise ConversionError(f"{where}: Megatron args lack {exc.args[0]!r}, so the model's shape is unknown") from None
@@ -311,6 +321,7 @@ class MegatronArch:
             "add_qkv_bias": self.qkv_bias, "vocab_size": self.vocab, "padded_vocab_size": padded_vocab(self.vocab, tp),
             "make_vocab_size_divisible_by": DIVISIBLE_BY, "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": None, "hf_model_type": self.model_type,
+            "mtp_num_layers": self.mtp_layers or None,  # Megatron-LM's default: None (no MTP block)
             **fam.megatron_args, **dict(self.options),
         }
         if self.experts:  # megatron-core's SequentialMLP experts of the family's width, routed as the model routes
@@ -491,6 +502,10 @@ SHAPE_KEYS = {  # the sizes the arguments decide, whatever a recorded config say
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "max_position_embeddings", "tie_word_embeddings",
 }
+
+# where a config.json counts multi-token-prediction layers: transformers' num_mtp_layers, stored under its config class's
+# attribute-map name (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers); the arguments decide it where they have MTP layers
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 _ACTIVATION_KEYS = ("hidden_activation", "hidden_act", "activation_function")
 

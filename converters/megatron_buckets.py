@@ -34,7 +34,7 @@ from interop.tensors import LazyTensor, TensorSpec
 
 from .megatron_buffer import DISTRIBUTED_GROUPS, buckets, chunk_buffers, run_bucket_size, shared_names
 from .megatron_arch import MegatronArch
-from .megatron_map import Rule, chunk_rules, is_expert, parameters, rules, split, stack_index, tied_output_rule
+from .megatron_map import Rule, chunk_rules, expert_index, is_expert, parameters, rules, split, tied_output_rule
 from .megatron_pipeline import PipelineSplit
 
 DP_RESHARDABLE = "dp_reshardable"
@@ -113,7 +113,7 @@ def rank_buffers(arch: MegatronArch, order: list[Rule], tp: int, pipeline: Pipel
     def owner(rule: Rule, p: int, t: int) -> tuple[str, bool]:
         """The optimizer holding ``rule``'s piece t on stage p: its key prefix, and whether it is the experts'."""
         if chained and is_expert(rule):
-            return prefix(1, t + etp * (stack_index(rule.megatron)[1] // per + ep * p)), True
+            return prefix(1, t + etp * (expert_index(rule.megatron) // per + ep * p)), True
         return prefix(0, t + tp * p), False
 
     out = []

@@ -47,7 +47,7 @@ from .engine_checkpoint import RNG, Written, carried_components, component_state
 from .megatron import (
     CHECKPOINT_VERSION, PADDING, SCHEDULER, TRACKER, MergedCache, _nonzero, hf_config, hf_shapes, hf_tensors, hf_values,
     MEGATRON_ARGS, expert_parallel_size, expert_tensor_parallel_size, is_no_decay, load_megatron_file, megatron_hyper, norm_eps_notes, note_unmapped, padding_rows,
-    pipeline_split, target_shape,
+    mtp_stages, pipeline_split, target_shape,
 )
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit, recorded_flags
@@ -55,7 +55,8 @@ from .megatron_rng import DEFAULT_SEED, megatron_rng_states, our_rng
 from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
 from .megatron_map import (
-    EXPERTS, LAYER_PREFIX, VOCAB, Rule, extra_state_key, is_expert, megatron_pieces, merge, parameters, rules, stack_index,
+    EXPERTS, LAYER_PREFIX, MTP_PREFIX, VOCAB, Rule, expert_index, extra_state_key, is_expert, layer_of, megatron_pieces, merge, mtp_copies,
+    parameters, rules, stack_index,
 )
 from .megatron_pieces import RankPieces, fused_dtype
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
@@ -102,17 +103,23 @@ class StoredKeys:
         return cls(isinstance(freq, (list, tuple)) or (isinstance(freq, int) and not isinstance(freq, bool) and freq > 1))
 
     def name(self, megatron: str) -> str:
-        if not megatron.startswith(LAYER_PREFIX):
+        head, found, rest = megatron.partition(EXPERTS)
+        if found:  # every expert's tensor of a layer in one: ...mlp.experts.experts.x
+            megatron = f"{head}mlp.experts.experts.{rest.split('.', 1)[1]}"
+        if not megatron.startswith(LAYER_PREFIX) or self.per_layer:
             return megatron
-        layer, rest = megatron[len(LAYER_PREFIX):].split(".", 1)
-        if rest.startswith(EXPERTS):
-            rest = "mlp.experts.experts." + rest[len(EXPERTS):].split(".", 1)[1]
-        return LAYER_PREFIX + (f"{layer}." if self.per_layer else "") + rest
+        return LAYER_PREFIX + megatron[len(LAYER_PREFIX):].split(".", 1)[1]
 
     def index(self, megatron: str) -> tuple[int, ...]:
         """Where the tensor lies in its stored tensor's leading (stacking) dimensions."""
         index = stack_index(megatron)
-        return index[1:] if self.per_layer else index
+        return index[1:] if self.per_layer and layer_of(megatron) is not None else index
+
+    def stacking(self, megatron: str, arch: MegatronArch) -> tuple[tuple[str, int], ...]:
+        """The stored tensor's leading dimensions (what they count, how many): the layers, unless per layer or in an
+        MTP layer (megatron-core stacks neither), and a layer's experts."""
+        layers = (("layers", arch.num_layers),) if layer_of(megatron) is not None and not self.per_layer else ()
+        return layers + ((("experts", arch.experts),) if expert_index(megatron) is not None else ())
 
     def extra_states(self, all_rules: list[Rule], arch: MegatronArch) -> list[str]:
         """The keys of megatron-core's linears' extra states (None without FP8), each a ShardedObject stored as
@@ -120,10 +127,9 @@ class StoredKeys:
         out = []
         for rule in all_rules:
             key = extra_state_key(rule.megatron)
-            if key is None or not key.startswith(LAYER_PREFIX):
+            if key is None or not key.startswith((LAYER_PREFIX, MTP_PREFIX)):
                 continue
-            index, layers = self.index(rule.megatron), arch.num_layers
-            shape = ((layers,) if not self.per_layer else ()) + ((arch.experts,) if is_expert(rule) else ())
+            index, shape = self.index(rule.megatron), tuple(n for _, n in self.stacking(rule.megatron, arch))
             offset, shape = (index, shape) if index else ((0,), (1,))
             out.append(f"{self.name(key)}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
         return out
@@ -171,9 +177,8 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         return tuple(reader.spec(key).shape[len(keys.index(rule.megatron)):])
 
     def check_stacking(rule: Rule, key: str) -> None:
-        spec, n = reader.spec(key), len(keys.index(rule.megatron))
-        stacking = (("experts", arch.experts),) if keys.per_layer else (("layers", arch.num_layers), ("experts", arch.experts))
-        for (what, expected), held in zip(stacking[:n], spec.shape):
+        spec = reader.spec(key)
+        for (what, expected), held in zip(keys.stacking(rule.megatron, arch), spec.shape):
             if held != expected:
                 raise CorruptCheckpointError(directory, f"{key} stacks {held} {what}; args say {expected}")
 
@@ -211,6 +216,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         tp, pp, ep = (int(args_d.get(a) or 1) for a in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                          "expert_model_parallel_size"))
         etp = expert_tensor_parallel_size(arch, tp, ep, args_d.get("expert_tensor_parallel_size"), common_path)
+        mtp_stages(arch, pp, f"{common_path}: dp_reshardable buckets")
         regions = buckets.read_layout(reader, arch, tp, pipeline_split(arch, pp, args_d, common_path), ep, full_shape, lambda r: stored_full(r, names[r.megatron]),
                                       directory, args_d, etp)
 
@@ -276,6 +282,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     rng = DeferredList(rng_states) if rng_keys is not None else None
     pipeline = recorded_flags({**args_d, "num_layers": arch.num_layers}, common_path)
     config = hf_config(arch, args_d)
+    model.update({copy: model[main] for copy, main in mtp_copies(arch).items()})  # as a hub checkpoint keeps them
     return LogicalCheckpoint(
         model=model, config=config, optimizer=optimizer, notes=norm_eps_notes(arch, config),
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
@@ -427,7 +434,7 @@ def _stacked(rules_: list[Rule], source: dict[str, LazyTensor], padded: int, fil
     if len(index) == 1:
         stacked = (len(rules_),)
     elif index:
-        experts = len({stack_index(r.megatron)[1] for r in rules_})
+        experts = len({expert_index(r.megatron) for r in rules_})
         stacked = (len(rules_) // experts, experts)
 
     pieces = RankPieces(1, padded, threading.Lock())
@@ -466,11 +473,13 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         raise ConversionError("the dp_reshardable layout is written for --transformer-impl local (its buckets follow the "
                               "module order); for Transformer Engine runs use --dist-optim-layout fully_reshardable")
     arch, padded, dtype = target_shape(ckpt, tp)
+    if flat:
+        mtp_stages(arch, pp, "--dist-optim-layout dp_reshardable buckets")
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
     etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}")
     all_rules = rules(arch, te_names=True)
-    note_unmapped(ckpt, all_rules)
+    note_unmapped(ckpt, all_rules, arch)
     split_args = split.to_args()
     args_d = arch.to_args(tp, pp)
     keys = StoredKeys.of(args_d)

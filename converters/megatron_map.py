@@ -25,11 +25,13 @@ from interop.errors import ConversionError
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit
 from .models.megatron_family import (  # noqa: F401 - the split kinds are also this module's
-    CAT, COLS, GATED, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROPE_KV, ROPE_Q, ROWS, VOCAB, T, Family, Param,
+    CAT, COLS, GATED, MTP, MTP_COPIES, MTP_FINAL_NORM, MTP_LAYER, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROPE_KV, ROPE_Q, ROWS, VOCAB, T,
+    Family, Param,
 )
 
 FIRST, LAST = -1, -2  # stage markers for tensors outside the layers
 LAYER_PREFIX = "decoder.layers."
+MTP_PREFIX = "mtp.layers."  # megatron-core's MultiTokenPredictionBlock: mtp.layers.<k>.
 
 
 @dataclass(frozen=True)
@@ -197,28 +199,51 @@ def rules(arch: MegatronArch, te_names: bool = True) -> list[Rule]:
     if fam.position_embedding:
         out.append(Rule("embedding.position_embeddings.weight", (fam.position_embedding,), REPLICATED, FIRST, _one, _as_list))
     for i in range(arch.num_layers):
-        m, h = f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i)
-        moe = arch.is_moe_layer(i) or not arch.experts
-        table = fam.layer if moe else fam.dense_layer  # a MoE model's dense layers first (first_k_dense_replace)
-        fused_into = _linears(table)
-        for p in _layer_order(table, te_names):
-            if not _exists(p, arch):
-                continue
-            names = [f"{m}{p.megatron}"] + ([f"{m}{_te_name(p)}"] if p.norm_of else [])
-            if p.norm_of and te_names and p.norm_of in fused_into:  # TE fuses it into its linear; a MoE layer has none
-                names.reverse()
-            fuse, unfuse = fusers[p.fuse]
-            out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, i, fuse, unfuse, tuple(names[1:]), p.buffer))
-        for e in range(arch.experts if moe else 0):
-            for p in fam.experts:
-                if _exists(p, arch):
-                    fuse, unfuse = fusers[p.fuse]
-                    out.append(Rule(f"{m}{p.megatron.format(e=e)}", tuple(f"{h}{x.format(e=e)}" for x in p.hf), p.split, i, fuse, unfuse))
+        out += _layer_rules(arch, fusers, arch.is_moe_layer(i) or not arch.experts, f"{LAYER_PREFIX}{i}.", fam.layer_prefix.format(i=i), i, te_names)
     for p in norm_params:
         out.append(Rule(f"decoder.final_layernorm.{p}", (f"{fam.final_norm}.{p}",), REPLICATED, LAST, _one, _as_list))
+    for k in range(arch.mtp_layers):  # megatron-core registers its MTP block after the decoder, before the output layer
+        m, h = f"{MTP_PREFIX}{k}.", fam.layer_prefix.format(i=arch.num_layers + k)
+        out += [Rule(f"{m}{p.megatron}", (f"{h}{p.hf[0]}",), p.split, LAST, _one, _as_list) for p in MTP]
+        # its transformer layer is of the last decoder layer's kind (Megatron-LM's gpt_builders), a MoE model's MoE
+        out += _layer_rules(arch, fusers, arch.is_moe_layer(arch.num_layers - 1) or not arch.experts, f"{m}{MTP_LAYER}", h, LAST, te_names)
+        out.append(Rule(f"{m}{MTP_FINAL_NORM.megatron}", (f"{h}{MTP_FINAL_NORM.hf[0]}",), REPLICATED, LAST, _one, _as_list))
     if not arch.tied:
         out.append(Rule("output_layer.weight", (fam.output,), VOCAB, LAST, _one, _as_list))
     return out
+
+
+def _layer_rules(arch: MegatronArch, fusers: dict[str, tuple[Callable, Callable]], moe: bool, m: str, h: str, layer: int,
+                 te_names: bool) -> list[Rule]:
+    """One transformer layer's rules: Megatron names under ``m``, Hugging Face ones under ``h``; a MoE model's dense
+    layers (first_k_dense_replace) are the family's ``dense_layer``."""
+    fam: Family = arch.spec
+    table = fam.layer if moe else fam.dense_layer
+    fused_into = _linears(table)
+    out = []
+    for p in _layer_order(table, te_names):
+        if not _exists(p, arch):
+            continue
+        names = [f"{m}{p.megatron}"] + ([f"{m}{_te_name(p)}"] if p.norm_of else [])
+        if p.norm_of and te_names and p.norm_of in fused_into:  # TE fuses it into its linear; a MoE layer has none
+            names.reverse()
+        fuse, unfuse = fusers[p.fuse]
+        out.append(Rule(names[0], tuple(f"{h}{x}" for x in p.hf), p.split, layer, fuse, unfuse, tuple(names[1:]), p.buffer))
+    for e in range(arch.experts if moe else 0):
+        for p in fam.experts:
+            if _exists(p, arch):
+                fuse, unfuse = fusers[p.fuse]
+                out.append(Rule(f"{m}{p.megatron.format(e=e)}", tuple(f"{h}{x.format(e=e)}" for x in p.hf), p.split, layer, fuse, unfuse))
+    return out
+
+
+def mtp_copies(arch: MegatronArch) -> dict[str, str]:
+    """The copies of the embedding and head a Hugging Face checkpoint keeps in each MTP layer, and the model tensor
+    each copies: megatron-core's MTP layers use the model's own (``MTP_COPIES``)."""
+    fam: Family = arch.spec
+    main = {"embedding": fam.embedding, "output": fam.embedding if arch.tied else fam.output}
+    return {f"{fam.layer_prefix.format(i=arch.num_layers + k)}{name}": main[attr]
+            for k in range(arch.mtp_layers) for name, attr in MTP_COPIES.items()}
 
 
 def parameters(all_rules: list[Rule]) -> list[Rule]:
@@ -232,9 +257,9 @@ def tied_output_rule(arch: MegatronArch) -> Rule:
     return Rule("output_layer.weight", (arch.spec.embedding,), VOCAB, LAST, _one, _as_list, aliases=("embedding.word_embeddings.weight",))
 
 
-# the attention's (multi-latent attention's projections too), an MLP's or an expert's
+# the attention's (multi-latent attention's projections too), an MLP's, an expert's or an MTP layer's
 LINEAR_MODULES = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-                  "linear_kv_down_proj", "linear_kv_up_proj")
+                  "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")  # (an MTP layer's projection)
 
 
 def extra_state_key(name: str) -> str | None:
@@ -318,20 +343,22 @@ def layer_of(name: str) -> int | None:
 EXPERTS = "mlp.experts.local_experts."  # megatron-core's SequentialMLP: decoder.layers.<i>.mlp.experts.local_experts.<e>.
 
 
+def expert_index(name: str) -> int | None:
+    """The routed expert a tensor belongs to (a decoder layer's or an MTP layer's), None outside the experts."""
+    _, found, rest = name.partition(EXPERTS)
+    return int(rest.split(".", 1)[0]) if found else None
+
+
 def is_expert(rule: Rule) -> bool:
-    """A routed expert's tensor (stacked by layer and expert): a MoE model's expert optimizer holds it at EP > 1."""
-    return len(stack_index(rule.megatron)) == 2
+    """A routed expert's tensor: a MoE model's expert optimizer holds it at EP > 1."""
+    return expert_index(rule.megatron) is not None
 
 
 def stack_index(name: str) -> tuple[int, ...]:
-    """Where a tensor lies in torch_dist's stacking: () outside the layers, (layer,), or (layer, expert)."""
-    layer = layer_of(name)
-    if layer is None:
-        return ()
-    rest = name[len(LAYER_PREFIX):].split(".", 1)[1]
-    if rest.startswith(EXPERTS):
-        return layer, int(rest[len(EXPERTS):].split(".", 1)[0])
-    return (layer,)
+    """Where a tensor lies in torch_dist's stacking: () outside the layers, (layer,), (layer, expert), or (expert,)
+    in an MTP layer (megatron-core stacks its experts, not the MTP layers)."""
+    layer, expert = layer_of(name), expert_index(name)
+    return ((layer,) if layer is not None else ()) + ((expert,) if expert is not None else ())
 
 
 def chunk_rules(all_rules: list[Rule], arch: MegatronArch, split: PipelineSplit) -> list[list[list[Rule]]]:

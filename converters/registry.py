@@ -373,11 +373,10 @@ def _megatron_pipeline(ckpt: LogicalCheckpoint, o: Options, pp: int) -> dict[str
 def _write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
     ckpt = _at_precision(ckpt, o)
     layout = o.extra.get("dist_optim_layout") or ("fully_reshardable" if o.extra.get("use_distributed_optimizer") else None)
-    pp = layout_value(ckpt, o, "pp", 1)
-    megatron_dist.write_megatron_dist(ckpt, dst, layout_value(ckpt, o, "tp", 1), o.overwrite, distributed_optimizer=layout, pp=pp,
+    pp, tp = layout_value(ckpt, o, "pp", 1), layout_value(ckpt, o, "tp", 1)  # (each asked once: a default is one note)
+    megatron_dist.write_megatron_dist(ckpt, dst, tp, o.overwrite, distributed_optimizer=layout, pp=pp,
                                       transformer_impl=o.extra.get("transformer_impl") or "transformer_engine", ep=_megatron_ep(ckpt, o),
-                                      ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, pp),
-                                      etp=_megatron_etp(ckpt, o, layout_value(ckpt, o, "tp", 1)))
+                                      ddp=_megatron_ddp(o), pipeline=_megatron_pipeline(ckpt, o, pp), etp=_megatron_etp(ckpt, o, tp))
 
 
 register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, and its root has Megatron's tracker file

@@ -185,7 +185,7 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
         target, *sources = group
         source = next((s for s in sources if s in model), None)
         if target in model and source is not None:
-            if not _same_values(model[target], model[source]):
+            if not same_values(model[target], model[source]):
                 raise ConversionError(
                     f"{target} and {source} are declared tied but hold different values; "
                     "untie them in config.json (tie_word_embeddings=false) to keep both"
@@ -194,7 +194,7 @@ def model_entries(ckpt: LogicalCheckpoint) -> dict[str, LazyTensor]:
     return model
 
 
-def _same_values(a: LazyTensor, b: LazyTensor) -> bool:
+def same_values(a: LazyTensor, b: LazyTensor) -> bool:
     """Whether two tensors hold the same bytes: by the digests their manifest records where both have one of one
     algorithm (the manifest is checked; the tensor left out is never read, the one written is checked as it is),
     else hashed (each checked against its own record, where it has one)."""

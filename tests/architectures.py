@@ -137,6 +137,54 @@ def saved(root: Path, name: str) -> tuple[transformers.PreTrainedModel, Path]:
     return model, root / name / "hf"
 
 
+def with_mtp(model, hf: Path, seed: int = 7) -> dict[str, torch.Tensor]:
+    """A hub release's multi-token-prediction layer added to ``hf`` (save_pretrained writes none): DeepSeek-V3's and
+    GLM-4.5's layout, ``model.layers.<num_hidden_layers>.``: a decoder layer of the last one's kind (values apart from
+    it), its enorm / hnorm / eh_proj and shared_head.norm, and copies of the embedding and head. transformers'
+    MtpModel loads it (see :func:`mtp_model`). Returns the tensors added."""
+    from safetensors.torch import load_file, save_file
+
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    path = next(hf.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(seed)
+    added = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v + 0.05 * torch.randn(v.shape, generator=g).to(v.dtype)
+             for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        added[f"model.layers.{n}.{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    added[f"model.layers.{n}.eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    added[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    added[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
+    return added
+
+
+def mtp_model(hf: Path):
+    """(the model, transformers' MtpModel) as from_pretrained loads them from ``hf``. MtpModel.from_pretrained finds the
+    MTP layers by the model class's ignored-key patterns, written for the hub release's layer count
+    (``model.layers.61`` for DeepSeek-V3): this model's own count is given instead."""
+    from transformers.modeling_layers import MtpModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf)).eval()
+    n = model.config.num_hidden_layers
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + k}\..*" for k in range(model.config.num_mtp_layers)]
+    return model, MtpModel.from_pretrained(model).eval()
+
+
+def mtp_logits(model, mtp) -> torch.Tensor:
+    """Each MTP layer's logits on :func:`logits`' ids, [layer, batch, position, vocab]: at position i, layer k's
+    prediction from the main model's last hidden state and the k next tokens (positions without them left out)."""
+    ids = (torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size
+    out = []
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        for k in range(mtp.num_mtp_layers):
+            s = ids.shape[1] - 1 - k
+            hidden = mtp.forward_layer(k, hidden[:, :s], torch.arange(s).expand(ids.shape[0], s), None, input_ids=ids[:, k + 1:])
+            out.append(mtp._project_to_logits(hidden))
+    return torch.stack(out) if len({o.shape for o in out}) == 1 else out
+
+
 def logits(model, config) -> torch.Tensor:
     ids = (torch.arange(14).reshape(2, 7) * 5) % config.get_text_config().vocab_size
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}

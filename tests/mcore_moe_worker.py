@@ -122,11 +122,19 @@ def build(args, tp: int, ep: int):
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm,
                                         multi_latent_attention=config.multi_latent_attention)
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None):  # --mtp-num-layers: Megatron-LM's gpt_builders, the last decoder layer's spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+
+        torch.cuda.current_device = lambda: "cpu"  # where megatron-core's MTP loss tracker keeps its values
+        config = replace(config, mtp_num_layers=args.mtp_num_layers)
+        last = get_gpt_decoder_layer_specs(config, use_transformer_engine=False)[-1] if isinstance(config.moe_layer_freq, list) else spec
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False)
     model = GPTModel(
         config, spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=getattr(args, "rotary_percent", 1.0),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, mtp_block_spec=mtp_spec,
     )
     if grouped:  # GroupedMLP's forward asserts bf16 (its kernel's dtype): the experts alone are told so, weights stay fp32
         import copy
@@ -312,9 +320,21 @@ def main() -> None:
         model.eval()
         ids = torch.load(os.path.join(directory, "ids.pt"))
         b, s = ids.shape
-        with torch.no_grad():
-            logits = model(ids, torch.arange(s).expand(b, s), attention_mask=torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1))
-        logits = gather_from_tensor_model_parallel_region(logits)[..., : args.vocab_size]
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+        if getattr(args, "mtp_num_layers", None):  # the main and each MTP layer's hidden states, through the output layer
+            held = {}
+            model.mtp.register_forward_hook(lambda module, inputs, output: held.setdefault("states", output))
+            with torch.no_grad():  # (with MTP layers, GPTModel's forward needs labels: any)
+                model(ids, torch.arange(s).expand(b, s), attention_mask=mask, labels=ids)
+                each = [gather_from_tensor_model_parallel_region(model.output_layer(h)[0]).transpose(0, 1)[..., : args.vocab_size]
+                        for h in torch.chunk(held["states"], 1 + args.mtp_num_layers, dim=0)]
+            logits = each[0]
+            if dist.get_rank() == 0:
+                torch.save(torch.stack(each[1:]), os.path.join(directory, "mcore_mtp_logits.pt"))
+        else:
+            with torch.no_grad():
+                logits = model(ids, torch.arange(s).expand(b, s), attention_mask=mask)
+            logits = gather_from_tensor_model_parallel_region(logits)[..., : args.vocab_size]
         if dist.get_rank() == 0:
             torch.save(logits, os.path.join(directory, "mcore_logits.pt"))
         if out is not None:

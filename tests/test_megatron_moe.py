@@ -624,21 +624,119 @@ def test_megatron_core_resumes_a_deepseek_style_run_through_universal(converted,
     assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
 
 
-def test_a_tensor_megatron_has_no_place_for_is_named_not_dropped(tmp_path):
-    """A hub GLM-4.5 carries its multi-token-prediction layer as model.layers.<n> (transformers ignores it on load);
-    Megatron's GPT model has no place for it: torch_dist and legacy targets write the rest and name it in a note."""
+def test_multi_token_prediction_layers_megatron_core_runs_them_as_transformers(tmp_path):
+    """A hub DeepSeek-V3 keeps its multi-token-prediction (MTP) layer as model.layers.<num_hidden_layers> (its norms,
+    eh_proj, a MoE decoder layer, shared_head.norm, copies of the embedding and head), which transformers' MtpModel
+    loads. Written as megatron-core's MTP block (--mtp-num-layers 1, mtp.layers.0.*: its experts stacked, its
+    transformer layer's keys unstacked), megatron-core's GPTModel with Megatron-LM's MTP spec loads it strictly at EP2
+    and gives transformers' logits for the main model and for the MTP layer; megatron-core's own save comes back to
+    the hub's tensors exactly (the copies from the model's embedding and head), and MtpModel loads that export."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, hf = architectures.saved(tmp_path, "deepseek_v3")
+    added = architectures.with_mtp(model, hf)
+    loaded, mtp = architectures.mtp_model(hf)
+    expected, expected_mtp = architectures.logits(loaded, loaded.config), architectures.mtp_logits(loaded, mtp)
+    dist, own, back = tmp_path / "dist", tmp_path / "own", tmp_path / "back"
+    done = cli("convert", hf, dist, "--to", "megatron-dist", "--transformer-impl", "local")
+    assert done.returncode == 0, done.stderr
+    assert "multi-token-prediction" not in done.stdout + done.stderr  # held whole: nothing to say
+    args = vars(load_megatron_file(str(dist / "iter_0000000" / COMMON))["args"])
+    assert args["mtp_num_layers"] == 1
+    meta = FileSystemReader(str(dist / "iter_0000000")).read_metadata().state_dict_metadata
+    for key, shape in (("mtp.layers.0.eh_proj.weight", (36, 72)), ("mtp.layers.0.final_layernorm.weight", (36,)),
+                       ("mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight", (60, 12)),
+                       ("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight", (4, 36, 20))):
+        assert tuple(meta[key].size) == shape, key
+    torch.save((torch.arange(14).reshape(2, 7) * 5) % model.config.vocab_size, dist / "ids.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "mcore_moe_worker.py"), "logits", str(dist), str(own)]
+    run_workers(cmd, {**worker_env(), "MCORE_EP": "2"}, timeout=600)
+    torch.testing.assert_close(torch.load(dist / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
+    # megatron-core's MTP layer at position i sees token i + 1; the last position has none (transformers leaves it out)
+    torch.testing.assert_close(torch.load(dist / "mcore_mtp_logits.pt")[:, :, :-1], expected_mtp, rtol=0, atol=1e-5)
+    done = cli("convert", own, back, "--to", "hf")
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    theirs, ours = load_file(str(next(hf.glob("*.safetensors")))), load_file(str(next(back.glob("*.safetensors"))))
+    assert set(added) <= set(theirs) and {k: bool(torch.equal(t, theirs.get(k, t[:0]))) for k, t in ours.items()} == {k: True for k in theirs}
+    assert json.loads((back / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    again, again_mtp = architectures.mtp_model(back)
+    assert {k: bool(torch.equal(t, mtp.state_dict()[k])) for k, t in again_mtp.state_dict().items()} == {k: True for k in mtp.state_dict()}
+
+
+def test_multi_token_prediction_layers_megatron_cannot_hold_are_refused_or_noted(tmp_path):
+    """What a Megatron target cannot hold of a model's MTP layers is refused in one line, nothing written: an MTP
+    layer's copy of the embedding that is not the model's (megatron-core's MTP layers use the model's own), an MTP
+    layer missing a tensor, legacy files over pipeline stages (megatron-core's last stage keeps its own embedding
+    copy for them), a Megatron-LM run's MTP layers for a family with none in its Hugging Face layout. The config's
+    declared layers the checkpoint does not hold (transformers' save_pretrained writes none) and tensors past them
+    are said in a note, never dropped in silence."""
     from safetensors.torch import load_file, save_file
 
     model, hf = architectures.saved(tmp_path, "glm4_moe")
+    plain = tmp_path / "plain"
+    shutil.copytree(hf, plain)
+    architectures.with_mtp(model, hf)
     path = next(hf.glob("*.safetensors"))
-    tensors = load_file(str(path))
-    tensors["model.layers.3.eh_proj.weight"] = torch.ones(36, 72)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    for target in ("megatron-dist", "megatron"):
-        done = cli("convert", hf, tmp_path / target, "--to", target)
+    original = load_file(str(path))
+
+    def refused(tensors: dict, to: str, message: str, *extra: str) -> None:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        done = cli("convert", hf, tmp_path / "x", "--to", to, *extra)
+        assert done.returncode == 2 and not (tmp_path / "x").exists(), done.stderr
+        assert done.stderr.strip().splitlines()[-1] == f"interop convert: error: {message}", done.stderr
+
+    refused({**original, "model.layers.3.embed_tokens.weight": original["model.embed_tokens.weight"] + 1}, "megatron-dist",
+            "model.layers.3.embed_tokens.weight is not model.embed_tokens.weight: megatron-core's multi-token-prediction layers "
+            "use the model's own embedding and output layer, so it has no place for another")
+    refused({k: v for k, v in original.items() if k != "model.layers.3.enorm.weight"}, "megatron",
+            "the source has no ['model.layers.3.enorm.weight'] for Megatron's mtp.layers.0.enorm.weight")
+    refused(original, "megatron", "--to megatron: legacy per-rank files of a model with 1 multi-token-prediction layer(s) over 2 "
+            "pipeline stages are not read or written (the last stage's own embedding copy); use torch_dist (--to megatron-dist, "
+            "fully_reshardable for a distributed optimizer)", "--pp", "2")
+    save_file({**original, "model.layers.4.eh_proj.weight": torch.ones(36, 72)}, str(path), metadata={"format": "pt"})
+    for src, target, note in (
+            (hf, "megatron", "note: Megatron's model has no place for 1 tensor(s), not written: ['model.layers.4.eh_proj.weight']"),
+            (plain, "megatron-dist", "note: the config declares 1 multi-token-prediction layer(s), the checkpoint holds none "
+             "(transformers' save_pretrained writes none): written without them (no --mtp-num-layers)")):
+        done = cli("convert", src, tmp_path / f"{src.name}-{target}", "--to", target)
         assert done.returncode == 0, done.stderr
-        assert ("note: Megatron's model has no place for 1 tensor(s), not written: ['model.layers.3.eh_proj.weight']"
-                in done.stdout + done.stderr), done.stdout + done.stderr
+        assert note in done.stdout + done.stderr, done.stdout + done.stderr
+    args = vars(load_megatron_file(str(tmp_path / "hf-megatron" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"))["args"])
+    assert args["mtp_num_layers"] == 1
+    with pytest.raises(ConversionError, match=r"^common.pt: the run has 1 multi-token-prediction layer\(s\) \(--mtp-num-layers\), which a "
+                                              r"mixtral model's Hugging Face layout has no place for$"):
+        MegatronArch.from_args({**MegatronArch.from_hf(architectures.build("mixtral").config.to_dict()).to_args(1, 1), "mtp_num_layers": 1},
+                               "common.pt")
+
+
+@pytest.mark.slow  # two more megatron-core runs each; the default run holds MTP layers' loading, logits and save above
+@pytest.mark.parametrize(("name", "fmt", "optimizer"), [("glm4_moe", "torch", None), ("deepseek_v3", "torch_dist", "dp_reshardable")],
+                         ids=["glm4_moe-legacy", "deepseek_v3-dist-dp_reshardable"])
+def test_megatron_core_resumes_a_run_with_mtp_layers_through_universal(tmp_path, name, fmt, optimizer):
+    """megatron-core trains a step with its MTP layer (the MTP loss's gradients reach the shared embedding and head)
+    at EP2 and saves; through universal and back to the same format tensor for tensor (the MTP layer's Adam moments
+    too, the distributed optimizer's buckets in module order: the MTP block after the decoder, before the output
+    layer), megatron-core trains on with the uninterrupted run's losses."""
+    model, hf = architectures.saved(tmp_path, name)
+    architectures.with_mtp(model, hf)
+    src, own, u, back, resumed = (tmp_path / n for n in ("src", "own", "u", "back", "resumed"))
+    target = ["--to", "megatron-dist" if fmt == "torch_dist" else "megatron", "--ep-size", "2", "--transformer-impl", "local"]
+    assert cli("convert", hf, src, *target).returncode == 0
+    env = {**worker_env(), "MCORE_EP": "2", "MCORE_CKPT": fmt, **({"MCORE_DISTOPT": optimizer} if optimizer else {})}
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
+    run_workers(worker + ["train-save", str(src), str(own)], env, timeout=600)
+    assert cli("convert", own, u, "--to", "universal").returncode == 0
+    assert f"model.layers.{model.config.num_hidden_layers}.eh_proj.weight" in registry.read(str(u))[1].optimizer.tensors["exp_avg"]
+    done = cli("convert", u, back, *target, *(["--dist-optim-layout", optimizer] if optimizer else []))
+    assert done.returncode == 0, done.stderr
+    report = cli("diff", own, back)
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
+    resumed.mkdir()
+    run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
+    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(json.loads((own / "losses.json").read_text()), rel=1e-6)
 
 
 def test_deepseek_v3_arguments_and_keys_are_megatron_cores(converted, tmp_path):

@@ -55,5 +55,5 @@ DEEPSEEK_V3 = register(Family(
     config_args=(("n_routed_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
                  ("routed_scaling_factor", "moe_router_topk_scaling_factor"), ("q_lora_rank", "q_lora_rank"),
                  ("kv_lora_rank", "kv_lora_rank"), ("qk_nope_head_dim", "qk_head_dim"), ("qk_rope_head_dim", "qk_pos_emb_head_dim"),
-                 ("v_head_dim", "v_head_dim"), ("rope_interleave", "hf_rope_interleave")), nullable=("q_lora_rank",), **TOP,
+                 ("v_head_dim", "v_head_dim"), ("rope_interleave", "hf_rope_interleave")), nullable=("q_lora_rank",), mtp=True, **TOP,
 ))

@@ -36,5 +36,5 @@ GLM4_MOE = register(Family(
     renormalised_attr="norm_topk_prob",
     megatron_args={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_dtype": "fp32"},
     config_args=(("n_routed_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
-                 ("routed_scaling_factor", "moe_router_topk_scaling_factor"), ("use_qk_norm", "qk_layernorm")), **TOP,
+                 ("routed_scaling_factor", "moe_router_topk_scaling_factor"), ("use_qk_norm", "qk_layernorm")), mtp=True, **TOP,
 ))

@@ -47,6 +47,22 @@ class Param:
     buffer: bool = False  # a persistent buffer (the router's expert bias): in the model's state, not a parameter
 
 
+# A multi-token-prediction (MTP) layer, megatron-core's MultiTokenPredictionLayer (``mtp.layers.<k>.``, Megatron-LM's
+# --mtp-num-layers): its own norms and projection around a transformer layer of the family's (``transformer_layer.``, the
+# last decoder layer's kind), then its final norm; embedding and output layer are the model's. Hugging Face checkpoints keep
+# MTP layer k after the decoder's (``model.layers.<num_hidden_layers + k>.``) under these names, with copies of the
+# embedding and head (``MTP_COPIES``): the names transformers' MtpModel loads (its "MtpModel" conversion mapping, which
+# renames them to its modules' enorm / hnorm / eh_proj / mtp_block / post_norm); hand-written as the rest of these tables.
+MTP = (
+    Param("enorm.weight", ("enorm.weight",), REPLICATED),
+    Param("hnorm.weight", ("hnorm.weight",), REPLICATED),
+    Param("eh_proj.weight", ("eh_proj.weight",), ROWS),  # column-parallel: [embedding; hidden] in, hidden out
+)
+MTP_LAYER = "transformer_layer."
+MTP_FINAL_NORM = Param("final_layernorm.weight", ("shared_head.norm.weight",), REPLICATED)
+MTP_COPIES = {"embed_tokens.weight": "embedding", "shared_head.head.weight": "output"}  # the family's attribute they copy
+
+
 def norm(megatron_module: str, hf_module: str, norm_of: str | None = None) -> tuple[Param, ...]:
     """A norm's weight (and bias, for LayerNorm)."""
     return (Param(f"{megatron_module}.weight", (f"{hf_module}.weight",), REPLICATED, norm_of=norm_of),
@@ -104,6 +120,8 @@ class Family:
     config_args: tuple[tuple[str, str], ...] = ()  # (HF config attribute, Megatron arg) carried as they are
     nullable: tuple[str, ...] = ()  # those of them whose None means something (MLA's q_lora_rank: no bottleneck)
     beyond_megatron_lm: str | None = None  # what Megatron-LM's arguments cannot express (a note on the output)
+    # multi-token-prediction layers in DeepSeek-V3's layout (``MTP``), counted by transformers' config (``num_mtp_layers``)
+    mtp: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
