@@ -14,7 +14,7 @@ from typing import Any
 
 from interop.errors import ConversionError
 
-from .models.facts import tied_groups
+from .models.facts import check_counts, tied_groups
 from .models.kept import kept
 from .models.megatron_family import Family, family_for
 
@@ -163,6 +163,9 @@ class MegatronArch:
                                   f"biases together; this model has an output projection bias {proj_bias} but MLP biases {mlp_bias}")
         heads = cfg.num_attention_heads
         options = tuple((arg, getattr(cfg, attr, None)) for attr, arg in fam.config_args)
+        experts = dict(options).get("num_experts")
+        check_counts(cfg.num_hidden_layers, "config.json", experts if isinstance(experts, int) else 0,
+                     int(getattr(cfg, "num_mtp_layers", 0) or 0) if fam.mtp else 0)
         options += scaling
         dense_first = 0
         if fam.experts:
@@ -251,7 +254,7 @@ class MegatronArch:
             norm = a.get("normalization", "LayerNorm")
             qkv_bias = bool(a.get("add_qkv_bias")) or bool(a.get("add_bias_linear", True))
             model_type = a.get("hf_model_type")
-            experts = int(a.get("num_experts") or 0)
+            experts = _count_arg(a, "num_experts", where)
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
                 if experts and a.get("moe_router_score_function") == "sigmoid":  # the families with a sigmoid router:
                     model_type = "deepseek_v3" if a.get("multi_latent_attention") else "glm4_moe"  # on MLA, on GQA
@@ -283,6 +286,7 @@ class MegatronArch:
             padded = a.get("padded_vocab_size")
             dense_first = _dense_first(a, where) if experts else 0
             mtp_layers = _count_arg(a, "mtp_num_layers", where)
+            check_counts(_count_arg(a, "num_layers", where), where, experts, mtp_layers)
             if mtp_layers and not fam.mtp:
                 raise ConversionError(f"{where}: the run has {mtp_layers} multi-token-prediction layer(s) (--mtp-num-layers), which a "
                                       f"{model_type} model's Hugging Face layout has no place for")

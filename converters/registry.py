@@ -193,7 +193,7 @@ def _module_naming(write):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        write(adapters.in_peft_names(model_facts.in_module_names(ckpt)), dst, o)
+        write(adapters.in_peft_names(model_facts.placed_in_module(model_facts.in_module_names(ckpt))), dst, o)
     return wrapped
 
 

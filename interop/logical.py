@@ -141,6 +141,16 @@ class OptimizerState:
             out |= set(per)
         return out
 
+    def without(self, names: set[str]) -> "OptimizerState":
+        """This state less every parameter in ``names`` (groups, state tensors, scalars); scalars not read stay so."""
+        raw = object.__getattribute__(self, "scalars")
+        scalars = {k: {n: v for n, v in per.items() if n not in names} for k, per in self._scalars_by_key().items()}
+        return OptimizerState(
+            self.cls, [{**g, "params": [n for n in g.get("params", []) if n not in names]} for g in self.param_groups],
+            {k: {n: t for n, t in per.items() if n not in names} for k, per in self.tensors.items()},
+            DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
+        )
+
     def renamed(self, name: Callable[[str], str]) -> "OptimizerState":
         """This state with every parameter name ``n`` read as ``name(n)``; scalars not read yet stay so."""
         raw = object.__getattribute__(self, "scalars")
@@ -228,6 +238,12 @@ class LogicalCheckpoint:
         adapter = self.adapter and replace(self.adapter, tensors=[name(n) for n in self.adapter.tensors])
         return replace(self, model=model, optimizer=opt, adapter=adapter,
                        tied=[[name(n) for n in group] for group in self.tied], frozen=[name(n) for n in self.frozen])
+
+    def without(self, names: set[str]) -> "LogicalCheckpoint":
+        """This checkpoint less the model tensors ``names`` and their optimizer state (a target with no place for them)."""
+        return replace(self, model={n: t for n, t in self.model.items() if n not in names},
+                       optimizer=self.optimizer and self.optimizer.without(names), frozen=[n for n in self.frozen if n not in names],
+                       tied=[g for g in self.tied if not set(g) & names])
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
         """Every logical tensor with its logical key: model names, then optimizer/<key>/<name>."""

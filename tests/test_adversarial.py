@@ -1105,6 +1105,42 @@ def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckp
     assert refused > 0 and [u for u in unnamed if "optimizer param groups hold tensors" not in u[1]] == [], unnamed
 
 
+@pytest.mark.parametrize("claim", ["num_layers", "num_experts", "mtp_num_layers", "config.json"])
+def test_a_count_past_any_model_is_one_line_at_once(base, tmp_path, capsys, claim):
+    """A Megatron checkpoint's arguments (num_layers, num_experts, MTP layers) or a config.json (num_hidden_layers)
+    claiming a billion layers or experts: each layer and expert is planned before a tensor is read, which took hours
+    and all the memory; refused in one line naming the file, at once. (Megatron-LM's own files: no manifest.)"""
+    from converters.megatron import load_megatron_file
+
+    assert main(["convert", str(base / "run"), str(tmp_path / "ours"), "--to", "megatron-dist"]) == 0
+    capsys.readouterr()
+    meg = shutil.copytree(tmp_path / "ours", tmp_path / "meg", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
+    if claim == "config.json":
+        src = shutil.copytree(base / "hf", tmp_path / "hf")
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+        target, message = "megatron-dist", f"{src / 'config.json'}: num_hidden_layers 1000000000: more than any model this reads"
+    else:
+        src, common = meg, meg / "iter_0000002" / "common.pt"
+        state = load_megatron_file(str(common), trust_pickle=True)
+        setattr(state["args"], claim, 10**9)
+        torch.save(state, common)
+        target, message = "universal", "common.pt: "
+    started = time.monotonic()
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", target)
+    assert time.monotonic() - started < 30
+    # (a dense Llama's arguments claiming experts or MTP layers are refused as no model's first)
+    assert_one_line_error(code, err, words=("a damaged or hostile checkpoint",) if claim in ("num_layers", "config.json") else ())
+    assert message in err and not (tmp_path / "out").exists(), err
+    if claim == "num_experts":  # a MoE model's: 2 layers of a million experts each
+        from converters.megatron_arch import MegatronArch
+        from tests import architectures
+
+        args = MegatronArch.from_hf(architectures.build("mixtral").config.to_dict()).to_args(1, 1)
+        with pytest.raises(InteropError, match=r"^common.pt: 2 layers of 1000000 experts each: more than any model this reads"):
+            MegatronArch.from_args({**args, "num_experts": 10**6}, "common.pt")
+
+
 BAD_JSON = {"truncated": b'{"model_type": "llama", ', "not-utf8": b'{"model_type": "\xff\xfe"}',
             "nan": None}
 

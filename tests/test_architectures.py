@@ -192,3 +192,36 @@ def test_a_parameter_built_frozen_is_trained_as_from_pretrained_leaves_it_with_a
     assert [n for n in read_manifest(str(at)).notes if n.startswith(f"optimizer: {frozen} trained, as after from_pretrained")] == [
         f"optimizer: {frozen} trained, as after from_pretrained (which makes every loaded weight trainable), though the model's "
         "modules build them frozen: a model built from its config needs requires_grad_(True) on them before loading these files"]
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_a_hub_releases_mtp_layer_is_kept_and_engines_load_the_module_without_it(tmp_path, engine):
+    """A hub DeepSeek-V3 keeps its multi-token-prediction layer as model.layers.61 (after its 61 decoder layers), a
+    key from_pretrained ignores but transformers' MtpModel loads: universal keeps it (it was dropped as an old
+    buffer would be), and a Megatron target writes it. An engine's files hold the module's state dict, which its
+    own loader loads strictly: the layer is left out there, with a note naming it, and DeepSpeed's (or accelerate's)
+    own load then gives every weight and the logits (with it written, the load failed: unexpected keys)."""
+    from interop.manifest import read_manifest
+
+    config = transformers.DeepseekV3Config(**{**ARCHITECTURES["deepseek_v3"][2], "num_hidden_layers": 61, "first_k_dense_replace": 60})
+    hub = transformers.DeepseekV3ForCausalLM(config)
+    hub.save_pretrained(tmp_path / "hub")
+    added = architectures.with_mtp(hub, tmp_path / "hub")
+    assert min(added) == "model.layers.61.eh_proj.weight"
+    _, ckpt = registry.read(str(tmp_path / "hub"))
+    assert set(added) <= set(ckpt.model)
+    registry.writer("universal").write(ckpt, str(tmp_path / "u"), registry.Options())
+    assert set(added) <= set(json.loads((tmp_path / "u" / "manifest.json").read_text())["tensors"])
+    registry.writer("megatron-dist").write(registry.read(str(tmp_path / "u"))[1], str(tmp_path / "meg"), registry.Options())
+    from converters.megatron import load_megatron_file
+
+    assert vars(load_megatron_file(str(tmp_path / "meg" / "iter_0000000" / "common.pt"))["args"])["mtp_num_layers"] == 1
+    model, hf = architectures.saved(tmp_path, "deepseek_v3")
+    added = architectures.with_mtp(model, hf)
+    stage = 2 if engine == "deepspeed" else 0
+    check_loaded(engine_load(tmp_path, ["deepseek_v3"], engine, stage), ["deepseek_v3"])
+    out = tmp_path / "deepseek_v3" / f"{engine}{stage}"
+    notes = read_manifest(str(next(p.parent for p in out.rglob("manifest.json")))).notes
+    # under the module's names: the layer's 12 expert tensors are its 2 fused ones there
+    assert (f"the DeepseekV3ForCausalLM module has no place for {len(added) - 10} tensor(s) of the source in layers past its own (its "
+            f"engine loads the module's state strictly), not written: {sorted(added)[:5]} ...") in notes, notes

@@ -12,6 +12,7 @@ optimizers) are read and written at any EP x TP x PP, judged the same way."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -161,7 +162,9 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
         _sharding_type({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "dp_reshardable"}}, "common.pt")
 
 
-@pytest.mark.parametrize("optimizer", ["megatron", "dp_reshardable", pytest.param("fully_reshardable", marks=pytest.mark.slow)])
+# (the default run's dp_reshardable MoE row is GLM-4.5's below: the same buckets, chained, with a dense layer first)
+@pytest.mark.parametrize("optimizer", ["megatron", pytest.param("dp_reshardable", marks=pytest.mark.slow),
+                                       pytest.param("fully_reshardable", marks=pytest.mark.slow)])
 def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, optimizer):
     """megatron-core trains the Mixtral one step at EP2 with its own optimizers for a MoE model (a ChainedOptimizer
     of the dense and the expert parameters'), megatron-core's plain ones or, with --use-distributed-optimizer, two
@@ -673,39 +676,39 @@ def test_multi_token_prediction_layers_megatron_cannot_hold_are_refused_or_noted
     copy for them), a Megatron-LM run's MTP layers for a family with none in its Hugging Face layout. The config's
     declared layers the checkpoint does not hold (transformers' save_pretrained writes none) and tensors past them
     are said in a note, never dropped in silence."""
-    from safetensors.torch import load_file, save_file
+    from converters.megatron import write_megatron
+    from converters.megatron_dist import write_megatron_dist
 
     model, hf = architectures.saved(tmp_path, "glm4_moe")
-    plain = tmp_path / "plain"
-    shutil.copytree(hf, plain)
+    plain = registry.read(str(hf))[1]
     architectures.with_mtp(model, hf)
-    path = next(hf.glob("*.safetensors"))
-    original = load_file(str(path))
+    original = registry.read(str(hf))[1]
 
-    def refused(tensors: dict, to: str, message: str, *extra: str) -> None:
-        save_file(tensors, str(path), metadata={"format": "pt"})
-        done = cli("convert", hf, tmp_path / "x", "--to", to, *extra)
-        assert done.returncode == 2 and not (tmp_path / "x").exists(), done.stderr
-        assert done.stderr.strip().splitlines()[-1] == f"interop convert: error: {message}", done.stderr
+    def refused(model: dict, write, message: str, **options) -> None:
+        with pytest.raises(ConversionError) as raised:
+            write(dataclasses.replace(original, model=model, notes=[]), str(tmp_path / "x"), **options)
+        assert str(raised.value) == message and not (tmp_path / "x").exists()
 
-    refused({**original, "model.layers.3.embed_tokens.weight": original["model.embed_tokens.weight"] + 1}, "megatron-dist",
+    m = original.model
+    refused({**m, "model.layers.3.embed_tokens.weight": m["model.layers.3.shared_head.head.weight"]}, write_megatron_dist,
             "model.layers.3.embed_tokens.weight is not model.embed_tokens.weight: megatron-core's multi-token-prediction layers "
             "use the model's own embedding and output layer, so it has no place for another")
-    refused({k: v for k, v in original.items() if k != "model.layers.3.enorm.weight"}, "megatron",
-            "the source has no ['model.layers.3.enorm.weight'] for Megatron's mtp.layers.0.enorm.weight")
-    refused(original, "megatron", "--to megatron: legacy per-rank files of a model with 1 multi-token-prediction layer(s) over 2 "
+    refused({k: v for k, v in m.items() if k != "model.layers.3.enorm.weight"}, write_megatron,
+            "the source has no ['model.layers.3.enorm.weight'] for Megatron's mtp.layers.0.enorm.weight", tp=1, pp=1)
+    refused(m, write_megatron, "--to megatron: legacy per-rank files of a model with 1 multi-token-prediction layer(s) over 2 "
             "pipeline stages are not read or written (the last stage's own embedding copy); use torch_dist (--to megatron-dist, "
-            "fully_reshardable for a distributed optimizer)", "--pp", "2")
-    save_file({**original, "model.layers.4.eh_proj.weight": torch.ones(36, 72)}, str(path), metadata={"format": "pt"})
-    for src, target, note in (
-            (hf, "megatron", "note: Megatron's model has no place for 1 tensor(s), not written: ['model.layers.4.eh_proj.weight']"),
-            (plain, "megatron-dist", "note: the config declares 1 multi-token-prediction layer(s), the checkpoint holds none "
-             "(transformers' save_pretrained writes none): written without them (no --mtp-num-layers)")):
-        done = cli("convert", src, tmp_path / f"{src.name}-{target}", "--to", target)
-        assert done.returncode == 0, done.stderr
-        assert note in done.stdout + done.stderr, done.stdout + done.stderr
-    args = vars(load_megatron_file(str(tmp_path / "hf-megatron" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"))["args"])
+            "fully_reshardable for a distributed optimizer)", tp=1, pp=2)
+    refused(m, write_megatron_dist, "--dist-optim-layout dp_reshardable buckets of a model with 1 multi-token-prediction layer(s) over 2 "
+            "pipeline stages are not read or written (the last stage's own embedding copy); use torch_dist (--to megatron-dist, "
+            "fully_reshardable for a distributed optimizer)", pp=2, distributed_optimizer="dp_reshardable", transformer_impl="local")
+    stray = dataclasses.replace(original, model={**m, "model.layers.4.eh_proj.weight": m["model.layers.3.eh_proj.weight"]}, notes=[])
+    write_megatron(stray, str(tmp_path / "stray"), 1, 1)
+    assert "Megatron's model has no place for 1 tensor(s), not written: ['model.layers.4.eh_proj.weight']" in stray.notes
+    args = vars(load_megatron_file(str(tmp_path / "stray" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"))["args"])
     assert args["mtp_num_layers"] == 1
+    write_megatron_dist(plain, str(tmp_path / "plain"))
+    assert ("the config declares 1 multi-token-prediction layer(s), the checkpoint holds none (transformers' save_pretrained "
+            "writes none): written without them (no --mtp-num-layers)") in plain.notes
     with pytest.raises(ConversionError, match=r"^common.pt: the run has 1 multi-token-prediction layer\(s\) \(--mtp-num-layers\), which a "
                                               r"mixtral model's Hugging Face layout has no place for$"):
         MegatronArch.from_args({**MegatronArch.from_hf(architectures.build("mixtral").config.to_dict()).to_args(1, 1), "mtp_num_layers": 1},

@@ -43,6 +43,9 @@ class ModelFacts:
     prefix: str  # the base model's attribute ("model", "transformer"): bare-model files lack "<prefix>."
     names: tuple[str, ...]  # the state dict's keys, in module order
     ignore_unexpected: tuple[str, ...]  # patterns of stored keys from_pretrained drops (old causal-mask buffers)
+    # the stored keys of a hub release's multi-token-prediction layers, which from_pretrained ignores too but
+    # transformers' MtpModel loads (its get_mtp_weights_regex): kept as stored, never dropped; "" without any
+    mtp_weights: str = ""
 
 
 def _first(exc: Exception) -> str:
@@ -62,6 +65,23 @@ def fresh_model(config: dict[str, Any]) -> torch.nn.Module:
     return _build(config, device=None)
 
 
+# Counts a checkpoint's config or arguments may claim, checked before anything is built or planned from them: every
+# layer becomes modules to build and rules to plan, every layer's expert rules too (num_layers 10**9 in a damaged or
+# hostile common.pt planned for hours, then ran out of memory). Far past any released model (the deepest have about
+# 200 layers; DeepSeek-V3 61 x 256 experts, Kimi-K2 61 x 384).
+MAX_LAYERS = 10_000
+MAX_LAYER_EXPERTS = 1 << 18
+
+
+def check_counts(layers: int, where: str, experts: int = 0, mtp: int = 0) -> None:
+    """One line for counts past :data:`MAX_LAYERS` / :data:`MAX_LAYER_EXPERTS` (``layers`` and ``mtp`` layers, each
+    of ``experts`` experts)."""
+    if layers + mtp > MAX_LAYERS or (layers + mtp) * max(experts, 1) > MAX_LAYER_EXPERTS:
+        held = f"{layers} layers" + (f" and {mtp} MTP layers" if mtp else "") + (f" of {experts} experts each" if experts else "")
+        raise ConversionError(f"{where}: {held}: more than any model this reads ({MAX_LAYERS} layers, {MAX_LAYER_EXPERTS} "
+                              "layer-experts at most); a damaged or hostile checkpoint")
+
+
 def _build(config: dict[str, Any], device: str | None = "meta") -> torch.nn.Module:
     import contextlib
 
@@ -72,6 +92,9 @@ def _build(config: dict[str, Any], device: str | None = "meta") -> torch.nn.Modu
         cfg = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # noqa: BLE001 - any failure is the same for the user: transformers cannot build it
         raise ConversionError(f"transformers {transformers.__version__} has no model type {model_type!r} ({_first(exc)})") from None
+    layers = getattr(cfg.get_text_config(), "num_hidden_layers", None)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        check_counts(layers, "config.json")
     named = [getattr(transformers, a, None) for a in (config.get("architectures") or [])]
     candidates = [c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)]
     candidates += [getattr(transformers, a) for a in _AUTO_CLASSES]
@@ -106,8 +129,22 @@ def _built(key: str) -> tuple[ModelFacts, torch.nn.Module] | ConversionError:
         model_type=config.get("model_type", ""), cls=type(model).__name__, tied=tied,
         prefix=getattr(model, "base_model_prefix", "") or "", names=tuple(model.state_dict(keep_vars=True)),
         ignore_unexpected=tuple(sorted(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())),
+        mtp_weights=_mtp_weights(model),
     )
     return facts, model
+
+
+def _mtp_weights(model: torch.nn.Module) -> str:
+    """transformers' own pattern of the model's multi-token-prediction weights (the ignored-key patterns past its
+    decoder layers: ``model.layers.61`` of DeepSeek-V3), where its config counts MTP layers; "" otherwise."""
+    if not getattr(model.config.get_text_config(), "num_mtp_layers", 0):
+        return ""
+    try:
+        from transformers.modeling_layers import MtpModel
+
+        return MtpModel.get_mtp_weights_regex(model).pattern
+    except (ImportError, AttributeError, ValueError):  # a transformers without MtpModel, a model with no such pattern
+        return ""
 
 
 def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
@@ -122,7 +159,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 5  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 6  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -151,7 +188,7 @@ class _Answers:
     def to_json(self) -> dict[str, Any]:
         f = self.facts
         return {"schema": _SCHEMA, "model_type": f.model_type, "cls": f.cls, "tied": [list(t) for t in f.tied],
-                "prefix": f.prefix, "names": list(f.names), "ignore_unexpected": list(f.ignore_unexpected),
+                "prefix": f.prefix, "names": list(f.names), "ignore_unexpected": list(f.ignore_unexpected), "mtp_weights": f.mtp_weights,
                 "to_stored": self.to_stored, "to_module": {k: list(v) for k, v in self.to_module.items()}, "fuses": self.fuses,
                 "experts": {k: list(v) for k, v in self.experts.items()}, "parameters": list(self.parameters),
                 "buffers": list(self.buffers),
@@ -192,7 +229,7 @@ class _Answers:
             if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and type(v[1]) is int):
                 raise ValueError(f"experts[{k!r}]")
             experts[k] = (v[0], v[1])
-        for field in ("model_type", "cls", "prefix"):
+        for field in ("model_type", "cls", "prefix", "mtp_weights"):
             if not isinstance(raw.get(field), str):
                 raise ValueError(field)
 
@@ -214,7 +251,7 @@ class _Answers:
                     raise ValueError(f"splits[{k!r}]: the views are not the tensor once")
             splits[k] = fusion.SplitPlan(ints(v.get("shape")), tuple(strings(v.get("patterns"))), views)
         facts = ModelFacts(raw["model_type"], raw["cls"], tuple(tied), raw["prefix"], tuple(strings(raw["names"])),
-                           tuple(strings(raw["ignore_unexpected"])))
+                           tuple(strings(raw["ignore_unexpected"])), raw["mtp_weights"])
         norm_eps = string_map(raw["norm_eps"])
         if not all(type(v) is float for v in norm_eps.values()):
             raise ValueError("norm_eps")
@@ -448,7 +485,8 @@ def stored_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, s
     """A file's key -> the key save_pretrained writes for it today (universal's naming): an old file's keys
     without the base-model prefix get it, renamed keys their new name, as from_pretrained then save_pretrained
     would do; keys transformers fuses (MoE experts) stay as stored. Keys from_pretrained drops as unexpected
-    (old causal-mask buffers) are left out."""
+    (old causal-mask buffers) are left out, but for a hub release's multi-token-prediction layers (transformers'
+    MtpModel loads them, a Megatron target writes them): kept as stored."""
     facts = _known(config)
     if facts is None:
         return {n: n for n in names}
@@ -460,9 +498,39 @@ def stored_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, s
             out[name] = name
         elif module in known:
             out[name] = to_stored(module)
-        elif not any(re.search(p, name) for p in facts.ignore_unexpected):
+        elif not any(re.search(p, name) for p in facts.ignore_unexpected) or (facts.mtp_weights and re.search(facts.mtp_weights, name)):
             out[name] = name
     return out
+
+
+def placed_in_module(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> LogicalCheckpoint:
+    """``ckpt`` under the module's names (:func:`in_module_names`) less the layers past the module's own: an engine
+    format holds the module's state dict, which its own loader loads strictly (DeepSpeed's load_checkpoint,
+    accelerate's load_state), so a layer after the decoder's (a hub release's multi-token-prediction layer,
+    ``model.layers.<num_hidden_layers>``) would make the engine refuse the whole checkpoint. Left out, with their
+    optimizer state, and said in a note, never dropped in silence. (Other tensors transformers' class lacks stay:
+    a user's model may hold more, a buffer of its own, which its engine loads.)"""
+    facts = _known(config or ckpt.config)
+    if facts is None:
+        return ckpt
+    last: dict[str, int] = {}  # each layer list's last index in the module (``model.layers.``: num_hidden_layers - 1)
+    for name in facts.names:
+        found = _LAYER.match(name)
+        if found:
+            last[found[1]] = max(last.get(found[1], -1), int(found[2]))
+    known = set(facts.names)
+    extra = sorted(n for n in ckpt.model for found in [_LAYER.match(n)]
+                   if found and found[1] in last and int(found[2]) > last[found[1]] and n not in known)
+    if not extra:
+        return ckpt
+    note = (f"the {facts.cls} module has no place for {len(extra)} tensor(s) of the source in layers past its own (its engine "
+            f"loads the module's state strictly), not written: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    log.warning("%s", note)
+    ckpt.notes.append(note)  # (the list the converting call holds: the checkpoint below shares it)
+    return ckpt.without(set(extra))
+
+
+_LAYER = re.compile(r"^(.*\.layers\.)(\d+)\.")
 
 
 def module_names(config: dict[str, Any] | None, names: list[str]) -> dict[str, str]:
