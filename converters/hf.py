@@ -21,7 +21,7 @@ from interop.safetensors_io import read_hf_safetensors
 from interop.spread import spread_output
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
-from .models.facts import MAX_LAYERS, stored_names, tied_groups, unknown_model
+from .models.facts import MAX_LAYER_EXPERTS, MAX_LAYERS, stored_names, tied_groups, unknown_model
 from .detection import HF_CONFIG, HF_WEIGHT_FILES, is_hf_dir  # noqa: F401
 from .pickle_safety import load_torch_file
 
@@ -42,22 +42,26 @@ def read_config_file(cfg_path: str) -> dict[str, Any]:
     config = read_json(cfg_path, "config.json")
     if not isinstance(config, dict) or "model_type" not in config:
         raise CorruptCheckpointError(cfg_path, "config.json has no model_type")
-    for key, count in _layer_counts(config):  # before transformers builds (and we plan) that many layers
-        if count > MAX_LAYERS:
-            raise CorruptCheckpointError(cfg_path, f"{key} {count}: more than any model this reads ({MAX_LAYERS} layers at most); "
+    for key, count, bound in _counts(config):  # before transformers builds (and we plan) that many layers or experts
+        if count > bound:
+            raise CorruptCheckpointError(cfg_path, f"{key} {count}: more than any model this reads ({bound} at most); "
                                          "a damaged or hostile checkpoint")
     return config
 
 
-def _layer_counts(config: dict[str, Any], prefix: str = "") -> list[tuple[str, int]]:
-    """Every whole number a config counts layers with (``num_hidden_layers``, GPT-2's ``n_layer``, a nested
-    ``text_config``'s), by the key's name: checked before any class reads it."""
+def _counts(config: dict[str, Any], prefix: str = "") -> list[tuple[str, int, int]]:
+    """Every whole number a config counts layers or experts with (``num_hidden_layers``, GPT-2's ``n_layer``,
+    ``num_local_experts``, ``n_routed_experts``, a nested ``text_config``'s), by the key's name, and its bound:
+    checked before any class reads it."""
     out = []
     for key, value in config.items():
         if isinstance(value, dict):
-            out += _layer_counts(value, f"{prefix}{key}.")
-        elif re.search(r"layers?$", str(key)) and isinstance(value, int) and not isinstance(value, bool):
-            out.append((f"{prefix}{key}", value))
+            out += _counts(value, f"{prefix}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if re.search(r"layers?$", str(key)):
+                out.append((f"{prefix}{key}", value, MAX_LAYERS))
+            elif re.search(r"experts$", str(key)):
+                out.append((f"{prefix}{key}", value, MAX_LAYER_EXPERTS))
     return out
 
 

@@ -374,9 +374,7 @@ def _check_moe(a: dict[str, Any], where: str, fam: Family, grouped_gemm: bool = 
         mapped[arg] = True
     if fam.shared_multiple_attr:
         _shared_multiple(_count_arg(a, "moe_shared_expert_intermediate_size", where), _count_arg(a, "moe_ffn_hidden_size", where), fam, where)
-    scaling = a.get("moe_router_topk_scaling_factor")
-    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0):
-        raise ConversionError(f"{where}: --moe-router-topk-scaling-factor {scaling!r} is not a positive number")
+    _number_arg(a, "moe_router_topk_scaling_factor", None, where, positive=True)
     if fam.routing_groups and _count_arg(a, "moe_router_num_groups", where) > 1:
         _check_groups(_count_arg(a, "moe_router_topk", where), _count_arg(a, "moe_router_group_topk", where), where)
     for arg, (plain, what) in _MOE_UNMAPPED.items():
@@ -402,12 +400,15 @@ def _count_arg(a: dict[str, Any], name: str, where: str) -> int:
     return value
 
 
-def _number_arg(a: dict[str, Any], name: str, default: float, where: str) -> float:
-    """A non-negative real argument of an untrusted run (absent or None: Megatron-LM's default), or one line naming it."""
+def _number_arg(a: dict[str, Any], name: str, default: Any, where: str, positive: bool = False) -> Any:
+    """A real argument of an untrusted run, non-negative (``positive``: above 0), as a float; absent or None:
+    ``default`` (Megatron-LM's), or one line naming it."""
     value = a.get(name)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a non-negative number")
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or (positive and value == 0)):
+        raise ConversionError(f"{where}: --{name.replace('_', '-')} {value!r} is not a {'positive' if positive else 'non-negative'} number")
     return float(value)
 
 

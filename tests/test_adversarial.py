@@ -1105,7 +1105,7 @@ def test_a_value_of_another_type_in_an_engine_file_is_one_named_error(engine_ckp
     assert refused > 0 and [u for u in unnamed if "optimizer param groups hold tensors" not in u[1]] == [], unnamed
 
 
-@pytest.mark.parametrize("claim", ["num_layers", "num_experts", "mtp_num_layers", "config.json"])
+@pytest.mark.parametrize("claim", ["num_layers", "num_experts", "mtp_num_layers", "config.json", "config.json-experts"])
 def test_a_count_past_any_model_is_one_line_at_once(base, tmp_path, capsys, claim):
     """A Megatron checkpoint's arguments (num_layers, num_experts, MTP layers) or a config.json (num_hidden_layers)
     claiming a billion layers or experts: each layer and expert is planned before a tensor is read, which took hours
@@ -1115,11 +1115,12 @@ def test_a_count_past_any_model_is_one_line_at_once(base, tmp_path, capsys, clai
     assert main(["convert", str(base / "run"), str(tmp_path / "ours"), "--to", "megatron-dist"]) == 0
     capsys.readouterr()
     meg = shutil.copytree(tmp_path / "ours", tmp_path / "meg", ignore=shutil.ignore_patterns("manifest.json", "components", "ranks"))
-    if claim == "config.json":
+    if claim.startswith("config.json"):
         src = shutil.copytree(base / "hf", tmp_path / "hf")
         config = json.loads((src / "config.json").read_text())
-        (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
-        target, message = "megatron-dist", f"{src / 'config.json'}: num_hidden_layers 1000000000: more than any model this reads"
+        key = "num_local_experts" if claim.endswith("experts") else "num_hidden_layers"
+        (src / "config.json").write_text(json.dumps({**config, key: 10**9}))
+        target, message = "universal", f"{src / 'config.json'}: {key} 1000000000: more than any model this reads"
     else:
         src, common = meg, meg / "iter_0000002" / "common.pt"
         state = load_megatron_file(str(common), trust_pickle=True)
@@ -1130,8 +1131,16 @@ def test_a_count_past_any_model_is_one_line_at_once(base, tmp_path, capsys, clai
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", target)
     assert time.monotonic() - started < 30
     # (a dense Llama's arguments claiming experts or MTP layers are refused as no model's first)
-    assert_one_line_error(code, err, words=("a damaged or hostile checkpoint",) if claim in ("num_layers", "config.json") else ())
+    assert_one_line_error(code, err, words=("a damaged or hostile checkpoint",) if claim not in ("num_experts", "mtp_num_layers") else ())
     assert message in err and not (tmp_path / "out").exists(), err
+    if claim == "config.json-experts":  # under the config's own bound each, past it together: the model transformers
+        # builds has 2 layers of 2**17 + 1 experts, which is asked before a split is traced expert by expert
+        from converters.models.facts import unknown_model
+        from tests import architectures
+
+        config = {**architectures.build("mixtral").config.to_dict(), "num_local_experts": 2**17 + 1}
+        assert unknown_model(config) == ("config.json: 2 layers of 131073 experts each: more than any model this reads (10000 layers, "
+                                         "262144 layer-experts at most); a damaged or hostile checkpoint")
     if claim == "num_experts":  # a MoE model's: 2 layers of a million experts each
         from converters.megatron_arch import MegatronArch
         from tests import architectures

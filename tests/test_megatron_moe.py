@@ -548,6 +548,9 @@ def test_glm4_moe_routing_megatron_cannot_hold_is_refused(tmp_path):
     args = {**MegatronArch._asked_from_hf(model.config.to_dict()).to_args(1, 1), "moe_layer_freq": 2}
     with pytest.raises(ConversionError, match=r"common.pt: --moe-layer-freq 2: only dense layers first, then MoE layers"):
         MegatronArch.from_args(args, "common.pt")
+    for scaling in (0.0, -2.5, float("inf"), "2.5", True):  # an untrusted run's top-k scaling: a positive number
+        with pytest.raises(ConversionError, match=re.escape(f"common.pt: --moe-router-topk-scaling-factor {scaling!r} is not a positive number")):
+            MegatronArch.from_args({**args, "moe_layer_freq": [0, 1, 1], "moe_router_topk_scaling_factor": scaling}, "common.pt")
 
 
 # megatron-core's judgement of GLM-4.5 and DeepSeek-V3: GLM-4.5's logits and DeepSeek-V2-Lite-shaped DeepSeek-V3's

@@ -122,6 +122,9 @@ def _built(key: str) -> tuple[ModelFacts, torch.nn.Module] | ConversionError:
     config = json.loads(key)
     try:
         model = _build(config)
+        layers = dict(_expert_parameters(model).values())  # each MoE layer's module: its experts
+        if layers:  # before anything is traced or planned expert by expert (transformers' splits list each one)
+            check_counts(len(layers), "config.json", max(layers.values()))
     except ConversionError as exc:
         return exc
     tied = tuple((t, s) for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items())
