@@ -36,6 +36,7 @@ from . import registry
 from . import deepspeed_moe
 from .models import adapters as adapter_models
 from .models import experts
+from .models import facts as model_facts
 
 # imported when a command uses them (see registry: start-up is a tenth of a 1 GiB conversion)
 config_arg, diff, workers = (LazyModule(f"converters.{m}") for m in ("models.config_arg", "diff", "workers"))
@@ -139,6 +140,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"experts:   {moe}")
         for problem in experts.problems(ckpt):
             print(f"  ! {problem}")
+    past = model_facts.past_layers(ckpt)
+    if past:  # a hub release's multi-token-prediction layers: which targets hold them
+        layers = sorted({n.split(".layers.", 1)[0] + ".layers." + n.split(".layers.", 1)[1].split(".", 1)[0] for n in past})
+        print(f"beyond:    {len(past)} tensors in {', '.join(layers)}, past the model's own layers (multi-token prediction): "
+              "kept by universal, hf and the Megatron targets, left out of the engine formats")
     if ckpt.adapter is not None:
         print(f"adapters:  {adapter_models.summary(ckpt.adapter)}")
     if ckpt.frozen:

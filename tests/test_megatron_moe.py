@@ -663,6 +663,9 @@ def test_multi_token_prediction_layers_megatron_core_runs_them_as_transformers(t
     torch.testing.assert_close(torch.load(dist / "mcore_mtp_logits.pt")[:, :, :-1], expected_mtp, rtol=0, atol=1e-5)
     done = cli("convert", own, back, "--to", "hf")
     assert done.returncode == 0, done.stderr
+    shown = cli("inspect", own, "--limit", "1").stdout
+    assert (f"beyond:    {len(added)} tensors in model.layers.2, past the model's own layers (multi-token prediction): kept by "
+            "universal, hf and the Megatron targets, left out of the engine formats") in shown, shown
     from safetensors.torch import load_file
 
     theirs, ours = load_file(str(next(hf.glob("*.safetensors")))), load_file(str(next(back.glob("*.safetensors"))))

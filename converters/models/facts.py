@@ -514,23 +514,30 @@ def placed_in_module(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = No
     optimizer state, and said in a note, never dropped in silence. (Other tensors transformers' class lacks stay:
     a user's model may hold more, a buffer of its own, which its engine loads.)"""
     facts = _known(config or ckpt.config)
-    if facts is None:
-        return ckpt
-    last: dict[str, int] = {}  # each layer list's last index in the module (``model.layers.``: num_hidden_layers - 1)
-    for name in facts.names:
-        found = _LAYER.match(name)
-        if found:
-            last[found[1]] = max(last.get(found[1], -1), int(found[2]))
-    known = set(facts.names)
-    extra = sorted(n for n in ckpt.model for found in [_LAYER.match(n)]
-                   if found and found[1] in last and int(found[2]) > last[found[1]] and n not in known)
-    if not extra:
+    extra = past_layers(ckpt, config)
+    if facts is None or not extra:
         return ckpt
     note = (f"the {facts.cls} module has no place for {len(extra)} tensor(s) of the source in layers past its own (its engine "
             f"loads the module's state strictly), not written: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     log.warning("%s", note)
     ckpt.notes.append(note)  # (the list the converting call holds: the checkpoint below shares it)
     return ckpt.without(set(extra))
+
+
+def past_layers(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> list[str]:
+    """The model tensors in layers past the module's own (``model.layers.<i>`` beyond the last ``i`` transformers'
+    model has: a hub release's multi-token-prediction layers), sorted; none where transformers cannot build it."""
+    facts = _known(config or ckpt.config)
+    if facts is None:
+        return []
+    last: dict[str, int] = {}  # each layer list's last index in the module (``model.layers.``: num_hidden_layers - 1)
+    for name in facts.names:
+        found = _LAYER.match(name)
+        if found:
+            last[found[1]] = max(last.get(found[1], -1), int(found[2]))
+    known = set(facts.names)
+    return sorted(n for n in ckpt.model for found in [_LAYER.match(n)]
+                  if found and found[1] in last and int(found[2]) > last[found[1]] and n not in known)
 
 
 _LAYER = re.compile(r"^(.*\.layers\.)(\d+)\.")
