@@ -42,9 +42,10 @@ from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteratio
 from .megatron_arch import MTP_KEYS, SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
-    MTP_PREFIX, chunk_rules, expert_index, mtp_copies, tied_output_rule,
+    MTP_PREFIX, chunk_rules, expert_index, mtp_copies, stacked_experts, tied_output_rule,
 )
 from .megatron_pipeline import PipelineSplit, recorded_flags
+from .stacked_experts import per_expert, restacked
 from .param_order import ADAMW_DEFAULTS
 from .engine_checkpoint import Written, at_once, carried_components, component_state, owning_checkpoint, rank_rng_states, write_engine_checkpoint
 from .megatron_pieces import RankPieces, fused_dtype
@@ -953,13 +954,13 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     notes = norm_eps_notes(arch, config)
     if not args_d.get("vocab_size"):
         notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
-    return LogicalCheckpoint(
+    return restacked(LogicalCheckpoint(
         model=model, config=config, optimizer=optimizer, source=source,
         tied=[["lm_head.weight", all_rules[0].hf[0]]] if arch.tied else [], step=step,
         extra_state=extra, rank_state=rank_state, notes=notes,
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
-    )
+    ), stacked_experts(arch))
 
 
 def _nonzero(value: Any) -> bool:
@@ -1102,7 +1103,7 @@ def target_shape(ckpt: LogicalCheckpoint, tp: int) -> tuple[MegatronArch, int, t
     layer_types = ckpt.config.get("layer_types")
     used = ckpt.config.get("use_sliding_window") is not False and (  # a window the model attends with (Qwen2-MoE's
         not isinstance(layer_types, list) or "sliding_attention" in layer_types)  # config keeps 0 beside use_sliding_window false)
-    if isinstance(window, int) and window > 0 and used:
+    if isinstance(window, int) and window > 0 and used and not arch.spec.window:  # (a window family's is written)
         said.append(f"sliding_window {window}: not written as a Megatron argument (its attention spans the whole sequence, "
                     "the same up to that many tokens); the recorded Hugging Face config keeps it")
     said += norm_eps_notes(arch, ckpt.config) + rope_scaling_notes(dict(arch.options))
@@ -1208,18 +1209,30 @@ def expert_parallel_size(ckpt: LogicalCheckpoint, arch: MegatronArch, ep: int | 
     return ep
 
 
-def expert_tensor_parallel_size(arch: MegatronArch, tp: int, ep: int, etp: Any, where: str) -> int:
+def expert_tensor_parallel_size(arch: MegatronArch, tp: int, ep: int, etp: Any, where: str, notes: list[str] | None = None,
+                                optimizer: bool = True) -> int:
     """The experts' tensor-parallel size (Megatron-LM's --expert-tensor-parallel-size; its validate_args sets the
     TP size when none is given): another size is read and written where it divides TP and the experts have an
     optimizer of their own (EP > 1: megatron-core's ChainedOptimizer, its expert buffers per expert tensor x expert x
-    pipeline rank); at EP 1 megatron-core keeps the experts in the dense buffers, a layout not read here."""
+    pipeline rank); at EP 1 megatron-core keeps the experts in the dense buffers, a layout not read here. Experts with
+    biases (GPT-OSS's) megatron-core builds only at size 1 (its TransformerConfig asserts it): the size a writer takes
+    for them when none is given (said in ``notes``), and the only one it takes. Without ``optimizer`` state only the
+    arguments record the size (torch_dist's tensors are global), at any EP."""
+    if arch.experts and arch.linear_bias and tp > 1 and etp != 1:
+        if etp is not None:
+            raise ConversionError(f"{where}: a {arch.model_type} model's experts have biases, which megatron-core builds only at "
+                                  "expert tensor-parallel size 1 (--expert-tensor-parallel-size 1)")
+        etp = 1
+        if notes is not None:
+            notes.append(f"--expert-tensor-parallel-size 1: a {arch.model_type} model's experts have biases, which megatron-core "
+                         "builds only at that size (as Megatron-LM's GPT-OSS recipe runs them)")
     if etp is None or etp == tp or not arch.experts:
         return tp
     if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or tp % etp:
         raise ConversionError(f"{where}: an expert tensor-parallel size of {etp!r} with TP {tp}: read and written where it divides TP")
-    if ep == 1:
+    if ep == 1 and optimizer:
         raise ConversionError(f"{where}: experts split over expert tensor-parallel size {etp} at expert-parallel size 1, "
-                              f"the dense layers over TP {tp}: not read or written here (EP > 1 is)")
+                              f"the dense layers over TP {tp}: not read or written here (EP > 1 is: pass --ep-size)")
     return etp
 
 
@@ -1243,11 +1256,15 @@ def write_megatron(
     legacy_layout(arch, "--to megatron", pp)
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
-    if expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}") != tp:
+    given = etp
+    etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}", optimizer=False)
+    if etp != tp:
         # legacy files of such a run hold each (TP, EP) shard once, saved by whichever rank holds it (Megatron-LM's
         # save_checkpoint: data-parallel or expert data-parallel rank 0), a layout no run of ours has judged
-        raise ConversionError(f"--expert-tensor-parallel-size {etp} with --tp {tp}: legacy files are written with the two equal; "
-                              "convert --to megatron-dist for such a run")
+        size = (f"--expert-tensor-parallel-size {etp}" if given is not None else f"a {arch.model_type} model's experts (biased: "
+                "megatron-core builds them at --expert-tensor-parallel-size 1 only)")
+        raise ConversionError(f"{size} with --tp {tp}: legacy files are written with the two equal; convert --to megatron-dist "
+                              "for such a run")
     if arch.experts:
         ckpt.notes.append("experts written as SequentialMLP's (local_experts.<j>); a --moe-grouped-gemm run's legacy load "
                           "expects GroupedMLP's weight1/weight2: convert --to megatron-dist for it (torch_dist loads into either)")
@@ -1271,9 +1288,11 @@ def write_megatron(
         # are another order
         raise ConversionError("--use-distributed-optimizer is written for --transformer-impl local; convert without it "
                               "(Megatron-LM loads the plain optimizer too)")
+    viewed = per_expert(ckpt, stacked_experts(arch))  # the rules name each expert's slice of a stacked tensor
+    opt = viewed.optimizer
     hyper = megatron_hyper(opt)
-    model = ckpt.model
-    note_unmapped(ckpt, all_rules, arch)
+    model = viewed.model
+    note_unmapped(viewed, all_rules, arch)
     padding = component_state(ckpt, PADDING) or {}
     scheduler = component_state(ckpt, SCHEDULER)
     rng, rng_notes = megatron_rng_states(rank_rng_states(ckpt, tp * pp * ep), tp, pp, args.seed, ep)

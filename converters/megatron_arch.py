@@ -167,6 +167,12 @@ class MegatronArch:
         check_counts(cfg.num_hidden_layers, "config.json", experts if isinstance(experts, int) else 0,
                      int(getattr(cfg, "num_mtp_layers", 0) or 0) if fam.mtp else 0)
         options += scaling
+        for attr, fixed in fam.fixed_config:
+            if getattr(cfg, attr, fixed) != fixed:
+                raise ConversionError(f"{kind} with {attr} {getattr(cfg, attr)!r}: megatron-core computes its Megatron map with {fixed}, "
+                                      "no Megatron-LM argument says otherwise")
+        if fam.window:
+            options += _window_options(cfg)
         dense_first = 0
         if fam.experts:
             if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
@@ -225,6 +231,8 @@ class MegatronArch:
         kw.update({attr: options[arg] for attr, arg in fam.config_args if options.get(arg) is not None or attr in fam.nullable})
         if fam.experts:
             kw.update(_moe_config(self, fam, options))
+        if fam.window:
+            kw.update(_window_config(options, self.num_layers))
         if fam.mtp:  # transformers' generic name for the count (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers)
             kw["num_mtp_layers"] = self.mtp_layers
         defaults = transformers.AutoConfig.for_model(self.model_type)
@@ -256,7 +264,9 @@ class MegatronArch:
             model_type = a.get("hf_model_type")
             experts = _count_arg(a, "num_experts", where)
             if model_type is None:  # a Megatron-LM run's own checkpoint: the family from its flags
-                if experts and a.get("moe_router_score_function") == "sigmoid":  # the families with a sigmoid router:
+                if experts and a.get("quick_geglu"):  # Megatron-LM's GPT-OSS recipe's experts
+                    model_type = "gpt_oss"
+                elif experts and a.get("moe_router_score_function") == "sigmoid":  # the families with a sigmoid router:
                     model_type = "deepseek_v3" if a.get("multi_latent_attention") else "glm4_moe"  # on MLA, on GQA
                 elif experts and rope and swiglu and norm == "RMSNorm":
                     model_type = ("qwen3_moe" if a.get("qk_layernorm") else
@@ -283,6 +293,15 @@ class MegatronArch:
                     raise ConversionError(
                         f"{where}: the run {'used' if a.get(flag) else 'did not use'} --{flag.replace('_', '-')}, which a "
                         f"{model_type} model {'does not have' if a.get(flag) else 'needs'}; no Hugging Face name map fits it")
+            for arg, plain in _COMPUTED.items():  # what megatron-core computes that the family's map fixes
+                got, want = a.get(arg), fam.megatron_args.get(arg, plain)
+                if arg not in carried and (plain if got is None else got) != want:
+                    raise ConversionError(f"{where}: the run has --{arg.replace('_', '-')} {got!r}, a {model_type} model computes "
+                                          f"with {want!r}; no Hugging Face name map fits it")
+            window = _window_args(a, where)
+            if window and not fam.window:
+                raise ConversionError(f"{where}: the run attends within a sliding window (--window-size {a.get('window_size')!r}), which "
+                                      f"this converter's {model_type} map does not carry into a Hugging Face config")
             padded = a.get("padded_vocab_size")
             dense_first = _dense_first(a, where) if experts else 0
             mtp_layers = _count_arg(a, "mtp_num_layers", where)
@@ -301,7 +320,7 @@ class MegatronArch:
                 rope_theta=float(a.get("rotary_base", 10000)) if rope else None, model_type=model_type,
                 rotary_percent=float(a.get("rotary_percent", 1.0)),
                 options=tuple((arg, a.get(arg)) for _, arg in fam.config_args) + (_moe_args(a, fam) if experts else ())
-                + (_mla_rope_args(a, where) if a.get("multi_latent_attention") else _rope_scaling_args(a, where)),
+                + (_mla_rope_args(a, where) if a.get("multi_latent_attention") else _rope_scaling_args(a, where)) + window,
                 dense_first=dense_first, dense_ffn=(a.get("ffn_hidden_size") or 4 * a["hidden_size"]) if dense_first else 0,
                 mtp_layers=mtp_layers,
             )
@@ -390,6 +409,58 @@ def _check_moe(a: dict[str, Any], where: str, fam: Family, grouped_gemm: bool = 
 
 # router arguments a family carries from its config where it names them (config_args, routing_groups)
 _MOE_CARRIED = ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
+
+
+# what megatron-core computes beyond the weights that a family's map fixes (Megatron-LM's defaults where its megatron_args set
+# none), a run's must be its family's: GPT-OSS's activation (--quick-geglu --glu-linear-offset, its clamp a config
+# value) and attention sinks (--softmax-type learnable)
+_COMPUTED = {"quick_geglu": False, "glu_linear_offset": 0.0, "softmax_type": "vanilla", "activation_func_clamp_value": None}
+
+
+def _window_options(cfg: Any) -> tuple[tuple[str, Any], ...]:
+    """A config's sliding window as Megatron-LM's --window-size and --window-attn-skip-freq: transformers' window of W
+    tokens (the token itself and W - 1 before it) is megatron-core's (W - 1, 0); the layers that have it are the
+    config's layer_types' sliding ones: every layer (no skip frequency), all but each k-th (k), or a list."""
+    window = getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers)
+    sliding = [int(t == "sliding_attention") for t in types]
+    if not window or not any(sliding):
+        return ()
+    freq: Any = [*sliding]
+    if all(sliding):
+        freq = None
+    else:
+        k = sliding.index(0) + 1
+        if sliding == [int((i + 1) % k != 0) for i in range(len(sliding))]:
+            freq = k
+    return (("window_size", [int(window) - 1, 0]), ("window_attn_skip_freq", freq))
+
+
+def _window_args(a: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
+    """A run's --window-size / --window-attn-skip-freq as :func:`_window_options` gives them (none: no window), checked:
+    a window of (w, 0) (a causal one), a skip frequency that is a count or a 0/1 list of its layers."""
+    size, freq = a.get("window_size"), a.get("window_attn_skip_freq")
+    if not size:
+        return ()
+    if (not isinstance(size, (list, tuple)) or len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in size)
+            or size[0] < 0 or size[1] != 0):
+        raise ConversionError(f"{where}: --window-size {size!r} is not a causal window (<tokens before>, 0)")
+    layers = a.get("num_layers")
+    if freq is not None and not (type(freq) is int and freq >= 1) and not (
+            isinstance(freq, (list, tuple)) and len(freq) == layers and all(type(v) is int and v in (0, 1) for v in freq)):
+        raise ConversionError(f"{where}: --window-attn-skip-freq {freq!r} is neither a count nor a 0/1 pattern of its {layers} layers")
+    return (("window_size", [size[0], 0]), ("window_attn_skip_freq", list(freq) if isinstance(freq, (list, tuple)) else freq))
+
+
+def _window_config(options: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The inverse of :func:`_window_options`: the config's sliding_window and layer_types."""
+    size = options.get("window_size")
+    if not size:
+        return {"layer_types": ["full_attention"] * layers}
+    freq = options.get("window_attn_skip_freq")
+    sliding = ([bool(v) for v in freq] if isinstance(freq, list) else [True] * layers if freq is None
+               else [(i + 1) % freq != 0 for i in range(layers)])
+    return {"sliding_window": size[0] + 1, "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
 
 
 def _count_arg(a: dict[str, Any], name: str, where: str) -> int:

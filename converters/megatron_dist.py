@@ -56,9 +56,10 @@ from .pickle_safety import numpy_allowlist
 from .torch_zip import NUMBER, TENSOR, as_torch, is_tensor, materialize
 from .megatron_map import (
     EXPERTS, LAYER_PREFIX, MTP_PREFIX, VOCAB, Rule, expert_index, extra_state_key, is_expert, layer_of, megatron_pieces, merge, mtp_copies,
-    parameters, rules, stack_index,
+    parameters, rules, stack_index, stacked_experts,
 )
 from .megatron_pieces import RankPieces, fused_dtype
+from .stacked_experts import per_expert, restacked
 from .detection import METADATA_JSON, is_megatron_dist, locate_torch_dist as locate, torch_dist_backend as _backend  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -283,7 +284,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
     pipeline = recorded_flags({**args_d, "num_layers": arch.num_layers}, common_path)
     config = hf_config(arch, args_d)
     model.update({copy: model[main] for copy, main in mtp_copies(arch).items()})  # as a hub checkpoint keeps them
-    return LogicalCheckpoint(
+    return restacked(LogicalCheckpoint(
         model=model, config=config, optimizer=optimizer, notes=norm_eps_notes(arch, config),
         source={"format": "megatron-dist", **layout, "world_size": int(args_d.get("world_size") or layout["tp"] * layout["pp"]),
                 "dtype": reader.spec(names[all_rules[0].megatron]).dtype_name, "iteration": step,
@@ -293,7 +294,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         rank_state={RNG: rng} if rng is not None else {},
         components=carried_components(owner, manifest, NATIVE_KEY),
         topology=manifest.topology if manifest is not None else None,
-    )
+    ), stacked_experts(arch))
 
 
 def _rng_key(p: int, t: int, pp: int, tp: int) -> str:
@@ -477,9 +478,11 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         mtp_stages(arch, pp, "--dist-optim-layout dp_reshardable buckets")
     split = pipeline_split(arch, pp, pipeline)
     ep = expert_parallel_size(ckpt, arch, ep)
-    etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}")
+    etp = expert_tensor_parallel_size(arch, tp, ep, etp, f"--expert-tensor-parallel-size {etp}" if etp is not None else f"--tp {tp} --ep-size {ep}", ckpt.notes,
+                                      ckpt.optimizer is not None)
     all_rules = rules(arch, te_names=True)
-    note_unmapped(ckpt, all_rules, arch)
+    viewed = per_expert(ckpt, stacked_experts(arch))  # the rules name each expert's slice of a stacked tensor
+    note_unmapped(viewed, all_rules, arch)
     split_args = split.to_args()
     args_d = arch.to_args(tp, pp)
     keys = StoredKeys.of(args_d)
@@ -489,7 +492,7 @@ def write_megatron_dist(ckpt: LogicalCheckpoint, dst: str, tp: int = 1, overwrit
         by_key.setdefault(_stored_key(rule, transformer_impl, keys, mla), []).append(rule)
     param_keys = {k: rs for k, rs in by_key.items() if not rs[0].buffer}  # what the optimizer holds
     padding = component_state(ckpt, PADDING) or {}
-    model, opt = ckpt.model, ckpt.optimizer
+    model, opt = viewed.model, viewed.optimizer
     # a MoE model's optimizer at EP > 1 is megatron-core's ChainedOptimizer: the dense parameters' (0) and the
     # experts' (1), each state key prefixed chained_<i>. (its default: no content metadata asks it not to)
     chained = ep > 1 and opt is not None

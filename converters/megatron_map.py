@@ -25,8 +25,8 @@ from interop.errors import ConversionError
 from .megatron_arch import MegatronArch
 from .megatron_pipeline import PipelineSplit
 from .models.megatron_family import (  # noqa: F401 - the split kinds are also this module's
-    CAT, COLS, GATED, MTP, MTP_COPIES, MTP_FINAL_NORM, MTP_LAYER, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED, ROPE_KV, ROPE_Q, ROWS, VOCAB, T,
-    Family, Param,
+    CAT, COLS, GATED, INTERLEAVED, INTERLEAVED_T, MTP, MTP_COPIES, MTP_FINAL_NORM, MTP_LAYER, ONE, PACKED_QKV, PACKED_QKV_T, QKV, REPLICATED,
+    ROPE_KV, ROPE_Q, ROWS, VOCAB, T, Family, Param, expert_name,
 )
 
 FIRST, LAST = -1, -2  # stage markers for tensors outside the layers
@@ -113,6 +113,22 @@ def _halves(t: torch.Tensor) -> list[torch.Tensor]:
     return [p.contiguous() for p in t.chunk(2, dim=0)]
 
 
+def _interleaved(transposed: bool) -> tuple[Callable, Callable]:
+    """Gate and up interleaved along a tensor's last dimension (GPT-OSS's ``gate_up_proj``, stored (in, out), and its
+    bias) as megatron-core's fc1 rows ``[gate; up]``; back by picking each row of the two halves in turn."""
+    def fuse(ts: list[torch.Tensor]) -> torch.Tensor:
+        x = ts[0].t() if transposed else ts[0]
+        return cat([x[0::2], x[1::2]], dim=0)
+
+    def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
+        half = t.shape[0] // 2
+        order = [r // 2 + (half if r % 2 else 0) for r in range(2 * half)]  # gate 0, up 0, gate 1, up 1, ...
+        x = t[order]
+        return [x.t().contiguous() if transposed else x.contiguous()]
+
+    return fuse, unfuse
+
+
 def _rope_rows(arch: MegatronArch, lead_arg: str | None, heads: int) -> tuple[Callable, Callable]:
     """Multi-latent attention's rotary rows: each of ``heads`` blocks is ``[lead; rope]`` (``lead_arg``'s rows: a
     head's no-rope part, or the kv latent). megatron-core's MLA takes the rope rows' even then odd entries before
@@ -143,7 +159,7 @@ def _rope_rows(arch: MegatronArch, lead_arg: str | None, heads: int) -> tuple[Ca
 
 def _fusers(arch: MegatronArch) -> dict[str, tuple[Callable, Callable]]:
     return {ONE: (_one, _as_list), T: (_t, _t_back), QKV: _qkv(arch), PACKED_QKV: _packed_qkv(arch, False),
-            PACKED_QKV_T: _packed_qkv(arch, True), CAT: (_cat, _halves),
+            PACKED_QKV_T: _packed_qkv(arch, True), CAT: (_cat, _halves), INTERLEAVED: _interleaved(False), INTERLEAVED_T: _interleaved(True),
             ROPE_Q: _rope_rows(arch, "qk_head_dim", arch.heads), ROPE_KV: _rope_rows(arch, "kv_lora_rank", 1)}
 
 
@@ -233,8 +249,22 @@ def _layer_rules(arch: MegatronArch, fusers: dict[str, tuple[Callable, Callable]
         for p in fam.experts:
             if _exists(p, arch):
                 fuse, unfuse = fusers[p.fuse]
-                out.append(Rule(f"{m}{p.megatron.format(e=e)}", tuple(f"{h}{x.format(e=e)}" for x in p.hf), p.split, layer, fuse, unfuse))
+                hf = tuple(f"{h}{expert_name(x, e) if p.stacked else x.format(e=e)}" for x in p.hf)
+                out.append(Rule(f"{m}{p.megatron.format(e=e)}", hf, p.split, layer, fuse, unfuse))
     return out
+
+
+def stacked_experts(arch: MegatronArch) -> dict[str, list[str]]:
+    """Each Hugging Face tensor holding a layer's experts along its first dimension (the family's ``stacked``
+    expert tensors, in every MoE layer and MTP layer), and the names its experts' slices go by in the rules."""
+    fam: Family = arch.spec
+    stacked = [x for p in fam.experts if p.stacked and _exists(p, arch) for x in p.hf]
+    if not stacked:
+        return {}
+    layers = [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
+    layers += [arch.num_layers + k for k in range(arch.mtp_layers) if arch.is_moe_layer(arch.num_layers - 1)]
+    return {f"{fam.layer_prefix.format(i=i)}{x}": [f"{fam.layer_prefix.format(i=i)}{expert_name(x, e)}" for e in range(arch.experts)]
+            for i in layers for x in stacked}
 
 
 def mtp_copies(arch: MegatronArch) -> dict[str, str]:

@@ -151,6 +151,42 @@ class OptimizerState:
             DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
         )
 
+    def split_names(self, parts: dict[str, list[str]], split: Callable[[str, LazyTensor], list[LazyTensor]]) -> "OptimizerState":
+        """Each parameter ``n`` of ``parts`` as the parameters ``parts[n]`` (a stack of experts as each expert): in its
+        place in the groups, its state tensors as ``split(n, tensor)`` gives them, its scalars (the step) each part's;
+        scalars not read stay so."""
+        raw = object.__getattribute__(self, "scalars")
+        scalars = {k: {p: v for n, v in per.items() for p in parts.get(n, [n])} for k, per in self._scalars_by_key().items()}
+        tensors: dict[str, dict[str, LazyTensor]] = {}
+        for k, per in self.tensors.items():
+            tensors[k] = {}
+            for n, t in per.items():
+                tensors[k].update(zip(parts[n], split(n, t)) if n in parts else [(n, t)])
+        return OptimizerState(
+            self.cls, [{**g, "params": [p for n in g.get("params", []) for p in parts.get(n, [n])]} for g in self.param_groups],
+            tensors, DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
+        )
+
+    def joined_names(self, parts: dict[str, list[str]], join: Callable[[str, list[LazyTensor]], LazyTensor]) -> "OptimizerState":
+        """The inverse of :meth:`split_names`: the parameters ``parts[n]`` as the one ``n``, in the first one's place,
+        its state tensors ``join(n, [each part's])``, its scalars the first part's."""
+        raw = object.__getattribute__(self, "scalars")
+        first = {ps[0]: n for n, ps in parts.items()}
+        rest = {p for ps in parts.values() for p in ps[1:]}
+
+        def names(listed: list[str]) -> list[str]:
+            return [first.get(p, p) for p in listed if p not in rest]
+
+        scalars = {k: {first.get(p, p): v for p, v in per.items() if p not in rest} for k, per in self._scalars_by_key().items()}
+        tensors = {}
+        for k, per in self.tensors.items():
+            tensors[k] = {first.get(p, p): t for p, t in per.items() if p not in rest}
+            for n, ps in parts.items():
+                if ps[0] in per:
+                    tensors[k][n] = join(n, [per[p] for p in ps])
+        return OptimizerState(self.cls, [{**g, "params": names(g.get("params", []))} for g in self.param_groups], tensors,
+                              DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars)
+
     def renamed(self, name: Callable[[str], str]) -> "OptimizerState":
         """This state with every parameter name ``n`` read as ``name(n)``; scalars not read yet stay so."""
         raw = object.__getattribute__(self, "scalars")

@@ -98,6 +98,12 @@ OUTSIDE_GRID: dict[str, tuple[str, str, dict]] = {
         ARCHITECTURES["deepseek_v3"][2], q_lora_rank=None, rope_interleave=False, qk_rope_head_dim=6, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=0.707))),
+    # GPT-OSS as released: YaRN on a 150000 base with the correction range not rounded (truncate false), windows on every
+    # other layer (shorter than the test's sequences), and a clamp low enough that the tiny model's activations meet it
+    "gpt_oss_yarn": ("gpt_oss", "GptOssForCausalLM", dict(
+        ARCHITECTURES["gpt_oss"][2], sliding_window=8, max_position_embeddings=64, swiglu_limit=0.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+            truncate=False))),
 }
 
 

@@ -25,13 +25,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.mcore_worker import cpu_patches  # noqa: E402
 
 
+# GPT-OSS's activation (quick-GEGLU with an offset and a clamp), attention sinks (a learnable softmax offset) and window
+GPT_OSS_ARGS = ("glu_linear_offset", "activation_func_clamp_value", "softmax_type", "window_size", "window_attn_skip_freq")
+
+
 def transformer_config(args, tp: int):
     import torch.nn.functional as F
     from megatron.core.activations import fast_gelu
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    gpt_oss = {k: getattr(args, k) for k in GPT_OSS_ARGS if getattr(args, k, None) is not None}
+    if "window_size" in gpt_oss:  # (a list in the arguments we write; Megatron-LM's parser makes a tuple)
+        gpt_oss["window_size"] = tuple(gpt_oss["window_size"])
     if args.swiglu:
         activation = F.silu
+    elif getattr(args, "quick_geglu", False):  # GPT-OSS's experts: Megatron-LM's --quick-geglu
+        from megatron.core.activations import quick_gelu
+
+        activation = quick_gelu
     elif getattr(args, "openai_gelu", False):
         activation = fast_gelu
     else:
@@ -40,12 +51,20 @@ def transformer_config(args, tp: int):
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu or bool(getattr(args, "quick_geglu", False)),
         activation_func=activation, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False), layernorm_zero_centered_gamma=getattr(args, "apply_layernorm_1p", False),
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, **gpt_oss,
     )
+    if config.window_size:  # megatron-core's sliding-window mask (its unfused softmax's) is made on device 'cuda': the CPU's here
+        from megatron.core.fusions import fused_softmax
+
+        def window_mask(sq: int, skv: int, window) -> torch.Tensor:
+            m = torch.ones(sq, skv, dtype=torch.bool)
+            return ~torch.tril(torch.triu(m, diagonal=skv - sq - window[0]), diagonal=skv - sq + window[1])
+
+        fused_softmax.get_sliding_window_causal_mask = window_mask
     if args.position_embedding_type == "yarn":  # as Megatron-LM's _apply_yarn_config_from_args sets them
         for attr, arg in (("rotary_scaling_factor", "rotary_scaling_factor"), ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
                           ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"), ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"),

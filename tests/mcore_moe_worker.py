@@ -100,8 +100,9 @@ def build(args, tp: int, ep: int):
     grouped = os.environ.get("MCORE_GROUPED") == "1"  # GroupedMLP experts (weight1 / weight2), megatron-core's layout
     if grouped:
         grouped_gemm_on_cpu()
+    base = transformer_config(args, tp)
     config = replace(
-        transformer_config(args, tp), num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        base, num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)), moe_router_load_balancing_type="none",
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
@@ -109,6 +110,9 @@ def build(args, tp: int, ep: int):
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, expert_tensor_parallel_size=ETP or tp,
         **{k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None},
     )
+    for k, v in vars(base).items():  # YaRN's settings: attributes Megatron-LM sets on the config, not its fields
+        if k.startswith("yarn_"):
+            setattr(config, k, v)
     if getattr(args, "multi_latent_attention", False):  # DeepSeek-V3: megatron-core's config class for MLA
         from dataclasses import fields
 

@@ -81,9 +81,10 @@ def test_the_arguments_are_megatron_lms_moe_flags(converted):
     assert {k: args.get(k) for k in wanted} == wanted
 
 
-# the Mixtral at EP2 by default; TP2, Qwen3-MoE and Qwen2-MoE (its shared expert's arguments are checked above by
-# default) under -m slow for the suite's time
-LOADS = [("mixtral", 2), pytest.param("mixtral", 1, marks=pytest.mark.slow), pytest.param("qwen3_moe", 2, marks=pytest.mark.slow),
+# under -m slow for the suite's time: the default run's torch_dist MoE row at EP2 is GPT-OSS's (below: SequentialMLP experts
+# split over expert ranks, megatron-core's own save read back), the Mixtral's logits at EP2 are its legacy files' (below);
+# Qwen2-MoE's shared expert's arguments are checked above by default
+LOADS = [pytest.param("mixtral", 2, marks=pytest.mark.slow), pytest.param("mixtral", 1, marks=pytest.mark.slow), pytest.param("qwen3_moe", 2, marks=pytest.mark.slow),
          pytest.param("qwen2_moe", 2, marks=pytest.mark.slow)]
 
 
@@ -162,8 +163,9 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
         _sharding_type({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "dp_reshardable"}}, "common.pt")
 
 
-# (the default run's dp_reshardable MoE row is GLM-4.5's below: the same buckets, chained, with a dense layer first)
-@pytest.mark.parametrize("optimizer", ["megatron", pytest.param("dp_reshardable", marks=pytest.mark.slow),
+# (the default run's MoE resume rows are GPT-OSS's, megatron-core's plain chained optimizers, and GLM-4.5's dp_reshardable
+# below: the same buckets, chained, with a dense layer first)
+@pytest.mark.parametrize("optimizer", [pytest.param("megatron", marks=pytest.mark.slow), pytest.param("dp_reshardable", marks=pytest.mark.slow),
                                        pytest.param("fully_reshardable", marks=pytest.mark.slow)])
 def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, optimizer):
     """megatron-core trains the Mixtral one step at EP2 with its own optimizers for a MoE model (a ChainedOptimizer
@@ -804,3 +806,102 @@ def test_deepseek_v3_arguments_and_keys_are_megatron_cores(converted, tmp_path):
         assert done.returncode == 0, done.stderr
         assert ("note: transformers builds model.layers.<n>.self_attn.kv_a_layernorm, model.layers.<n>.self_attn.q_a_layernorm with eps "
                 "1e-06, megatron-core every norm with --norm-epsilon 1e-05: their outputs differ slightly") in done.stdout + done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2", "tp2-ep2-etp1"])
+def test_gpt_oss_megatron_core_runs_it_as_transformers(converted, tmp_path, ranks):
+    """GPT-OSS as Megatron-LM's own recipe runs it (--quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value,
+    --softmax-type learnable for its attention sinks, --window-size W-1,0 --window-attn-skip-freq 2, YaRN with the
+    correction range unrounded, biases everywhere): megatron-core's GPTModel built from our arguments loads our
+    torch_dist strictly at EP2, or TP2 x EP2 with the experts at ETP1 (megatron-core builds biased experts at ETP1 only;
+    the sinks split with the heads), each expert a slice of transformers' stacked, interleaved gate_up_proj, and gives
+    transformers' logits on sequences three windows long; it saves the model itself (a Megatron-LM run's arguments:
+    the family told by --quick-geglu) and every tensor comes back to transformers' stacked layout exactly."""
+    model, hf, dist = converted("gpt_oss_yarn")
+    args = vars(load_megatron_file(str(dist / "iter_0000000" / COMMON))["args"])
+    wanted = {"quick_geglu": True, "swiglu": False, "glu_linear_offset": 1.0, "activation_func_clamp_value": 0.5, "softmax_type": "learnable",
+              "window_size": [7, 0], "window_attn_skip_freq": 2, "add_bias_linear": True, "add_qkv_bias": True, "num_experts": 4,
+              "position_embedding_type": "yarn", "yarn_correction_range_round_to_int": False, "rotary_base": 150000}
+    assert {k: args.get(k) for k in wanted} == wanted
+    ids = (torch.arange(48).reshape(2, 24) * 5) % model.config.vocab_size
+    torch.save(ids, dist / "ids.pt")
+    own = tmp_path / "own"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           str(ROOT / "tests" / "mcore_moe_worker.py"), "logits", str(dist), str(own)]
+    run_workers(cmd, {**worker_env(), "MCORE_EP": "2", **({"MCORE_ETP": "1"} if ranks == 4 else {})}, timeout=600)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(dist / "mcore_logits.pt"), expected, rtol=0, atol=1e-5)
+    fmt, ckpt = registry.read(str(own))
+    assert (fmt.name, ckpt.config["model_type"], ckpt.config["sliding_window"], ckpt.config["layer_types"]) == (
+        "megatron-dist", "gpt_oss", 8, ["sliding_attention", "full_attention"])
+    n = len(model.state_dict())
+    report = cli("diff", hf, own)
+    assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["megatron", pytest.param("dp_reshardable", marks=pytest.mark.slow)])
+def test_megatron_core_resumes_a_gpt_oss_run_through_universal(converted, tmp_path, optimizer):
+    """megatron-core trains GPT-OSS a step at EP2 (its sinks, router bias and expert biases in the optimizers: the dense
+    one, the experts' chained beside it) and saves; interop reads each expert's moments into transformers' stacked
+    tensors (one state tensor per stack, in its place among the parameters), goes through universal and back to the same
+    layout tensor for tensor, and megatron-core loads it and trains on with the uninterrupted run's losses."""
+    model, _, dist = converted("gpt_oss_yarn")
+    own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
+    env = {**worker_env(), "MCORE_EP": "2", **({"MCORE_DISTOPT": optimizer} if optimizer != "megatron" else {})}
+    run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
+    done = cli("convert", own, tmp_path / "u", "--to", "universal")
+    assert done.returncode == 0, done.stderr
+    u = registry.read(str(tmp_path / "u"))[1]
+    params = [n for g in u.optimizer.param_groups for n in g["params"]]
+    assert sorted(params) == sorted(n for n, _ in model.named_parameters()) and len(params) == len(set(params))
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks"):
+        moment, weight = u.optimizer.tensors["exp_avg"][name].load(), u.model[name].load()
+        assert moment.shape == weight.shape == model.state_dict()[name].shape
+        assert moment.abs().amax() > 0 and not torch.equal(weight, model.state_dict()[name])  # trained: the step's state
+    target = [] if optimizer == "megatron" else ["--dist-optim-layout", optimizer]
+    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local", *target).returncode == 0
+    report = cli("diff", own, back)
+    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
+    resumed.mkdir()
+    run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
+    expected = json.loads((own / "losses.json").read_text())
+    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_stacked_experts_are_seen_one_expert_at_a_time_and_back():
+    """The view the Megatron writers and readers put on a checkpoint whose tensors hold every expert of a layer
+    (GPT-OSS's): each expert's slice under its own name, with its optimizer state, its place among the parameters and
+    its step; back to the one tensor exactly. A slice is checked against the digest recorded for the whole tensor."""
+    from interop.digests import ALGO
+    from interop.errors import CorruptCheckpointError
+    from interop.logical import DeferredScalars, LogicalCheckpoint, OptimizerState
+    from interop.tensors import LazyTensor, tensor_digest
+    from converters.stacked_experts import per_expert, restacked
+
+    stack, other = torch.arange(24.0).reshape(3, 2, 4), torch.ones(5)
+    moment = -stack
+    stacks = {"m.experts.up": [f"m.experts.{e}.up" for e in range(3)]}
+    steps = DeferredScalars({"step": {"m.experts.up": lambda: {"value": 7, "dtype": "int64"}, "b": lambda: {"value": 7, "dtype": "int64"}}})
+    ckpt = LogicalCheckpoint(
+        model={"b": LazyTensor.of(other), "m.experts.up": LazyTensor.of(stack)}, frozen=["m.experts.up"],
+        optimizer=OptimizerState("AdamW", [{"params": ["b", "m.experts.up"], "lr": 0.1}],
+                                 {"exp_avg": {"b": LazyTensor.of(other), "m.experts.up": LazyTensor.of(moment)}}, steps))
+    seen = per_expert(ckpt, stacks)
+    assert list(seen.model) == ["b", *stacks["m.experts.up"]] and seen.frozen == stacks["m.experts.up"]
+    assert all(torch.equal(seen.model[f"m.experts.{e}.up"].load(), stack[e]) for e in range(3))
+    assert all(torch.equal(seen.optimizer.tensors["exp_avg"][f"m.experts.{e}.up"].load(), moment[e]) for e in range(3))
+    assert seen.optimizer.param_groups == [{"params": ["b", *stacks["m.experts.up"]], "lr": 0.1}]
+    assert seen.optimizer.scalars["step"]["m.experts.2.up"] == {"value": 7, "dtype": "int64"}
+    back = restacked(seen, stacks)
+    assert list(back.model) == ["b", "m.experts.up"] and back.frozen == ["m.experts.up"]
+    assert torch.equal(back.model["m.experts.up"].load(), stack) and torch.equal(back.optimizer.tensors["exp_avg"]["m.experts.up"].load(), moment)
+    assert back.optimizer.param_groups == ckpt.optimizer.param_groups and set(back.optimizer.scalars["step"]) == {"b", "m.experts.up"}
+    damaged = stack.clone()
+    damaged[2, 1, 3] += 1  # the last expert's bytes, not the first's: the first slice's load checks the whole
+    recorded = LazyTensor(LazyTensor.of(damaged).spec, lambda: damaged, "model.safetensors:m.experts.up", digest=tensor_digest(stack, ALGO))
+    with pytest.raises(CorruptCheckpointError, match="m.experts.up.*differ from the digest"):
+        per_expert(LogicalCheckpoint(model={"m.experts.up": recorded}), stacks).model["m.experts.0.up"].load()
+    with pytest.raises(ConversionError, match=r"m.experts.up: float32\[2, 2, 4\] does not hold the model's 3 experts"):
+        per_expert(LogicalCheckpoint(model={"m.experts.up": LazyTensor.of(stack[:2])}), stacks)

@@ -26,6 +26,9 @@ QKV = "qkv"  # q, k, v: Megatron interleaves them per query group
 PACKED_QKV = "packed_qkv"  # one [q; k; v] tensor (Phi-3's qkv_proj, GPT-2's c_attn bias)
 PACKED_QKV_T = "packed_qkv_t"  # the same, stored (in, out) (GPT-2's c_attn weight)
 CAT = "cat"  # gate and up stacked: [gate; up]
+# gate and up interleaved (GPT-OSS's gate_up_proj: gate in the even columns, up in the odd), stored (in, out) with ``_T``:
+# megatron-core's fc1 holds [gate; up]
+INTERLEAVED, INTERLEAVED_T = "interleaved", "interleaved_t"
 # multi-latent attention's rows that feed rotary embeddings: each head's [nope; rope] (q) or [latent; rope] (the kv
 # down-projection); megatron-core rotates the rope rows' even/odd pairs (transformers' rope_interleave), a model
 # that rotates halves has them stored interleaved
@@ -45,6 +48,16 @@ class Param:
     when: str | None = None
     norm_of: str | None = None  # Transformer Engine fuses this norm into that linear (``<linear>.layer_norm_<p>``)
     buffer: bool = False  # a persistent buffer (the router's expert bias): in the model's state, not a parameter
+    # an expert's tensor that Hugging Face stores with every expert of the layer along its first dimension (GPT-OSS's
+    # ``mlp.experts.gate_up_proj``, named without "{e}"): each expert's slice is read and written as its own
+    stacked: bool = False
+
+
+def expert_name(stacked: str, expert: int) -> str:
+    """The name an expert's slice of a stacked tensor goes by inside a conversion (``mlp.experts.gate_up_proj`` ->
+    ``mlp.experts.3.gate_up_proj``, as a model with one module per expert would name it); never written."""
+    module, _, leaf = stacked.rpartition(".")
+    return f"{module}.{expert}.{leaf}"
 
 
 # A multi-token-prediction (MTP) layer, megatron-core's MultiTokenPredictionLayer (``mtp.layers.<k>.``, Megatron-LM's
@@ -122,6 +135,12 @@ class Family:
     beyond_megatron_lm: str | None = None  # what Megatron-LM's arguments cannot express (a note on the output)
     # multi-token-prediction layers in DeepSeek-V3's layout (``MTP``), counted by transformers' config (``num_mtp_layers``)
     mtp: bool = False
+    # (config attribute, value): what the family's Megatron computation fixes (GPT-OSS's swiglu_alpha: quick_gelu's 1.702);
+    # a config with another value is refused in one line
+    fixed_config: tuple[tuple[str, Any], ...] = ()
+    # sliding-window attention written as Megatron-LM's --window-size / --window-attn-skip-freq (the config's
+    # sliding_window and layer_types); other families' windows are said in a note, not written
+    window: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -134,7 +153,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from . import deepseek_v3, gemma, glm4_moe, gpt2, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
+    from . import deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - each registers its families
 
 
 def family_for(model_type: str | None) -> Family:
