@@ -22,6 +22,7 @@ from interop.spread import spread_output
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, write_model_dir
 
 from .models.facts import MAX_LAYER_EXPERTS, MAX_LAYERS, stored_names, tied_groups, unknown_model
+from .models.quantized import dequantized
 from .detection import HF_CONFIG, HF_WEIGHT_FILES, is_hf_dir  # noqa: F401
 from .pickle_safety import load_torch_file
 
@@ -117,15 +118,18 @@ def read_hf(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         tensors = _read_bin(path, trust_pickle)
         if not tensors:
             raise MissingFileError(path, "no model.safetensors or pytorch_model.bin")
+    tensors, config, notes = dequantized(config, tensors)  # a pre-quantized release, as from_pretrained gives it
     tensors = _normalise(config, tensors)
     unknown = unknown_model(config)
+    if unknown:
+        notes.append(f"{unknown}: its tensors are kept as stored, no tied weights known; engine targets need a model "
+                     "transformers can build")
     return LogicalCheckpoint(
         model=tensors,
         config=config,
         source={"format": "hf", "dtype": config.get("torch_dtype") or config.get("dtype")},
         tied=tied_groups(config),
-        notes=[f"{unknown}: its tensors are kept as stored, no tied weights known; engine targets need a model "
-               "transformers can build"] if unknown else [],
+        notes=notes,
     )
 
 
