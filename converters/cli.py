@@ -149,6 +149,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"adapters:  {adapter_models.summary(ckpt.adapter)}")
     if ckpt.frozen:
         print(f"frozen:    {len(ckpt.frozen)} tensors")
+    for note in ckpt.notes:  # what the reader made of it (a pre-quantized release read dequantized, a model transformers lacks)
+        print(f"note:      {note}")
     if ckpt.optimizer is not None:
         o = ckpt.optimizer
         print(f"optimizer: {o.cls}, {len(o.param_groups)} param group(s), state keys {', '.join(o.state_keys)}")

@@ -118,7 +118,7 @@ def read_hf(path: str, trust_pickle: bool = False) -> LogicalCheckpoint:
         tensors = _read_bin(path, trust_pickle)
         if not tensors:
             raise MissingFileError(path, "no model.safetensors or pytorch_model.bin")
-    tensors, config, notes = dequantized(config, tensors)  # a pre-quantized release, as from_pretrained gives it
+    tensors, config, notes = dequantized(config, tensors, os.path.join(path, CONFIG))  # a pre-quantized release, as from_pretrained gives it
     tensors = _normalise(config, tensors)
     unknown = unknown_model(config)
     if unknown:

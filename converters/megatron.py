@@ -42,7 +42,7 @@ from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteratio
 from .megatron_arch import MTP_KEYS, SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
 from .megatron_map import (
     COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
-    MTP_PREFIX, chunk_rules, expert_index, mtp_copies, stacked_experts, tied_output_rule,
+    MTP_PREFIX, chunk_rules, expert_index, linear_shape, mtp_copies, stacked_experts, tied_output_rule,
 )
 from .megatron_pipeline import PipelineSplit, recorded_flags
 from .stacked_experts import per_expert, restacked
@@ -414,10 +414,15 @@ def hf_tensors(
     return out
 
 
-def hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+def hf_shapes(rule: Rule, arch: MegatronArch, full_shape: tuple[int, ...], where: str = "") -> list[tuple[int, ...]]:
     """Shapes of the Hugging Face tensors a rule unfuses into, from the full tensor's shape, without loading (nor
-    torch: the unfuse runs on a shape-only stand-in)."""
+    torch: the unfuse runs on a shape-only stand-in). An attention's, MLP's or expert's linear whose shape is not the
+    arguments' is one line naming ``where`` (a damaged file would otherwise convert to a model its config does not describe)."""
     from .row_numbers import RowNumbers
+
+    wanted = linear_shape(rule, arch)
+    if wanted is not None and tuple(full_shape) != wanted:
+        raise CorruptCheckpointError(where or None, f"{rule.megatron} is {list(full_shape)}, the arguments' model has {list(wanted)}")
 
     if rule.split == VOCAB:
         full_shape = (arch.vocab, *full_shape[1:])
@@ -913,8 +918,8 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
             width = math.prod(piece_shape[1:])
             rows = last.reshape(-1)[(piece_shape[0] - extra_rows) * width :]
             padding[f"{tag}/{rule.megatron}"] = (rows, (extra_rows, *piece_shape[1:]))
-        shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp))
         where = files.paths[placed[rule.megatron]]
+        shapes = hf_shapes(rule, arch, _full_shape(rule, piece_shape, files.tp), where)
         return hf_tensors(rule, pieces_of(rule, getter), arch, where, cache, tag, dtype, shapes, piece_shape)
 
     model: dict[str, LazyTensor] = {}
@@ -1147,10 +1152,9 @@ def mtp_held(ckpt: LogicalCheckpoint, arch: MegatronArch) -> tuple[MegatronArch,
         held += 1
     notes = []
     if held < arch.mtp_layers:
+        written = f"written with --mtp-num-layers {held}" if held else "written without them (no --mtp-num-layers)"
         notes.append(f"the config declares {arch.mtp_layers} multi-token-prediction layer(s), the checkpoint holds "
-                     f"{held or 'none'} (transformers' save_pretrained writes none): written with --mtp-num-layers {held}"
-                     if held else f"the config declares {arch.mtp_layers} multi-token-prediction layer(s), the checkpoint holds "
-                     "none (transformers' save_pretrained writes none): written without them (no --mtp-num-layers)")
+                     f"{held or 'none'} (transformers' save_pretrained writes none): {written}")
     arch = dataclasses.replace(arch, mtp_layers=held)
     for copy, main in mtp_copies(arch).items():
         if copy in ckpt.model and (main not in ckpt.model or not same_values(ckpt.model[copy], ckpt.model[main])):

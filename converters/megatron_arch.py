@@ -298,6 +298,10 @@ class MegatronArch:
                 if arg not in carried and (plain if got is None else got) != want:
                     raise ConversionError(f"{where}: the run has --{arg.replace('_', '-')} {got!r}, a {model_type} model computes "
                                           f"with {want!r}; no Hugging Face name map fits it")
+            for arg in fam.required_args:
+                if _number_arg(a, arg, None, where, positive=True) is None:
+                    raise ConversionError(f"{where}: the run has no --{arg.replace('_', '-')}, which every {model_type} model "
+                                          "has; no Hugging Face config says its model")
             window = _window_args(a, where)
             if window and not fam.window:
                 raise ConversionError(f"{where}: the run attends within a sliding window (--window-size {a.get('window_size')!r}), which "
@@ -424,8 +428,10 @@ def _window_options(cfg: Any) -> tuple[tuple[str, Any], ...]:
     window = getattr(cfg, "sliding_window", None)
     types = list(getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers)
     sliding = [int(t == "sliding_attention") for t in types]
-    if not window or not any(sliding):
+    if window is None or not any(sliding):
         return ()
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 2**31:
+        raise ConversionError(f"{cfg.model_type} with sliding_window {window!r}: not a number of tokens (1 to 2**31)")
     freq: Any = [*sliding]
     if all(sliding):
         freq = None

@@ -203,7 +203,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
         check_stacking(rule, key)
         tiles = reader.tiles(key, keys.index(rule.megatron))
         return hf_tensors(rule, [lambda: stored_full(rule, key)], arch, f"{directory}[{key}]", cache, tag, spec.dtype_name,
-                          hf_shapes(rule, arch, shape), tiles=tiles)
+                          hf_shapes(rule, arch, shape, f"{directory}[{key}]"), tiles=tiles)
 
     # bf16 / fp16 runs: the optimizer's fp32 main params are the weights' truth (the model's are their rounding)
     if common.get("optimizer") is not None and not isinstance(common["optimizer"], dict):
@@ -227,7 +227,7 @@ def read_megatron_dist(path: str, trust_pickle: bool = False, verify_digests: bo
             if rule.split == VOCAB and shape[0] > arch.vocab:
                 padding[f"{tag}/{rule.megatron}"] = merge(rule, [p() for p in pieces])[arch.vocab:].clone()
             return hf_tensors(rule, pieces, arch, f"{directory}[{regions[rule.megatron][0].bucket}.{skey}]", cache, tag,
-                              "float32", hf_shapes(rule, arch, shape))
+                              "float32", hf_shapes(rule, arch, shape, directory))
 
         has_master = True
         for rule in all_rules:

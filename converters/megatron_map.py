@@ -109,7 +109,15 @@ def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return cat(ts, dim=0)
 
 
+def _half(t: torch.Tensor) -> int:
+    """Half of a [gate; up] tensor's rows; a tensor of an odd number of rows is none (a damaged checkpoint's)."""
+    if t.shape[0] % 2:
+        raise ConversionError(f"a gated MLP's fc1 of {t.shape[0]} rows: [gate; up] has an even number")
+    return t.shape[0] // 2
+
+
 def _halves(t: torch.Tensor) -> list[torch.Tensor]:
+    _half(t)
     return [p.contiguous() for p in t.chunk(2, dim=0)]
 
 
@@ -121,7 +129,7 @@ def _interleaved(transposed: bool) -> tuple[Callable, Callable]:
         return cat([x[0::2], x[1::2]], dim=0)
 
     def unfuse(t: torch.Tensor) -> list[torch.Tensor]:
-        half = t.shape[0] // 2
+        half = _half(t)
         order = [r // 2 + (half if r % 2 else 0) for r in range(2 * half)]  # gate 0, up 0, gate 1, up 1, ...
         x = t[order]
         return [x.t().contiguous() if transposed else x.contiguous()]
@@ -265,6 +273,23 @@ def stacked_experts(arch: MegatronArch) -> dict[str, list[str]]:
     layers += [arch.num_layers + k for k in range(arch.mtp_layers) if arch.is_moe_layer(arch.num_layers - 1)]
     return {f"{fam.layer_prefix.format(i=i)}{x}": [f"{fam.layer_prefix.format(i=i)}{expert_name(x, e)}" for e in range(arch.experts)]
             for i in layers for x in stacked}
+
+
+def linear_shape(rule: Rule, arch: MegatronArch) -> tuple[int, ...] | None:
+    """The full shape the arguments give an attention's or MLP's linear (a routed expert's too: fc1 [gate; up] rows where
+    gated, fc2 the width in; q/k/v of every head and query group), or None for other tensors (shared experts' widths
+    and multi-latent attention's projections are their own)."""
+    name = rule.megatron
+    leaf = name.split(".", name.count(".") - 1)[-1]
+    if ".self_attention." in name and not arch.spec.megatron_args.get("multi_latent_attention"):
+        qkv = (arch.heads + 2 * arch.groups) * arch.head_dim
+        return {"linear_qkv.weight": (qkv, arch.hidden), "linear_qkv.bias": (qkv,),
+                "linear_proj.weight": (arch.hidden, arch.heads * arch.head_dim)}.get(leaf)
+    if ".mlp.shared_experts." in name or ".mlp." not in name:
+        return None
+    width = arch.ffn if expert_index(name) is not None or not arch.dense_first else arch.dense_ffn
+    rows = width * (2 if arch.gated else 1)
+    return {"linear_fc1.weight": (rows, arch.hidden), "linear_fc1.bias": (rows,), "linear_fc2.weight": (arch.hidden, width)}.get(leaf)
 
 
 def mtp_copies(arch: MegatronArch) -> dict[str, str]:

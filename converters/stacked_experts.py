@@ -53,6 +53,7 @@ def restacked(ckpt: LogicalCheckpoint, stacks: dict[str, list[str]]) -> LogicalC
             model[name] = t
         elif name == stacks[parts[name]][0]:
             model[parts[name]] = _stack(parts[name], [ckpt.model[p] for p in stacks[parts[name]]])
-    opt = ckpt.optimizer and ckpt.optimizer.joined_names({n: ps for n, ps in stacks.items() if ps[0] in ckpt.optimizer.names()}, _stack)
+    named = ckpt.optimizer.names() if ckpt.optimizer else set()
+    opt = ckpt.optimizer and ckpt.optimizer.joined_names({n: ps for n, ps in stacks.items() if named.intersection(ps)}, _stack)
     frozen = [parts.get(p, p) for p in ckpt.frozen if p not in parts or p == stacks[parts[p]][0]]
     return dataclasses.replace(ckpt, model=model, optimizer=opt, frozen=frozen)

@@ -169,23 +169,45 @@ class OptimizerState:
 
     def joined_names(self, parts: dict[str, list[str]], join: Callable[[str, list[LazyTensor]], LazyTensor]) -> "OptimizerState":
         """The inverse of :meth:`split_names`: the parameters ``parts[n]`` as the one ``n``, in the first one's place,
-        its state tensors ``join(n, [each part's])``, its scalars the first part's."""
+        its state tensors ``join(n, [each part's])``, its scalars the parts' one value. Parts that do not make one
+        parameter (state for some of them only, other steps, other param groups) are one line naming the stack."""
+        from .errors import ConversionError
+
         raw = object.__getattribute__(self, "scalars")
+        deferred = isinstance(raw, DeferredScalars)
         first = {ps[0]: n for n, ps in parts.items()}
         rest = {p for ps in parts.values() for p in ps[1:]}
 
-        def names(listed: list[str]) -> list[str]:
-            return [first.get(p, p) for p in listed if p not in rest]
+        def held(n: str, kind: str, per: dict[str, Any]) -> bool:  # all of a stack's parts or none
+            have = [p in per for p in parts[n]]
+            if any(have) and not all(have):
+                raise ConversionError(f"optimizer {kind} of {n}: {parts[n][have.index(False)]} has none, {parts[n][have.index(True)]} has")
+            return all(have)
 
-        scalars = {k: {first.get(p, p): v for p, v in per.items() if p not in rest} for k, per in self._scalars_by_key().items()}
-        tensors = {}
-        for k, per in self.tensors.items():
-            tensors[k] = {first.get(p, p): t for p, t in per.items() if p not in rest}
+        def one(n: str, values: list[Any]) -> Any:
+            if any(v != values[0] for v in values):
+                raise ConversionError(f"optimizer state of {n}: its parts hold different values ({values[0]!r}, ...)")
+            return values[0]
+
+        for n, ps in parts.items():
+            groups = {i for i, g in enumerate(self.param_groups) for p in g.get("params", []) if p in ps}
+            if len(groups) > 1:
+                raise ConversionError(f"optimizer param groups of {n}: its parts are in {len(groups)} different groups")
+        scalars: dict[str, dict[str, Any]] = {}
+        for k, per in self._scalars_by_key().items():
+            scalars[k] = {p: v for p, v in per.items() if p not in rest and p not in first}
             for n, ps in parts.items():
-                if ps[0] in per:
+                if held(n, f"scalar {k!r}", per):
+                    scalars[k][n] = ((lambda rs=[per[p] for p in ps], n=n: one(n, [r() for r in rs])) if deferred
+                                     else one(n, [per[p] for p in ps]))
+        tensors: dict[str, dict[str, LazyTensor]] = {}
+        for k, per in self.tensors.items():
+            tensors[k] = {p: t for p, t in per.items() if p not in rest and p not in first}
+            for n, ps in parts.items():
+                if held(n, f"state {k!r}", per):
                     tensors[k][n] = join(n, [per[p] for p in ps])
-        return OptimizerState(self.cls, [{**g, "params": names(g.get("params", []))} for g in self.param_groups], tensors,
-                              DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars)
+        groups = [{**g, "params": [first.get(p, p) for p in g.get("params", []) if p not in rest]} for g in self.param_groups]
+        return OptimizerState(self.cls, groups, tensors, DeferredScalars(scalars) if deferred else scalars)
 
     def renamed(self, name: Callable[[str], str]) -> "OptimizerState":
         """This state with every parameter name ``n`` read as ``name(n)``; scalars not read yet stay so."""

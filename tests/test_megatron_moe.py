@@ -163,8 +163,8 @@ def test_what_is_not_mapped_is_refused_or_noted(mixtral, tmp_path):
         _sharding_type({0: {"param_state_sharding_type": "fully_reshardable"}, 1: {"param_state_sharding_type": "dp_reshardable"}}, "common.pt")
 
 
-# (the default run's MoE resume rows are GPT-OSS's, megatron-core's plain chained optimizers, and GLM-4.5's dp_reshardable
-# below: the same buckets, chained, with a dense layer first)
+# (the default run's MoE resume row is GLM-4.5's dp_reshardable below: the same buckets, chained, with a dense layer first;
+# megatron-core's plain chained optimizers are GPT-OSS's slow row)
 @pytest.mark.parametrize("optimizer", [pytest.param("megatron", marks=pytest.mark.slow), pytest.param("dp_reshardable", marks=pytest.mark.slow),
                                        pytest.param("fully_reshardable", marks=pytest.mark.slow)])
 def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, optimizer):
@@ -175,16 +175,24 @@ def test_megatron_core_resumes_a_moe_run_through_universal(mixtral, tmp_path, op
     expert rank; or fully_reshardable, --dist-ckpt-optim-fully-reshardable), and saves it; interop reads every
     expert's Adam moments from it, goes through universal and back to torch_dist in the same layout; megatron-core
     loads model and optimizer at EP2 and trains on with the uninterrupted run's losses."""
-    _, _, dist = mixtral
+    def check(u):
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in u.optimizer.tensors["exp_avg"]
+        assert [len(g["params"]) for g in u.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
+
+    resumes_through_universal(mixtral[2], tmp_path, optimizer, check)
+
+
+def resumes_through_universal(source, tmp_path, optimizer: str, check) -> None:
+    """megatron-core trains ``source`` a step at EP2 (``optimizer``: its plain chained optimizers, "megatron", or a
+    distributed layout) and saves; through universal (``check``-ed) and back to torch_dist in the same layout, tensor
+    for tensor; megatron-core loads it and trains on with the uninterrupted run's losses."""
     own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
     worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
     env = {**worker_env(), "MCORE_EP": "2", **({"MCORE_DISTOPT": optimizer} if optimizer != "megatron" else {})}
-    run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
+    run_workers(worker + ["train-save", str(source), str(own)], env, timeout=600)
     done = cli("convert", own, tmp_path / "u", "--to", "universal")
     assert done.returncode == 0, done.stderr
-    u = registry.read(str(tmp_path / "u"))[1]
-    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in u.optimizer.tensors["exp_avg"]
-    assert [len(g["params"]) for g in u.optimizer.param_groups] == [12, 5, 24]  # dense decay (router included), norms, experts
+    check(registry.read(str(tmp_path / "u"))[1])
     target = [] if optimizer == "megatron" else ["--dist-optim-layout", optimizer]
     assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local", *target).returncode == 0
     report = cli("diff", own, back)
@@ -840,34 +848,26 @@ def test_gpt_oss_megatron_core_runs_it_as_transformers(converted, tmp_path, rank
     assert f"{n} compared, {n} exact, 0 within atol, 0 different; 0 only in A, 0 only in B" in report.stdout, report.stdout
 
 
-@pytest.mark.parametrize("optimizer", ["megatron", pytest.param("dp_reshardable", marks=pytest.mark.slow)])
+# under -m slow for the suite's time: the default run holds GPT-OSS's logits and own save (above), its stacked experts'
+# optimizer view (test_stacked_experts_are_seen_one_expert_at_a_time_and_back), and a MoE resume row (GLM-4.5's)
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["megatron", "dp_reshardable"])
 def test_megatron_core_resumes_a_gpt_oss_run_through_universal(converted, tmp_path, optimizer):
     """megatron-core trains GPT-OSS a step at EP2 (its sinks, router bias and expert biases in the optimizers: the dense
     one, the experts' chained beside it) and saves; interop reads each expert's moments into transformers' stacked
     tensors (one state tensor per stack, in its place among the parameters), goes through universal and back to the same
     layout tensor for tensor, and megatron-core loads it and trains on with the uninterrupted run's losses."""
     model, _, dist = converted("gpt_oss_yarn")
-    own, back, resumed = tmp_path / "own", tmp_path / "back", tmp_path / "resumed"
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "mcore_moe_worker.py")]
-    env = {**worker_env(), "MCORE_EP": "2", **({"MCORE_DISTOPT": optimizer} if optimizer != "megatron" else {})}
-    run_workers(worker + ["train-save", str(dist), str(own)], env, timeout=600)
-    done = cli("convert", own, tmp_path / "u", "--to", "universal")
-    assert done.returncode == 0, done.stderr
-    u = registry.read(str(tmp_path / "u"))[1]
-    params = [n for g in u.optimizer.param_groups for n in g["params"]]
-    assert sorted(params) == sorted(n for n, _ in model.named_parameters()) and len(params) == len(set(params))
-    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks"):
-        moment, weight = u.optimizer.tensors["exp_avg"][name].load(), u.model[name].load()
-        assert moment.shape == weight.shape == model.state_dict()[name].shape
-        assert moment.abs().amax() > 0 and not torch.equal(weight, model.state_dict()[name])  # trained: the step's state
-    target = [] if optimizer == "megatron" else ["--dist-optim-layout", optimizer]
-    assert cli("convert", tmp_path / "u", back, "--to", "megatron-dist", "--transformer-impl", "local", *target).returncode == 0
-    report = cli("diff", own, back)
-    assert " 0 different; 0 only in A, 0 only in B" in report.stdout and " 0 exact" not in report.stdout, report.stdout
-    resumed.mkdir()
-    run_workers(worker + ["load-train", str(back), str(resumed)], env, timeout=600)
-    expected = json.loads((own / "losses.json").read_text())
-    assert json.loads((resumed / "losses.json").read_text()) == pytest.approx(expected, rel=1e-6)
+
+    def check(u):
+        params = [n for g in u.optimizer.param_groups for n in g["params"]]
+        assert sorted(params) == sorted(n for n, _ in model.named_parameters()) and len(params) == len(set(params))
+        for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks"):
+            moment, weight = u.optimizer.tensors["exp_avg"][name].load(), u.model[name].load()
+            assert moment.shape == weight.shape == model.state_dict()[name].shape
+            assert moment.abs().amax() > 0 and not torch.equal(weight, model.state_dict()[name])  # trained: the step's state
+
+    resumes_through_universal(dist, tmp_path, optimizer, check)
 
 
 def test_stacked_experts_are_seen_one_expert_at_a_time_and_back():
@@ -905,3 +905,46 @@ def test_stacked_experts_are_seen_one_expert_at_a_time_and_back():
         per_expert(LogicalCheckpoint(model={"m.experts.up": recorded}), stacks).model["m.experts.0.up"].load()
     with pytest.raises(ConversionError, match=r"m.experts.up: float32\[2, 2, 4\] does not hold the model's 3 experts"):
         per_expert(LogicalCheckpoint(model={"m.experts.up": LazyTensor.of(stack[:2])}), stacks)
+    # parts that do not make one parameter: state for some experts only (the first's missing too), other steps, other groups
+    opt = seen.optimizer
+    for damage, says in ((lambda o: o.tensors["exp_avg"].pop("m.experts.2.up"), "optimizer state 'exp_avg' of m.experts.up: m.experts.2.up has none"),
+                         (lambda o: o.tensors["exp_avg"].pop("m.experts.0.up"), "optimizer state 'exp_avg' of m.experts.up: m.experts.0.up has none"),
+                         (lambda o: o.param_groups.append({"params": [o.param_groups[0]["params"].pop()], "lr": 0.2}), "its parts are in 2 different groups")):
+        damaged = OptimizerState(opt.cls, [dict(g, params=list(g["params"])) for g in opt.param_groups], {"exp_avg": dict(opt.tensors["exp_avg"])},
+                                 opt.scalars)
+        damage(damaged)
+        with pytest.raises(ConversionError, match=re.escape(says)):
+            restacked(dataclasses.replace(seen, optimizer=damaged), stacks)
+    steps = DeferredScalars({"step": {f"m.experts.{e}.up": (lambda e=e: {"value": 7 + e, "dtype": "int64"}) for e in range(3)}})
+    later = restacked(dataclasses.replace(seen, optimizer=dataclasses.replace(opt, scalars=steps)), stacks)
+    with pytest.raises(ConversionError, match="optimizer state of m.experts.up: its parts hold different values"):
+        later.optimizer.scalars  # (read when first asked for, as the readers' scalars are)
+
+
+def test_gpt_oss_arguments_megatron_cannot_hold_are_refused():
+    """In one line each: a GPT-OSS run without --activation-func-clamp-value (transformers' GPT-OSS clamps always; its
+    default 7.0 would stand in for a clamp the run never applied), a config's sliding window that is no number of
+    tokens, another swiglu_alpha than quick-GELU's, a Megatron expert's fc1 of another shape than the arguments'."""
+    from converters.megatron import hf_shapes
+    from converters.megatron_map import rules
+    from interop.errors import CorruptCheckpointError
+
+    config = architectures.build("gpt_oss").config.to_dict()
+    arch = MegatronArch.from_hf(config)
+    run = {k: v for k, v in arch.to_args(1, 1).items() if k not in ("hf_model_type", "activation_func_clamp_value")}
+    with pytest.raises(ConversionError, match=r"common.pt: the run has no --activation-func-clamp-value, which every gpt_oss model has"):
+        MegatronArch.from_args(run, "common.pt")
+    with pytest.raises(ConversionError, match=r"--activation-func-clamp-value 'x' is not a positive number"):
+        MegatronArch.from_args({**run, "activation_func_clamp_value": "x"}, "common.pt")
+    assert MegatronArch.from_args({**run, "activation_func_clamp_value": 7.0}, "common.pt").model_type == "gpt_oss"
+    for key, value, says in (("sliding_window", -6, "gpt_oss with sliding_window -6: not a number of tokens"),
+                             ("swiglu_alpha", 1.5, "gpt_oss with swiglu_alpha 1.5: megatron-core computes its Megatron map with 1.702")):
+        with pytest.raises(ConversionError, match=re.escape(says)):
+            MegatronArch.from_hf({**config, key: value})
+    fc1 = next(r for r in rules(arch) if r.megatron.endswith("local_experts.0.linear_fc1.weight"))
+    assert hf_shapes(fc1, arch, (40, 36), "iter_0000001") == [(36, 40)]
+    with pytest.raises(CorruptCheckpointError, match=r"iter_0000001.*local_experts.0.linear_fc1.weight is \[41, 36\], the arguments' model has \[40, 36\]"):
+        hf_shapes(fc1, arch, (41, 36), "iter_0000001")
+    qkv = next(r for r in rules(arch) if r.megatron.endswith("layers.1.self_attention.linear_qkv.weight"))  # (6 + 2 x 2 heads of 6)
+    with pytest.raises(CorruptCheckpointError, match=r"linear_qkv.weight is \[66, 36\], the arguments' model has \[60, 36\]"):
+        hf_shapes(qkv, arch, (66, 36), "iter_0000001")

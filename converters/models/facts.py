@@ -513,11 +513,10 @@ def placed_in_module(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = No
     ``model.layers.<num_hidden_layers>``) would make the engine refuse the whole checkpoint. Left out, with their
     optimizer state, and said in a note, never dropped in silence. (Other tensors transformers' class lacks stay:
     a user's model may hold more, a buffer of its own, which its engine loads.)"""
-    facts = _known(config or ckpt.config)
     extra = past_layers(ckpt, config)
-    if facts is None or not extra:
+    if not extra:  # (none too where transformers cannot build the model)
         return ckpt
-    note = (f"the {facts.cls} module has no place for {len(extra)} tensor(s) of the source in layers past its own (its engine "
+    note = (f"the {_known(config or ckpt.config).cls} module has no place for {len(extra)} tensor(s) of the source in layers past its own (its engine "
             f"loads the module's state strictly), not written: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     log.warning("%s", note)
     ckpt.notes.append(note)  # (the list the converting call holds: the checkpoint below shares it)

@@ -39,7 +39,7 @@ GPT_OSS = register(Family(
     qkv_bias="attention_bias", proj_bias="attention_bias", linear_bias=True,  # the experts and router always have biases
     megatron_args={"swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0, "softmax_type": "learnable",
                    "bias_gelu_fusion": False},
-    fixed_config=(("swiglu_alpha", 1.702),), window=True,
+    fixed_config=(("swiglu_alpha", 1.702),), window=True, required_args=("activation_func_clamp_value",),
     config_args=(("num_local_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
                  ("swiglu_limit", "activation_func_clamp_value")), **TOP,
 ))

@@ -141,6 +141,9 @@ class Family:
     # sliding-window attention written as Megatron-LM's --window-size / --window-attn-skip-freq (the config's
     # sliding_window and layer_types); other families' windows are said in a note, not written
     window: bool = False
+    # Megatron-LM arguments (positive numbers) a run must set to be this family's: what its Hugging Face model cannot be
+    # without (GPT-OSS clamps its experts' activation always: a run without --activation-func-clamp-value is another model)
+    required_args: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, Family] = {}

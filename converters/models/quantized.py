@@ -26,19 +26,21 @@ from .facts import meta_model
 log = logging.getLogger(__name__)
 
 
-def _quantizer(quantization: Any) -> Any:
+def _quantizer(quantization: Any, where: str) -> Any:
     """transformers' quantizer of a checkpoint's ``quantization_config``, set to dequantize (as ``from_pretrained`` with
-    ``dequantize=True``); one line naming the method where transformers cannot."""
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    ``dequantize=True``); one line naming the file and the method where transformers cannot."""
+    if not isinstance(quantization, dict):
+        raise ConversionError(f"{where}: quantization_config is a {type(quantization).__name__}, not a mapping")
+    method = quantization.get("quant_method")
     try:
         from transformers.quantizers.auto import AutoHfQuantizer
 
         quantizer = AutoHfQuantizer.from_config(dict(quantization), pre_quantized=True)
     except Exception as exc:  # noqa: BLE001 - any failure means transformers cannot read it
-        raise ConversionError(f"config.json: quantization_config {method!r}: transformers cannot read it ({exc})") from None
+        raise ConversionError(f"{where}: quantization_config {method!r}: transformers cannot read it ({exc})") from None
     dequantize = quantizer.get_load_operations().get("dequantize")
     if dequantize is None or not quantizer.serialized_names or not hasattr(quantizer.quantization_config, "dequantize"):
-        raise ConversionError(f"config.json: a {method!r}-quantized checkpoint, which transformers does not dequantize on loading; "
+        raise ConversionError(f"{where}: a {method!r}-quantized checkpoint, which transformers does not dequantize on loading; "
                               "convert the model's unquantized weights")
     quantizer.quantization_config.dequantize = True
     return quantizer, dequantize(quantizer)
@@ -56,22 +58,41 @@ def _groups(names: list[str], serialized: dict[str, list[str]]) -> dict[str, dic
     return {target: g for target, g in groups.items() if set(g) - {target.rpartition(".")[2]}}
 
 
-def dequantized(config: dict[str, Any] | None, tensors: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], dict[str, Any] | None, list[str]]:
+# dtypes no trainable weight is held in: a tensor left in one after dequantizing lost its scale (or was never dequantized)
+_PACKED = ("float8", "float4", "float6")
+
+
+def dequantized(config: dict[str, Any] | None, tensors: dict[str, LazyTensor],
+                where: str = "config.json") -> tuple[dict[str, LazyTensor], dict[str, Any] | None, list[str]]:
     """``tensors`` with each quantized weight dequantized (lazily, checked as its stored tensors are), the config without
-    its ``quantization_config``, and a note; as they are for an unquantized checkpoint."""
+    its ``quantization_config``, and a note; as they are for an unquantized checkpoint. ``where``: the config's path."""
     quantization = (config or {}).get("quantization_config")
     if not quantization:
         return tensors, config, []
-    quantizer, op = _quantizer(quantization)
+    quantizer, op = _quantizer(quantization, where)
     groups = _groups(list(tensors), quantizer.serialized_names)
     config = {k: v for k, v in config.items() if k != "quantization_config"}
+    for target, group in groups.items():
+        if target in tensors and target not in group.values():  # both a weight as it is and its quantized parts
+            raise ConversionError(f"{tensors[target].origin}: {target} is stored both as it is and quantized "
+                                  f"({', '.join(sorted(group.values()))}); which one is the model's is not known")
+    members = {n for g in groups.values() for n in g.values()}
+    packed = [n for n, t in tensors.items() if n not in members and t.spec.dtype_name.startswith(_PACKED)]
+    if packed:
+        raise ConversionError(f"{tensors[packed[0]].origin}: {packed[0]} is stored {tensors[packed[0]].spec.dtype_name} without the "
+                              f"scales its {quantization.get('quant_method')!r} quantization reads it with "
+                              f"({', '.join(quantizer.serialized_names.get(packed[0].rpartition('.')[2], []))}); "
+                              f"{len(packed)} tensor(s) so")
     if not groups:
-        return tensors, config, [f"config.json's quantization_config ({quantization.get('quant_method')}) quantizes none of "
+        return tensors, config, [f"{where}'s quantization_config ({quantization.get('quant_method')}) quantizes none of "
                                  "the stored tensors: read as they are"]
-    dtype = dtype_from_name(str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch."))
+    named = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    try:
+        dtype = dtype_from_name(named)
+    except ValueError:
+        raise ConversionError(f"{where}: dtype {named!r} is no dtype to dequantize into") from None
     config["dtype"] = dtype_name(dtype)  # (before the model is asked of it: the key its answers are kept under)
     meta = meta_model(config)
-    members = {n for g in groups.values() for n in g.values()}
     out: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
         if name not in members:
