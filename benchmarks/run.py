@@ -4,7 +4,8 @@
 
 Runs benchmarks/hf_roundtrip.py, deepspeed_zero3.py, accelerate_fsdp2.py and megatron_legacy.py (each trains
 or builds its ~250M-parameter checkpoint once under --workdir and reuses it), host_side_step.py, and
-deepspeed_zero3.py again on a 260M-parameter Mixtral (8 experts; rows marked [MoE]), then prints their rows together:
+deepspeed_zero3.py again on a 260M-parameter Mixtral (8 experts; rows marked [MoE]), and quantized_import.py (a GPT-OSS
+with MXFP4 experts, dequantized on reading), then prints their rows together:
 wall time until the output is on disk and peak RSS of each step in its own process, and for each interop row
 the speed-up and RSS ratio against the engine's tool on the same files.
 """
@@ -22,6 +23,7 @@ import deepspeed_zero3  # noqa: E402
 import hf_roundtrip  # noqa: E402
 import host_side_step  # noqa: E402
 import megatron_legacy  # noqa: E402
+import quantized_import  # noqa: E402
 from measure import REPO, print_table, workdir  # noqa: E402
 
 ENGINES = (("deepspeed", deepspeed_zero3, 17), ("accelerate", accelerate_fsdp2, 17), ("megatron", megatron_legacy, megatron_legacy.LAYERS))
@@ -61,6 +63,9 @@ def main() -> None:
                                                        workdir=os.path.join(work, "deepspeed-moe"), train=None)), "MoE")
     finally:
         del os.environ[hf_roundtrip.EXPERTS_ENV]
+    # a pre-quantized release (GPT-OSS's MXFP4 experts) dequantized on reading, beside transformers' own dequantizing load
+    add(quantized_import.collect(argparse.Namespace(hidden=args.hidden, layers=4, experts=32, repeat=args.repeat,
+                                                    workdir=os.path.join(work, "mxfp4"))), "mxfp4")
     print_table(rows, reference)
     if args.workdir:  # a temporary one is removed at exit
         print(f"\nfiles under {work}")

@@ -69,6 +69,11 @@ def piece_runs(rule: Rule, shapes: list[tuple[int, ...]], tp: int, padded: int) 
     return out
 
 
+# a piece made of more runs of its sources' rows than this is built whole (GPT-OSS's interleaved gate and up bias: a run per
+# element); a fused QKV has three per query group, a vocabulary or [gate; up] one or two
+_MAX_RUNS = 1024
+
+
 class _Built:
     """The TP pieces of the last few tensors built whole (a cast, a column split), shared by the rank files being
     written at once, so each is built once for all TP ranks."""
@@ -106,6 +111,8 @@ class RankPieces:
         shape = _piece_shape(rule, [v.spec.shape for v in values], self.tp, self.padded)
         name = f"{rule.megatron} ({tag})"
         runs = piece_runs(rule, [v.spec.shape for v in values], self.tp, self.padded)
+        if runs is not None and max(map(len, runs)) > _MAX_RUNS:  # rows picked one by one (an interleave): built whole,
+            runs = None  # not cut into thousands of parts each read, cast and hashed on its own
         if runs is not None and all(_rows_of(v, dtype, shape[1:]) for v in values):
             return [self._from_runs(values, r, shape, dtype, fill, f"{name} TP rank {t}") for t, r in enumerate(runs)]
 

@@ -948,3 +948,26 @@ def test_gpt_oss_arguments_megatron_cannot_hold_are_refused():
     qkv = next(r for r in rules(arch) if r.megatron.endswith("layers.1.self_attention.linear_qkv.weight"))  # (6 + 2 x 2 heads of 6)
     with pytest.raises(CorruptCheckpointError, match=r"linear_qkv.weight is \[66, 36\], the arguments' model has \[60, 36\]"):
         hf_shapes(qkv, arch, (66, 36), "iter_0000001")
+
+
+def test_an_interleaved_bias_is_built_whole_not_cut_row_by_row(tmp_path):
+    """GPT-OSS's gate/up bias is interleaved element by element: a plan of its sources' rows would make one part per
+    element (a real model's 5,760 per expert: a megatron-dist write of a 4-layer, 32-expert GPT-OSS took 44 s, 3.5 s
+    built whole). Built whole, it is the same tensor."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from converters.megatron_map import rules
+    from converters.megatron_pieces import RankPieces
+    from interop.safetensors_io import read_hf_safetensors
+
+    config = {**architectures.build("gpt_oss").config.to_dict(), "intermediate_size": 1030}
+    arch = MegatronArch.from_hf(config)
+    rule = next(r for r in rules(arch) if r.megatron.endswith("layers.0.mlp.experts.local_experts.0.linear_fc1.bias"))
+    bias = torch.arange(2060, dtype=torch.float32)
+    save_file({"b": bias}, tmp_path / "model.safetensors")
+    stored = read_hf_safetensors(str(tmp_path))["b"]
+    assert stored.mapped_pieces is not None
+    (piece,) = RankPieces(1, 128, threading.Lock()).pieces(rule, [stored], torch.float32, None, "model")
+    assert piece.parts is None and torch.equal(piece.load(), torch.cat([bias[0::2], bias[1::2]]))
