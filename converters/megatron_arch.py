@@ -211,6 +211,9 @@ class MegatronArch:
         fam = self.spec
         if fam.linear_bias is False and self.linear_bias:
             raise ConversionError(f"{self.model_type} has no MLP or attention output biases; this checkpoint has them")
+        if fam.linear_bias is True and not self.linear_bias:  # (GPT-OSS: Megatron-LM's own recipe trains without them)
+            raise ConversionError(f"{self.model_type}'s MLP (its experts and router) always has biases, which transformers' model "
+                                  "would fill at random; this checkpoint has none (--disable-bias-linear)")
         if fam.proj_bias == fam.qkv_bias and isinstance(fam.qkv_bias, str) and self.qkv_bias != self.linear_bias:
             raise ConversionError(f"{self.model_type}'s {fam.qkv_bias} gives q/k/v and the output projection biases together; "
                                   f"this checkpoint has q/k/v biases {self.qkv_bias} but linear biases {self.linear_bias}")

@@ -937,6 +937,10 @@ def test_gpt_oss_arguments_megatron_cannot_hold_are_refused():
     with pytest.raises(ConversionError, match=r"--activation-func-clamp-value 'x' is not a positive number"):
         MegatronArch.from_args({**run, "activation_func_clamp_value": "x"}, "common.pt")
     assert MegatronArch.from_args({**run, "activation_func_clamp_value": 7.0}, "common.pt").model_type == "gpt_oss"
+    # Megatron-LM's own GPT-OSS example trains with --disable-bias-linear: transformers' GPT-OSS has no model without them
+    unbiased = MegatronArch.from_args({**run, "activation_func_clamp_value": 7.0, "add_bias_linear": False, "add_qkv_bias": False}, "common.pt")
+    with pytest.raises(ConversionError, match=r"gpt_oss's MLP \(its experts and router\) always has biases, .* \(--disable-bias-linear\)"):
+        unbiased.to_hf()
     for key, value, says in (("sliding_window", -6, "gpt_oss with sliding_window -6: not a number of tokens"),
                              ("swiglu_alpha", 1.5, "gpt_oss with swiglu_alpha 1.5: megatron-core computes its Megatron map with 1.702")):
         with pytest.raises(ConversionError, match=re.escape(says)):
