@@ -36,8 +36,9 @@ def per_expert(ckpt: LogicalCheckpoint, stacks: dict[str, list[str]]) -> Logical
     model: dict[str, LazyTensor] = {}
     for name, t in ckpt.model.items():
         model.update(zip(stacks[name], _slices(name, t, len(stacks[name]))) if name in stacks else [(name, t)])
+    named = ckpt.optimizer.names() if ckpt.optimizer else set()
     opt = ckpt.optimizer and ckpt.optimizer.split_names(
-        {n: ps for n, ps in stacks.items() if n in ckpt.optimizer.names()}, lambda n, t: _slices(n, t, len(stacks[n])))
+        {n: ps for n, ps in stacks.items() if n in named}, lambda n, t: _slices(n, t, len(stacks[n])))
     return dataclasses.replace(ckpt, model=model, optimizer=opt,
                                frozen=[p for n in ckpt.frozen for p in stacks.get(n, [n])])
 

@@ -189,8 +189,9 @@ class OptimizerState:
                 raise ConversionError(f"optimizer state of {n}: its parts hold different values ({values[0]!r}, ...)")
             return values[0]
 
+        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g.get("params", [])}
         for n, ps in parts.items():
-            groups = {i for i, g in enumerate(self.param_groups) for p in g.get("params", []) if p in ps}
+            groups = {group_of[p] for p in ps if p in group_of}
             if len(groups) > 1:
                 raise ConversionError(f"optimizer param groups of {n}: its parts are in {len(groups)} different groups")
         scalars: dict[str, dict[str, Any]] = {}

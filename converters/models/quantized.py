@@ -76,7 +76,7 @@ def dequantized(config: dict[str, Any] | None, tensors: dict[str, LazyTensor],
         if target in tensors and target not in group.values():  # both a weight as it is and its quantized parts
             raise ConversionError(f"{tensors[target].origin}: {target} is stored both as it is and quantized "
                                   f"({', '.join(sorted(group.values()))}); which one is the model's is not known")
-    members = {n for g in groups.values() for n in g.values()}
+    members = {n: target for target, g in groups.items() for n in g.values()}  # each stored part -> the weight it makes
     packed = [n for n, t in tensors.items() if n not in members and t.spec.dtype_name.startswith(_PACKED)]
     if packed:
         raise ConversionError(f"{tensors[packed[0]].origin}: {packed[0]} is stored {tensors[packed[0]].spec.dtype_name} without the "
@@ -98,7 +98,7 @@ def dequantized(config: dict[str, Any] | None, tensors: dict[str, LazyTensor],
         if name not in members:
             out[name] = t
             continue
-        target = next(tg for tg, g in groups.items() if name in g.values())
+        target = members[name]
         if target not in out:
             out[target] = _dequantized_tensor(target, {leaf: tensors[n] for leaf, n in groups[target].items()}, op, meta, dtype)
     method = quantization.get("quant_method")
