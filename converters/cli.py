@@ -35,7 +35,7 @@ from interop.universal import parse_size
 from . import registry
 from . import deepspeed_moe
 from .models import adapters as adapter_models
-from .models import experts
+from .models import against_model, experts
 from .models import facts as model_facts
 
 # imported when a command uses them (see registry: start-up is a tenth of a 1 GiB conversion)
@@ -138,8 +138,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     moe = experts.summary(ckpt) or deepspeed_moe.summary(ckpt)
     if moe:
         print(f"experts:   {moe}")
-        for problem in experts.problems(ckpt):
-            print(f"  ! {problem}")
+    found = against_model.problems(ckpt)  # what every writer would refuse it for
+    for problem in found[:10]:
+        print(f"  ! {problem}")
+    if len(found) > 10:
+        print(f"  ! ... and {len(found) - 10} more")
     past = model_facts.past_layers(ckpt)
     if past:  # a hub release's multi-token-prediction layers: which targets hold them
         layers = sorted({n.split(".layers.", 1)[0] + ".layers." + n.split(".layers.", 1)[1].split(".", 1)[0] for n in past})
@@ -190,8 +193,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                  "convert checks each tensor it reads)")
     progress = None if args.quiet else (lambda items, **kw: _iter_progress(items, **kw))
     manifest, problems = verify_checkpoint(directory, digests=not args.sizes_only, progress=progress)
-    if not problems:  # the bytes are the manifest's: do they hold every expert of a MoE model once?
-        problems = _expert_problems(args.path)
+    if not problems:  # the bytes are the manifest's: are they the model (every expert once, every tensor its size)?
+        problems = _model_problems(args.path)
     if problems:
         print(f"{directory}: {len(problems)} problem(s)")
         for p in problems:
@@ -203,17 +206,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _expert_problems(path: str) -> list[str]:
-    """The MoE experts a checkpoint whose files match its manifest lacks, duplicates or invents (read again
-    without digests: verify has just checked them)."""
+def _model_problems(path: str) -> list[str]:
+    """How a checkpoint whose files match its manifest is not its config's model (the MoE experts it lacks,
+    duplicates or invents, tensors of another size, missing ones: what every writer refuses; read again without
+    digests: verify has just checked them)."""
     try:
         _, ckpt = registry.read(path, registry.Options(verify_digests=False))
     except ConversionError as exc:  # what it holds cannot be the model's (an expert tensor of another size)
         return [one_line(exc)]
     except InteropError as exc:  # not readable without a flag (--trust-pickle, --config): the bytes were what verify checks
-        log.debug("experts not counted: %s", exc)
+        log.debug("not held against its model: %s", exc)
         return []
-    return experts.problems(ckpt)
+    return against_model.problems(ckpt)
 
 
 # --- convert -------------------------------------------------------------------------------------------

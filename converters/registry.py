@@ -26,7 +26,8 @@ from .megatron_pipeline import PIPELINE_FLAGS, flag_text
 accelerate, dcp, deepspeed, ds_universal, hf, hf_trainer, interop_ckpt, interop_dcp, megatron, megatron_dist, deepspeed_moe = (
     LazyModule(f"converters.{m}") for m in ("accelerate", "dcp", "deepspeed", "ds_universal", "hf", "hf_trainer", "interop_ckpt",
                                        "interop_dcp", "megatron", "megatron_dist", "deepspeed_moe"))
-experts, adapters, model_facts, config_arg = (LazyModule(f"converters.models.{m}") for m in ("experts", "adapters", "facts", "config_arg"))
+adapters, model_facts, config_arg, against_model = (
+    LazyModule(f"converters.models.{m}") for m in ("adapters", "facts", "config_arg", "against_model"))
 
 
 @dataclass
@@ -134,7 +135,7 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 def register(fmt: Format) -> Format:
     if fmt.module_names:
         fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
-    fmt = dataclasses.replace(fmt, write=_experts_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write)))
+    fmt = dataclasses.replace(fmt, write=_model_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write)))
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -145,7 +146,7 @@ def writes_as(name: str, write: Callable[[LogicalCheckpoint, str], object]) -> C
     stores them (a MoE model's per-expert tensors fused)."""
     fmt = FORMATS[name]
     plain = lambda ckpt, dst, o: write(ckpt, dst)  # noqa: E731
-    wrapped = _experts_checked(_module_naming(plain) if fmt.module_names else plain)
+    wrapped = _model_checked(_module_naming(plain) if fmt.module_names else plain)
     wrapped = wrapped if fmt.holds_adapters else _no_adapters(name, wrapped)
     return lambda ckpt, dst: wrapped(ckpt, dst, Options())
 
@@ -163,14 +164,15 @@ def _no_adapters(name: str, write):
     return wrapped
 
 
-def _experts_checked(write):
-    """Every writer refuses a MoE checkpoint that would drop, duplicate or invent an expert (the model's
-    experts as transformers declares them), before it writes anything."""
+def _model_checked(write):
+    """Every writer refuses, before it writes anything, a checkpoint that is not the model its config describes
+    (a MoE checkpoint that would drop, duplicate or invent an expert, a tensor of another size or missing, an
+    optimizer moment not its parameter's shape: converters.models.against_model)."""
     if write is None:
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        experts.check(ckpt, dst)
+        against_model.check(ckpt, dst)
         deepspeed_moe.check(ckpt, dst)  # a model of DeepSpeed's own MoE layers (no transformers model to ask)
         write(ckpt, dst, o)
     return wrapped

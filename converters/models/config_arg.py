@@ -1,9 +1,9 @@
 """``--config``: the model's config.json for a source that carries none (a bare ``save_state``, a bare ZeRO
 directory), checked against the checkpoint's tensors before anything is written.
 
-The check builds the model the config describes on the meta device (transformers knows its parameter names
-and shapes; no memory is used) and compares every tensor the checkpoint holds: a config of another model is
-refused naming the first tensor that differs, with both shapes.
+The check is the one every read makes (:mod:`.against_model`: transformers' model of the config, every tensor's
+shape and none missing), phrased for a config given on the command line: a config of another model is refused
+naming the first tensor that differs, with both shapes.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from interop.errors import CheckpointError, ConfigurationError
 from interop.logical import LogicalCheckpoint
-from interop.tensors import LazyTensor, TensorSpec
 
-from .facts import in_stored_names, meta_model, tied_groups
+from .against_model import disagreements
+from .facts import model_facts, stored_model, tied_groups
 from ..hf import CONFIG, read_config, read_config_file
 
 
@@ -34,17 +34,6 @@ def load_config_arg(path: str) -> dict[str, Any]:
     return read_config_file(path)
 
 
-def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor (parameters and persistent buffers) of the model ``config`` describes, by the name
-    save_pretrained stores it under (universal's naming)."""
-    model = meta_model(config)
-    if model is None:
-        return {}
-    module = LogicalCheckpoint(model={n: LazyTensor(TensorSpec(tuple(t.shape), t.dtype), lambda: None, "meta")
-                                      for n, t in model.state_dict().items()}, config=config)
-    return {name: tuple(t.spec.shape) for name, t in in_stored_names(module).model.items()}
-
-
 def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) -> None:
     """Give ``ckpt`` the config ``--config`` named, after checking it describes the checkpoint's model (a peft
     model's checkpoint is checked against peft's model of it when it is read as base + adapter: adapters.read_as_adapter)."""
@@ -54,27 +43,20 @@ def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) ->
         ckpt.config = dict(config)
         return
     try:
-        expected = expected_shapes(config)
+        model_facts(config)
+        model = stored_model(config)
     except Exception as exc:  # noqa: BLE001 - transformers refuses configs it cannot build; say which
         raise ConfigMismatchError(where, f"--config describes no model transformers can build: {exc}") from None
     model_type = config.get("model_type")
-    extra = []
-    for name, tensor in ckpt.model.items():
-        shape = tuple(tensor.spec.shape)
-        if name not in expected:
-            extra.append(name)  # a custom buffer or parameter the model class adds: kept as it is
-        elif expected[name] != shape:
-            raise ConfigMismatchError(
-                where, f"tensor {name!r} is {list(shape)} in the checkpoint but {list(expected[name])} in the --config "
-                f"model ({model_type}): the config is of another model"
-            )
-    aliases = {t for t, *_ in (ckpt.tied or tied_groups(config))}
-    missing = [n for n in expected if n not in ckpt.model and n not in aliases]
-    if missing:
-        raise ConfigMismatchError(
-            where, f"lacks tensor {missing[0]!r} {list(expected[missing[0]])} of the --config model ({model_type}) "
-            f"and {len(missing) - 1} more: the config is of another model"
-        )
+    found = disagreements(ckpt, config)
+    more = f" (and {len(found) - 1} more tensor(s))" if len(found) > 1 else ""
+    if found and found[0].shape is None:
+        raise ConfigMismatchError(where, f"lacks tensor {found[0].name!r} {list(found[0].wanted)} of the --config model "
+                                  f"({model_type}){more}: the config is of another model")
+    if found:
+        raise ConfigMismatchError(where, f"tensor {found[0].name!r} is {list(found[0].shape)} in the checkpoint but "
+                                  f"{list(found[0].wanted)} in the --config model ({model_type}){more}: the config is of another model")
+    extra = [n for n in ckpt.model if model is None or n not in model.shapes]  # a custom buffer or parameter the class adds
     if extra:
         ckpt.notes.append(f"tensors the --config model ({model_type}) does not declare are kept as they are: {extra[:5]}")
     ckpt.config = dict(config)

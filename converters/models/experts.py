@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 
 from . import facts, fusion
@@ -143,14 +142,6 @@ def problems(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> l
         for c in count(config, {n: tuple(t.spec.shape) for n, t in per.items()}).values():
             out += c.problems(f"optimizer {key!r}", complete=False)
     return out
-
-
-def check(ckpt: LogicalCheckpoint, destination: str) -> None:
-    """Refuse to write ``destination`` from a checkpoint that would drop, duplicate or invent an expert."""
-    found = problems(ckpt)
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ConversionError(f"{destination}: not written: {found[0]}{more}")
 
 
 def summary(ckpt: LogicalCheckpoint) -> str | None:

@@ -162,7 +162,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 6  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 7  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,7 @@ class _Answers:
     # each norm module's epsilon as the model builds it (``variance_epsilon`` or ``eps``): not always the config's
     # (DeepSeek-V3's q/kv latent norms keep their class default whatever rms_norm_eps says)
     norm_eps: dict[str, float] = dataclasses.field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # each state dict key's, as built
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -198,7 +199,8 @@ class _Answers:
                 "splits": {k: {"shape": list(p.shape), "patterns": list(p.patterns), "views": None if p.views is None else
                                [[v.stored, list(v.shape), list(v.stride), v.offset] for v in p.views]}
                            for k, p in self.splits.items()},
-                "built_frozen": list(self.built_frozen), "norm_eps": self.norm_eps}
+                "built_frozen": list(self.built_frozen), "norm_eps": self.norm_eps,
+                "shapes": {k: list(v) for k, v in self.shapes.items()}}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -258,8 +260,9 @@ class _Answers:
         norm_eps = string_map(raw["norm_eps"])
         if not all(type(v) is float for v in norm_eps.values()):
             raise ValueError("norm_eps")
+        shapes = {k: ints(v) for k, v in string_map(raw["shapes"]).items()}
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
-                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])), norm_eps)
+                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])), norm_eps, shapes)
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -276,7 +279,8 @@ def _asked(key: str) -> _Answers | ConversionError:
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys([*stored.values(), *pieces])},
                     bool(_live_converters(key)), _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
                     tuple(n for n in model.state_dict() if n not in named), splits,
-                    tuple(n for n, p in model.named_parameters() if not p.requires_grad), _norm_epsilons(model))
+                    tuple(n for n, p in model.named_parameters() if not p.requires_grad), _norm_epsilons(model),
+                    {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
 
 
 def _norm_epsilons(model: torch.nn.Module) -> dict[str, float]:
@@ -389,6 +393,36 @@ def split_plans(config: dict[str, Any] | None) -> dict[str, fusion.SplitPlan]:
     a model that has none or that transformers cannot build."""
     answers = _kept(config)
     return answers.splits if answers is not None else {}
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """The model a config describes under universal's (save_pretrained's) names, what a checkpoint of it must hold:
+    each key's shape as transformers builds it, and the tensors its state dict needs, each as the ways a file may
+    hold it (a module tensor save_pretrained splits, MoE experts, as its stored pieces or whole, under the module's
+    name, as from_pretrained takes it too)."""
+
+    cls: str
+    shapes: dict[str, tuple[int, ...]]
+    required: tuple[tuple[tuple[str, ...], ...], ...]
+
+
+def stored_model(config: dict[str, Any] | None) -> StoredModel | None:
+    """None for a model transformers cannot build (or no config)."""
+    return _stored_model(_key(config)) if _known(config) is not None else None
+
+
+@lru_cache(maxsize=16)
+def _stored_model(key: str) -> StoredModel:
+    answers = _answers(key)
+    assert isinstance(answers, _Answers)  # _known said it builds
+    stored = {m: answers.to_stored.get(m, m) for m in answers.shapes}
+    shapes = {stored[m]: shape for m, shape in answers.shapes.items()}
+    pieces = {m: tuple(v.stored for v in p.views) for m, p in answers.splits.items() if p.views is not None}
+    shapes.update({v.stored: v.shape for p in answers.splits.values() for v in p.views or ()})
+    required = tuple((pieces[m], (stored.get(m, m),)) if m in pieces else ((stored.get(m, m),),)
+                     for m in (*answers.parameters, *answers.buffers) if m not in answers.splits or m in pieces)
+    return StoredModel(answers.facts.cls, shapes, required)
 
 
 def _kept(config: dict[str, Any] | None) -> _Answers | None:
