@@ -135,7 +135,8 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 def register(fmt: Format) -> Format:
     if fmt.module_names:
         fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
-    fmt = dataclasses.replace(fmt, write=_model_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write)))
+    fmt = dataclasses.replace(fmt, write=_model_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write),
+                                                        "optimizer" in fmt.keeps))
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -146,7 +147,7 @@ def writes_as(name: str, write: Callable[[LogicalCheckpoint, str], object]) -> C
     stores them (a MoE model's per-expert tensors fused)."""
     fmt = FORMATS[name]
     plain = lambda ckpt, dst, o: write(ckpt, dst)  # noqa: E731
-    wrapped = _model_checked(_module_naming(plain) if fmt.module_names else plain)
+    wrapped = _model_checked(_module_naming(plain) if fmt.module_names else plain, "optimizer" in fmt.keeps)
     wrapped = wrapped if fmt.holds_adapters else _no_adapters(name, wrapped)
     return lambda ckpt, dst: wrapped(ckpt, dst, Options())
 
@@ -164,15 +165,15 @@ def _no_adapters(name: str, write):
     return wrapped
 
 
-def _model_checked(write):
+def _model_checked(write, optimizer: bool):
     """Every writer refuses, before it writes anything, a checkpoint that is not the model its config describes
     (a MoE checkpoint that would drop, duplicate or invent an expert, a tensor of another size or missing, an
-    optimizer moment not its parameter's shape: converters.models.against_model)."""
+    optimizer moment not its parameter's shape, where the format keeps optimizer state: converters.models.against_model)."""
     if write is None:
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        against_model.check(ckpt, dst)
+        against_model.check(ckpt, dst, optimizer)
         deepspeed_moe.check(ckpt, dst)  # a model of DeepSpeed's own MoE layers (no transformers model to ask)
         write(ckpt, dst, o)
     return wrapped

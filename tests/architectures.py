@@ -70,6 +70,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
                                                      intermediate_size=20, sliding_window=16, rope_parameters=dict(
                                                          rope_type="default", rope_theta=10000.0),
                                                      layer_types=["sliding_attention", "full_attention"])),
+    # transformers' conversion patterns written as regular expressions (``\\.experts.*.w1.weight``), and a renaming
+    # (``.norm.`` -> ``.kv_norm.``) that from_pretrained does not apply to a key the model already has (model.norm)
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM", dict(
+        vocab_size=V, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, head_dim=16, q_lora_rank=16,
+        n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4,
+        qk_rope_head_dim=8, sliding_window=8, max_position_embeddings=64, num_nextn_predict_layers=0, bos_token_id=1, eos_token_id=2)),
 }
 # architectures with tests of their own, outside the grid of every target above: Ernie 4.5 MoE's modules build a
 # parameter frozen (e_score_correction_bias, 2-D), which from_pretrained makes trainable
@@ -113,7 +119,7 @@ def spec(name: str) -> tuple[str, str, dict]:
 
 
 FSDP2_CANNOT_RUN = ("bert", "t5")  # ties across modules accelerate's FSDP2 shards apart: FSDP2 refuses the model itself
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")  # one fused module tensor per layer (one file tensor per expert but GPT-OSS's)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "deepseek_v4")  # one fused module tensor per layer (one file tensor per expert but GPT-OSS's)
 
 
 def build(name: str) -> transformers.PreTrainedModel:

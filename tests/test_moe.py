@@ -97,6 +97,18 @@ def test_an_extra_or_duplicated_expert_is_refused(tmp_path, edit, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_experts_whose_patterns_are_regular_expressions_are_counted_and_named_by_their_keys(tmp_path, capsys):
+    """DeepSeek-V4's conversion patterns are written as regular expressions (``\\.experts.*.w1.weight``), as
+    transformers compiles every pattern: its save_pretrained output was refused as lacking every expert, and a
+    missing expert was named by the escaped pattern. Counted whole, and the missing one named by its key."""
+    key = "model.layers.1.ffn.experts.2.w1.weight"
+    hf, bad = edited(tmp_path, "deepseek_v4", drop(key))
+    code, out, _ = run_cli(capsys, "inspect", hf, "--limit", "1")
+    assert code == 0 and "experts:   4 experts in each of 2 MoE layers\n" in out and "  ! " not in out
+    code, out, _ = run_cli(capsys, "inspect", bad, "--limit", "1")
+    assert f"  ! layer model.layers.1.mlp.experts, expert 2 of 4: missing (no {key!r})" in out
+
+
 def test_experts_stored_fused_are_counted_by_their_first_dimension(tmp_path):
     """GPT-OSS stores each layer's experts as one tensor: one that holds 3 of the model's 4 is refused."""
     _, bad = edited(tmp_path, "gpt_oss", lambda s: s.__setitem__(f"{LAYER}.down_proj", s[f"{LAYER}.down_proj"][:3].clone()))

@@ -1,22 +1,26 @@
 """A checkpoint held against the model its config describes, as transformers builds it.
 
-A tensor of the wrong size (a damaged or hostile file, a config from another model), a tensor the source lacks or
-an optimizer moment of another shape than its parameter's would otherwise convert without a word: every target
-writes what it is given, and the consumer finds out later, or never (``from_pretrained`` refuses a wrong-sized
-norm but quietly initialises a missing one at random; DeepSpeed's flat partitions shift every later moment by
-the extra element). transformers knows each key's shape; nothing is hand-listed here. A model transformers
-cannot build is not held against one (its tensors are kept as stored, as the readers say in a note).
+A tensor of the wrong size or kind (a damaged or hostile file, a config from another model), a tensor the source
+lacks, or an optimizer moment that is not its parameter's shape would otherwise convert without a word: every
+target writes what it is given, and the consumer finds out later, or never (``from_pretrained`` refuses a
+wrong-sized norm but quietly initialises a missing one at random; DeepSpeed's flat partitions shift every later
+moment by the extra element). transformers knows each key's shape and which keys may be absent, torch which
+optimizer state is the parameter's shape; nothing is hand-listed here. A model transformers cannot build is not
+held against one (its tensors are kept as stored, as the readers say in a note).
 
-Reading does not refuse (``inspect``, ``diff`` and ``verify`` report what is wrong); every writer refuses before
-writing anything (``check``, in :mod:`converters.registry`).
+Reading does not refuse (``inspect`` and ``verify`` report what is wrong); every writer refuses before writing
+anything (``check``, in :mod:`converters.registry`).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from interop.errors import ConversionError
+from interop.lazy_import import torch
 from interop.logical import LogicalCheckpoint
 
 from . import experts
@@ -27,31 +31,39 @@ from .facts import stored_model, tied_groups
 class Disagreement:
     """A tensor that is not the model's."""
 
-    cls: str  # the transformers class the config builds
+    model: str  # "the LlamaForCausalLM its config describes"
     name: str
     shape: tuple[int, ...] | None  # the checkpoint's; None: it lacks the tensor
     wanted: tuple[int, ...]
     origin: str
+    dtype: str = ""  # the checkpoint's, where its kind is the problem (an integer tensor for a floating one)
 
 
 def disagreements(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> list[Disagreement]:
     """How ``ckpt`` (universal's names) is not the model ``config`` (its own by default) describes: the tensors of
-    another shape, in the source's order, then the tensors it lacks (a tied one is held through its partner; a
-    module tensor save_pretrained splits, MoE experts, either whole or as its pieces). Tensors the model has no
-    place for are not judged here (a user's buffers, a hub release's multi-token-prediction layers: the writers
-    say what they keep). Empty where transformers cannot build the model."""
+    another shape or of an integer type where the model's is floating, in the source's order, then the tensors it
+    lacks. A tensor tied to one it holds (as the config ties them: a checkpoint's own word does not make a tie) is
+    held; a module tensor save_pretrained splits (MoE experts) is held whole or as its pieces; a key transformers
+    itself does without (``_keys_to_ignore_on_save``, ``_keys_to_ignore_on_load_missing``) is not required. Tensors
+    the model has no place for are not judged here (a user's buffers, a hub release's multi-token-prediction
+    layers: the writers say what they keep). Empty where transformers cannot build the model."""
     config = config if config is not None else ckpt.config
     model = stored_model(config)
     if model is None:
         return []
-    out = [Disagreement(model.cls, n, tuple(t.spec.shape), model.shapes[n], t.origin) for n, t in ckpt.model.items()
-           if n in model.shapes and tuple(t.spec.shape) != model.shapes[n]]
-    tied = {n: set(group) for group in ckpt.tied or tied_groups(config) for n in group}
+    said = f"the {model.cls} {'its config describes' if (config or {}).get('architectures') else 'transformers builds from its config'}"
+    out = []
+    for n, t in ckpt.model.items():
+        if n in model.shapes and tuple(t.spec.shape) != model.shapes[n]:
+            out.append(Disagreement(said, n, tuple(t.spec.shape), model.shapes[n], t.origin))
+        elif n in model.floating and not t.spec.is_floating_point:
+            out.append(Disagreement(said, n, tuple(t.spec.shape), model.shapes[n], t.origin, t.spec.dtype_name))
+    tied = {n: set(group) for group in tied_groups(config) for n in group}
 
     def held(name: str) -> bool:
         return name in ckpt.model or any(m in ckpt.model for m in tied.get(name, ()))
 
-    return out + [Disagreement(model.cls, n, None, model.shapes.get(n, ()), "") for ways in model.required
+    return out + [Disagreement(said, n, None, model.shapes.get(n, ()), "") for ways in model.required
                   if not any(all(held(n) for n in way) for way in ways) for n in ways[0] if not held(n)]
 
 
@@ -62,41 +74,70 @@ def _in(name: str, origin: str) -> str:
     return f" ({origin})" if origin and origin != "memory" else ""
 
 
+@lru_cache(maxsize=8)
+def _moments(cls: str) -> frozenset[str]:
+    """The state keys torch's optimizer ``cls`` (AdamW where torch has no such class: the engines' fused Adams)
+    keeps in its parameter's shape, asked by one step on a small parameter (with ``amsgrad`` where it takes it, so
+    that its extra moment is known too): AdamW's exp_avg, exp_avg_sq, max_exp_avg_sq; Adafactor's row and column
+    variances are not, and are not judged."""
+    found = getattr(torch.optim, cls, None)
+    opt_cls = found if isinstance(found, type) and issubclass(found, torch.optim.Optimizer) else torch.optim.AdamW
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    p.grad = torch.ones_like(p)
+    try:
+        opt = opt_cls([p], **({"amsgrad": True} if "amsgrad" in inspect.signature(opt_cls).parameters else {}))
+        opt.step()
+    except Exception:  # noqa: BLE001 - an optimizer that needs more to step (a closure, sparse gradients): none known
+        return frozenset()
+    return frozenset(k for k, v in opt.state[p].items() if torch.is_tensor(v) and v.shape == p.shape)
+
+
 def _optimizer_problems(ckpt: LogicalCheckpoint) -> list[str]:
-    """Every optimizer state tensor but a scalar (a 0-dim step) is its parameter's shape, as torch's optimizers keep
-    it and every engine format lays it out (DeepSpeed and Megatron flatten it beside the parameter)."""
-    if ckpt.optimizer is None:
+    """Every moment (a state key torch keeps in its parameter's shape) is its parameter's shape and floating, and a
+    parameter with state has every moment the checkpoint keeps (DeepSpeed and Megatron lay them out flat beside
+    the parameter; a missing one would be zeros, a scalar one broadcast)."""
+    opt = ckpt.optimizer
+    if opt is None or not opt.tensors:
         return []
+    moments = sorted(_moments(opt.cls) & set(opt.tensors))
     out = []
-    for key, per_name in sorted(ckpt.optimizer.tensors.items()):
-        for name, t in per_name.items():
-            shape = tuple(t.spec.shape)
-            if shape and name in ckpt.model and shape != tuple(ckpt.model[name].spec.shape):
-                out.append(f"optimizer state {key} of {name} is {list(shape)}{_in(name, t.origin)}, but the parameter is "
-                           f"{list(ckpt.model[name].spec.shape)}")
+    for key in moments:
+        for name, t in opt.tensors[key].items():
+            param = ckpt.model.get(name)
+            if param is None:
+                continue
+            if tuple(t.spec.shape) != tuple(param.spec.shape) or (param.spec.is_floating_point and not t.spec.is_floating_point):
+                out.append(f"optimizer state {key} of {name} is {t.spec.dtype_name}{list(t.spec.shape)}{_in(name, t.origin)}, "
+                           f"but the parameter is {param.spec.dtype_name}{list(param.spec.shape)}")
+    with_state = {n for k in moments for n in opt.tensors[k]}
+    for name in sorted(with_state & set(ckpt.model)):
+        lacking = [k for k in moments if name not in opt.tensors[k]]
+        if lacking:
+            held = [k for k in moments if k not in lacking]
+            out.append(f"optimizer state of {name}: {', '.join(held)} but no {', '.join(lacking)}")
     return out
 
 
-def problems(ckpt: LogicalCheckpoint) -> list[str]:
+def problems(ckpt: LogicalCheckpoint, optimizer: bool = True) -> list[str]:
     """What makes ``ckpt`` unfit to write, one line each: its experts' problems in the experts' own words (which
-    expert of which layer) where it has any, else every tensor that is not the model's and every optimizer moment
-    that is not its parameter's shape."""
+    expert of which layer) where it has any, else every tensor that is not the model's and (``optimizer``: for a
+    target that keeps optimizer state) every optimizer moment that is not its parameter's."""
     found = experts.problems(ckpt)
     if found:
         return found
     for d in disagreements(ckpt):
         if d.shape is None:
-            found.append(f"{d.name}: missing, which the {d.cls} its config describes has (a model loaded from it would "
-                         "have it at random)")
+            found.append(f"{d.name}: missing; {d.model} has it (a model loaded from the output would have it initialised at random)")
+        elif d.dtype:
+            found.append(f"{d.name} is {d.dtype}{_in(d.name, d.origin)}, but {d.model} has a floating-point tensor there")
         else:
-            found.append(f"{d.name} is {list(d.shape)}{_in(d.name, d.origin)}, but the {d.cls} its config describes has "
-                         f"{list(d.wanted)}")
-    return found + _optimizer_problems(ckpt)
+            found.append(f"{d.name} is {list(d.shape)}{_in(d.name, d.origin)}, but {d.model} has {list(d.wanted)}")
+    return found + (_optimizer_problems(ckpt) if optimizer else [])
 
 
-def check(ckpt: LogicalCheckpoint, destination: str) -> None:
+def check(ckpt: LogicalCheckpoint, destination: str, optimizer: bool = True) -> None:
     """Refuse to write ``destination`` from a checkpoint with any of ``problems``, naming the first."""
-    found = problems(ckpt)
+    found = problems(ckpt, optimizer)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ConversionError(f"{destination}: not written: {found[0]}{more}")

@@ -75,10 +75,10 @@ class LayerCount:
             return f"{tensor} lacks it"
         seen = self.example.get((tensor, pattern)) or next((n for (t, _), n in self.example.items() if t == tensor), None)
         if seen is None:
-            return f"no tensor {pattern.replace('*', str(expert))!r}"
+            return f"no tensor {fusion.pattern_name(pattern, expert)!r}"
         # a sibling's stored name with this pattern and index: the name the missing tensor would have
         found = fusion.pattern_regex(next(p for (t, p) in self.example if self.example[(t, p)] == seen)).search(seen)
-        return f"no {seen[:found.start()] + pattern.replace('*', str(expert))!r}" if found else f"no tensor {pattern!r}"
+        return f"no {seen[:found.start()] + fusion.pattern_name(pattern, expert)!r}" if found else f"no tensor {pattern!r}"
 
 
 def expert_tensors(config: dict[str, Any] | None) -> dict[str, ExpertTensor]:
@@ -110,10 +110,10 @@ def count(config: dict[str, Any] | None, shapes: dict[str, tuple[int, ...]]) -> 
             for i in range(shape[dim] if len(shape) > dim else 0):
                 held.setdefault(i, []).append(name)
             continue
-        found = fusion.pattern_regex(pattern).search(name)
-        if found is None or not found.groups():
+        expert = fusion.expert_of(fusion.pattern_regex(pattern).search(name))
+        if expert is None:
             continue
-        held.setdefault(int(found.group(1)), []).append(name)
+        held.setdefault(expert, []).append(name)
         layers[t.layer].example.setdefault((module, pattern), name)
     return layers
 

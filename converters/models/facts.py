@@ -162,7 +162,7 @@ def model_facts(config: dict[str, Any] | None) -> ModelFacts | None:
 
 # --- the answers kept on disk ------------------------------------------------------------------------------
 
-_SCHEMA = 7  # of the file below: a change makes every kept answer unread (asked again)
+_SCHEMA = 8  # of the file below: a change makes every kept answer unread (asked again)
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,10 @@ class _Answers:
     # (DeepSeek-V3's q/kv latent norms keep their class default whatever rms_norm_eps says)
     norm_eps: dict[str, float] = dataclasses.field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # each state dict key's, as built
+    floating: tuple[str, ...] = ()  # the state dict's floating-point keys
+    # keys from_pretrained does without: save_pretrained leaves them out (``_keys_to_ignore_on_save``: Marian's
+    # sinusoidal positions) or a missing one is not reported (``_keys_to_ignore_on_load_missing``: BART's final_logits_bias)
+    optional: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -200,7 +204,8 @@ class _Answers:
                                [[v.stored, list(v.shape), list(v.stride), v.offset] for v in p.views]}
                            for k, p in self.splits.items()},
                 "built_frozen": list(self.built_frozen), "norm_eps": self.norm_eps,
-                "shapes": {k: list(v) for k, v in self.shapes.items()}}
+                "shapes": {k: list(v) for k, v in self.shapes.items()}, "floating": list(self.floating),
+                "optional": list(self.optional)}
 
     @classmethod
     def from_json(cls, raw: Any) -> "_Answers":
@@ -262,7 +267,8 @@ class _Answers:
             raise ValueError("norm_eps")
         shapes = {k: ints(v) for k, v in string_map(raw["shapes"]).items()}
         return cls(facts, to_stored, to_module, raw["fuses"], experts, tuple(strings(raw["parameters"])),
-                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])), norm_eps, shapes)
+                   tuple(strings(raw["buffers"])), splits, tuple(strings(raw["built_frozen"])), norm_eps, shapes,
+                   tuple(strings(raw["floating"])), tuple(strings(raw["optional"])))
 
 
 def _asked(key: str) -> _Answers | ConversionError:
@@ -274,13 +280,24 @@ def _asked(key: str) -> _Answers | ConversionError:
     to_module, to_stored = _live_renamers(key)
     stored = {n: to_stored(n) for n in facts.names}
     named = dict(model.named_parameters(remove_duplicate=False))
+    state = model.state_dict(keep_vars=True)
     splits = _split_plans(key, to_module, to_stored)
     pieces = [v.stored for p in splits.values() for v in p.views or ()]  # the stored names the splits give
     return _Answers(facts, stored, {s: to_module(s) for s in dict.fromkeys([*stored.values(), *pieces])},
                     bool(_live_converters(key)), _expert_parameters(model), tuple(n for n, _ in model.named_parameters()),
                     tuple(n for n in model.state_dict() if n not in named), splits,
                     tuple(n for n, p in model.named_parameters() if not p.requires_grad), _norm_epsilons(model),
-                    {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
+                    {n: tuple(t.shape) for n, t in state.items()}, tuple(n for n, t in state.items() if t.is_floating_point()),
+                    _optional(model, list(state)))
+
+
+def _optional(model: torch.nn.Module, names: list[str]) -> tuple[str, ...]:
+    """The state dict's keys from_pretrained does without, as transformers' own lists say: left out by save_pretrained
+    (``_keys_to_ignore_on_save``, exact names) or not reported missing (``_keys_to_ignore_on_load_missing``, patterns
+    searched, as ``_adjust_missing_and_unexpected_keys`` does)."""
+    unsaved = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    return tuple(n for n in names if n in unsaved or any(p.search(n) for p in patterns))
 
 
 def _norm_epsilons(model: torch.nn.Module) -> dict[str, float]:
@@ -405,6 +422,7 @@ class StoredModel:
     cls: str
     shapes: dict[str, tuple[int, ...]]
     required: tuple[tuple[tuple[str, ...], ...], ...]
+    floating: frozenset[str]
 
 
 def stored_model(config: dict[str, Any] | None) -> StoredModel | None:
@@ -420,9 +438,17 @@ def _stored_model(key: str) -> StoredModel:
     shapes = {stored[m]: shape for m, shape in answers.shapes.items()}
     pieces = {m: tuple(v.stored for v in p.views) for m, p in answers.splits.items() if p.views is not None}
     shapes.update({v.stored: v.shape for p in answers.splits.values() for v in p.views or ()})
+    floating = {stored.get(m, m) for m in answers.floating} | {v.stored for m, p in answers.splits.items() if m in answers.floating
+                                                                for v in p.views or ()}
+    # a config naming no architecture names no head: the head transformers' first guess builds is not required
+    # (AutoModel.from_pretrained loads a bare model's files whole)
+    head_guessed = not json.loads(key).get("architectures")
+    base = f"{answers.facts.prefix}." if answers.facts.prefix else ""
+    optional = set(answers.optional)
     required = tuple((pieces[m], (stored.get(m, m),)) if m in pieces else ((stored.get(m, m),),)
-                     for m in (*answers.parameters, *answers.buffers) if m not in answers.splits or m in pieces)
-    return StoredModel(answers.facts.cls, shapes, required)
+                     for m in (*answers.parameters, *answers.buffers)
+                     if (m not in answers.splits or m in pieces) and m not in optional and not (head_guessed and not m.startswith(base)))
+    return StoredModel(answers.facts.cls, shapes, required, frozenset(floating))
 
 
 def _kept(config: dict[str, Any] | None) -> _Answers | None:
@@ -506,7 +532,10 @@ def _live_renamers(key: str) -> tuple[Callable[[str], tuple[str, str | None]], C
     meta = dict.fromkeys(facts.names, True)
 
     def to_module(name: str) -> tuple[str, str | None]:
-        return rename_source_key(name, renamings, converters, facts.prefix or None, meta)
+        renamed = rename_source_key(name, renamings, converters, facts.prefix or None, meta)
+        if renamed[0] not in meta and name in meta:  # as from_pretrained: a key the model has is not renamed away
+            return rename_source_key(name, [], [], facts.prefix or None, meta)  # (DeepSeek-V4's `.norm.` -> `.kv_norm.` hits model.norm)
+        return renamed
 
     saving = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
               if not isinstance(t, PrefixChange)]  # as revert_weight_conversion for a model not from from_pretrained

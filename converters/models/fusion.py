@@ -30,8 +30,22 @@ from interop.tensors import LazyTensor, Piece, TensorSpec, sub_pieces
 
 def pattern_regex(pattern: str) -> re.Pattern:
     """Where a conversion pattern (``.experts.*.w1.weight``: ``*`` an expert index) lies in a name that
-    transformers already matched to it (for the index and the name's prefix and suffix)."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + r"(?!\w)")
+    transformers already matched to it (for the index, ``expert_of``, and the name's prefix and suffix). A pattern
+    is a regular expression to transformers, ``*.`` standing for one key component and a name ending on a name
+    boundary (WeightTransform compiles its sources so): DeepSeek-V4's are written escaped (``\\.experts.*.w1``)."""
+    body = pattern.replace("*.", r"(?P<expert>\d+)\.", 1)
+    return re.compile(body + (r"(?!\w)" if re.search(r"[a-zA-Z0-9]$", pattern) else ""))
+
+
+def expert_of(found: re.Match | None) -> int | None:
+    """The expert index a ``pattern_regex`` match found, or None (no match, or a pattern that lists no experts)."""
+    return int(found.group("expert")) if found is not None and "expert" in found.re.groupindex else None
+
+
+def pattern_name(pattern: str, expert: int) -> str:
+    """The key a conversion pattern names for ``expert`` (the regular expression's escapes and anchor undone, as
+    transformers' own process_target_pattern undoes them)."""
+    return pattern.removeprefix("^").replace("*", str(expert)).replace("\\.", ".")
 
 
 @dataclass(frozen=True)
@@ -74,11 +88,11 @@ def plan(names: list[str], matched: Callable[[str], tuple[str, str | None]], con
             continue
         converter = next(c for c in converters if pattern in c.source_patterns)
         found = pattern_regex(pattern).search(name)
-        if found is None or not found.groups():  # not a list of experts: another kind of conversion
+        if expert_of(found) is None:  # not a list of experts: another kind of conversion
             ops = ", ".join(type(op).__name__ for op in converter.operations)
             raise ConversionError(f"{name}: transformers converts it into {target} with {ops}, which engine layouts here do "
                                   "not run (only expert lists are fused); convert to universal or hf")
-        groups.setdefault(target, {}).setdefault(pattern, {})[int(found.group(1))] = name
+        groups.setdefault(target, {}).setdefault(pattern, {})[expert_of(found)] = name
         owner[target] = converter
     out = []
     for target, by_pattern in groups.items():
@@ -87,7 +101,7 @@ def plan(names: list[str], matched: Callable[[str], tuple[str, str | None]], con
         for p in converter.source_patterns:
             missing = sorted(set(range(experts)) - set(by_pattern.get(p, {})))
             if missing:
-                raise ConversionError(f"{target}: expert {missing[0]} has no {p.replace('*', str(missing[0]))!r} tensor "
+                raise ConversionError(f"{target}: expert {missing[0]} has no {pattern_name(p, missing[0])!r} tensor "
                                       f"({experts} experts elsewhere in the layer); the checkpoint is incomplete")
         out.append(Fused(target, None, converter, tuple(tuple(by_pattern[p][i] for i in range(experts)) for p in converter.source_patterns)))
     return out
@@ -101,8 +115,8 @@ def plan_from_views(names: list[str], plans: dict[str, "SplitPlan"]) -> list[Fus
         held = sum(n in present for n in stored)
         if held and held < len(stored):
             missing = next(n for n in stored if n not in present)
-            found = next((m for m in (pattern_regex(pat).search(missing) for pat in p.patterns) if m and m.groups()), None)
-            what = (f"expert {found.group(1)} has no {missing[found.start():found.end()]!r} tensor" if found
+            found = next((m for m in (pattern_regex(pat).search(missing) for pat in p.patterns) if expert_of(m) is not None), None)
+            what = (f"expert {expert_of(found)} has no {missing[found.start():found.end()]!r} tensor" if found
                     else f"no {missing!r} tensor")
             raise ConversionError(f"{target}: {what} (the model's {len(stored) // max(len(p.patterns), 1)} experts make "
                                   f"{list(p.shape)}); the checkpoint is incomplete")
