@@ -361,11 +361,19 @@ def _params_zero12(ms: dict[str, Any], optims: list[_Optim], path: str) -> list[
                 p = _Param(rename(name), _shape(shape), g, g, offset, ranks)
                 params.append(p)
                 offset += p.numel + (pads[i] if i < len(pads) else 0)
-            held = ranks if ranks is not None else range(len(optims))
-            have = sum(optims[r].fp32[g].numel() for r in held) if g < len(optims[0].fp32) else 0
+            held = list(ranks if ranks is not None else range(len(optims)))
+            sizes = [optims[r].fp32[g].numel() for r in held] if g < len(optims[0].fp32) else [0]
+            have = sum(sizes)
             if offset - (pads[-1] if pads else 0) > have:
                 raise CorruptCheckpointError(path, f"param group {g} needs {offset} fp32 elements; the {len(held)} rank files "
                                                    f"holding it have {have}")
+            # equal partitions, the last stripped of the tail padding: none longer, none but the last shorter, and
+            # no more than the parameters and their alignment paddings (a rank's extra elements would shift the next's)
+            odd = next((r for r, n in zip(held, sizes) if n > sizes[0] or (n < sizes[0] and r != held[-1])), None)
+            if odd is not None or have > offset:
+                culprit = optims[odd if odd is not None else held[0]].path
+                raise CorruptCheckpointError(culprit, f"param group {g}'s partitions are {sizes} fp32 elements over ranks {held}, "
+                                                      f"not equal partitions of its {offset} (the last without its padding)")
     return params
 
 
@@ -416,10 +424,15 @@ def _expert_parallel(optims: list[_Optim], g: int | None = None) -> int:
 
 
 def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[_Param]:
-    group_of_flat = {}
+    group_of_flat: dict[int, int] = {}
     for g, group in enumerate(optims[0].param_groups):
         for flat in group.get("params", []):
+            if int(flat) in group_of_flat:
+                raise CorruptCheckpointError(optims[0].path, f"optimizer param groups {group_of_flat[int(flat)]} and {g} both list sub-group {flat}")
             group_of_flat[int(flat)] = g
+    unlisted = [s for s in range(len(ms["param_shapes"])) if s not in group_of_flat]
+    if optims[0].param_groups and unlisted:
+        raise CorruptCheckpointError(optims[0].path, f"sub-group {unlisted[0]} is in no optimizer param group")
     params, offset = [], 0  # offsets run on across sub-groups: a rank's sub-group vectors are read as one
     for sub, group in enumerate(ms["param_shapes"]):
         start = offset
@@ -427,11 +440,12 @@ def _params_zero3(ms: dict[str, Any], optims: list[_Optim], world: int) -> list[
             p = _Param(name, _shape(shape), group_of_flat.get(sub, 0), sub, offset)
             params.append(p)
             offset += math.ceil(p.numel / world)
-        have = optims[0].fp32[sub].numel() if sub < len(optims[0].fp32) else 0
-        if offset - start != have:
-            raise CorruptCheckpointError(
-                optims[0].path, f"sub-group {sub} holds {have} fp32 elements per rank; its parameters need {offset - start}"
-            )
+        for o in optims:  # every rank: one with more would shift its later sub-groups' pieces
+            have = o.fp32[sub].numel() if sub < len(o.fp32) else 0
+            if offset - start != have:
+                raise CorruptCheckpointError(o.path, f"sub-group {sub} holds {have} fp32 elements per rank; its parameters need {offset - start}")
+            if sub < len(o.fp32) and o.fp32[sub].dtype != optims[0].fp32[sub].dtype:
+                raise CorruptCheckpointError(o.path, f"sub-group {sub} is {o.fp32[sub].dtype}, rank 0's {optims[0].fp32[sub].dtype}")
     return params
 
 
@@ -480,6 +494,9 @@ def read_native(path: str, trust_pickle: bool = False) -> DeepSpeedCheckpoint:
         saved_world = ms.get("dp_world_size")
         if saved_world is not None and int(saved_world) != world:
             raise TopologyError(f"{p}: saved by {saved_world} ranks, but the directory holds {world} optimizer files (two world sizes mixed)")
+        if model_states and (ms.get("global_steps"), ms.get("global_samples")) != (rank0.get("global_steps"), rank0.get("global_samples")):
+            raise CorruptCheckpointError(p, f"is step {ms.get('global_steps')!r} ({ms.get('global_samples')!r} samples), rank 0's "
+                                            f"{rank0.get('global_steps')!r} ({rank0.get('global_samples')!r}): rank files of different saves")
         model_states.append(ms)
     # each rank's file parsed on its own thread: most of a parse is waiting for its blocks' digests
     optims = list(at_once(_parse_optim, [(p, trust_pickle, zero3) for p in files.optim], "deepspeed-read"))

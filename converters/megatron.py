@@ -852,6 +852,16 @@ def _distributed_part(saved: Any, opt: Any, names: list[str], rank: _RankModel, 
     return per_name, named_groups, master
 
 
+def _one_save(states: dict[tuple, dict[str, Any]], paths: dict[tuple, str]) -> None:
+    """Every rank file from the same save: one iteration (a rank's file copied in from another save would merge
+    two models' pieces into one that is neither)."""
+    first = next(iter(states))
+    for key, state in states.items():
+        if state.get("iteration") != states[first].get("iteration"):
+            raise CorruptCheckpointError(paths[key], f"is iteration {state.get('iteration')!r}, {os.path.relpath(paths[first], os.path.dirname(os.path.dirname(paths[key])))} "
+                                         f"iteration {states[first].get('iteration')!r}: rank files of different saves")
+
+
 def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = True,
                   config: dict[str, Any] | None = None) -> LogicalCheckpoint:
     files = locate(path, check=False)  # rank 0's file says how to read the others' names
@@ -877,6 +887,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     _check_experts(arch, files, args_d, first)
     states3 = {key: (head if key == (0, 0, 0) else _rank_state(p, load_megatron_file(p, trust_pickle, stored=True)))
                for key, p in files.all_paths.items()}
+    _one_save(states3, files.all_paths)
     all_rules = rules(arch)
     ranks3 = _rank_models(files, states3, _canonical(all_rules), arch.experts)
     optim3 = {

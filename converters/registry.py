@@ -68,6 +68,9 @@ class Format:
     spreads: bool = False
     # the loading run's layout flags (TARGET_FLAGS, as convert's options name them) its writer reads
     flags: frozenset[str] = frozenset()
+    # it lays each parameter's optimizer state out as the parameter (flat beside it, or split as it is): state of
+    # another shape (a factored optimizer's: Adafactor's row and column variances) has no place there
+    flat_state: bool = False
 
 
 # what Megatron targets read of the loading run
@@ -135,8 +138,7 @@ _CHECKPOINT_SUBDIRS = (*OUR_FOLDERS, "model", "optimizer")
 def register(fmt: Format) -> Format:
     if fmt.module_names:
         fmt = dataclasses.replace(fmt, read=_stored_naming(fmt.read), write=_module_naming(fmt.write))
-    fmt = dataclasses.replace(fmt, write=_model_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write),
-                                                        "optimizer" in fmt.keeps))
+    fmt = dataclasses.replace(fmt, write=_model_checked(fmt.write if fmt.holds_adapters else _no_adapters(fmt.name, fmt.write), fmt))
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -147,7 +149,7 @@ def writes_as(name: str, write: Callable[[LogicalCheckpoint, str], object]) -> C
     stores them (a MoE model's per-expert tensors fused)."""
     fmt = FORMATS[name]
     plain = lambda ckpt, dst, o: write(ckpt, dst)  # noqa: E731
-    wrapped = _model_checked(_module_naming(plain) if fmt.module_names else plain, "optimizer" in fmt.keeps)
+    wrapped = _model_checked(_module_naming(plain) if fmt.module_names else plain, fmt)
     wrapped = wrapped if fmt.holds_adapters else _no_adapters(name, wrapped)
     return lambda ckpt, dst: wrapped(ckpt, dst, Options())
 
@@ -165,7 +167,7 @@ def _no_adapters(name: str, write):
     return wrapped
 
 
-def _model_checked(write, optimizer: bool):
+def _model_checked(write, fmt: Format):
     """Every writer refuses, before it writes anything, a checkpoint that is not the model its config describes
     (a MoE checkpoint that would drop, duplicate or invent an expert, a tensor of another size or missing, an
     optimizer moment not its parameter's shape, where the format keeps optimizer state: converters.models.against_model)."""
@@ -173,7 +175,7 @@ def _model_checked(write, optimizer: bool):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
-        against_model.check(ckpt, dst, optimizer)
+        against_model.check(ckpt, dst, optimizer="optimizer" in fmt.keeps, flat=fmt.name if fmt.flat_state else None)
         deepspeed_moe.check(ckpt, dst)  # a model of DeepSpeed's own MoE layers (no transformers model to ask)
         write(ckpt, dst, o)
     return wrapped
@@ -291,6 +293,7 @@ register(
         module_names=True,
         holds_adapters=True,
         flags=frozenset({"world_size", "zero_stage", "ep_size", "deepspeed_config", "param_groups"}),
+        flat_state=True,
     )
 )
 def _write_ds_universal(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
@@ -392,6 +395,7 @@ register(  # before "dcp" and "megatron": a torch_dist directory is DCP data, an
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch_dist (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
         flags=MEGATRON_FLAGS | {"dist_optim_layout"},
+        flat_state=True,
     )
 )
 register(
@@ -430,6 +434,7 @@ register(
         loads_with='Megatron-LM: --load {dst} --ckpt-format torch (--use-distributed-optimizer exactly when converted with it)',
         takes_dtype=True,
         flags=MEGATRON_FLAGS | {"dist_optim_layout"},  # refused by the writer in one line that names the legacy flag
+        flat_state=True,
     )
 )
 def _write_peft(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:

@@ -257,3 +257,45 @@ def test_a_target_without_optimizer_state_takes_the_model_of_a_checkpoint_whose_
     assert code == 0 and "note: hf has no place for: optimizer state" in out, out + err
     code, out, _ = run_cli(capsys, "inspect", tmp_path / "uni", "--limit", "1")
     assert code == 0 and "  ! optimizer state exp_avg of model.norm.weight is float32[37]" in out
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "megatron-dist", "megatron"])
+def test_a_factored_optimizers_state_is_refused_by_targets_that_lay_state_out_as_the_parameter(sources, tmp_path, capsys, target):
+    """Adafactor's row and column variances have no place in DeepSpeed's flat partitions or Megatron's per-parameter
+    layout (each crashed with an unexpected ValueError): one line naming the state, and the targets that keep it."""
+    ckpt = registry.read(str(sources["llama"]))[1]
+    names = [n for n, t in ckpt.model.items() if len(t.spec.shape) == 2]
+    ckpt.optimizer = OptimizerState("Adafactor", [{"params": list(ckpt.model), "lr": 1e-2}], {
+        "row_var": {n: LazyTensor.of(torch.ones(ckpt.model[n].spec.shape[0], 1)) for n in names},
+        "col_var": {n: LazyTensor.of(torch.ones(1, ckpt.model[n].spec.shape[1])) for n in names}}, {})
+    write_universal(ckpt, str(tmp_path / "uni"))
+    code, _, err = run_cli(capsys, "convert", tmp_path / "uni", tmp_path / "out", "--to", target)
+    assert_one_line_error(code, err, "col_var", words=("factored", "not written"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("step", [-5.0, 1e30, 2.5])
+def test_a_step_no_run_took_is_refused_before_anything_is_written(sources, tmp_path, capsys, step):
+    """An optimizer step of -5 was written and then refused by its own manifest, leaving the output in place, and
+    1e30 was recorded as a step: refused before writing."""
+    ckpt = _with_adam(registry.read(str(sources["llama"]))[1])
+    ckpt.optimizer.scalars["step"]["model.norm.weight"] = {"value": step, "dtype": "float32"}
+    write_universal(ckpt, str(tmp_path / "uni"))
+    code, _, err = run_cli(capsys, "convert", tmp_path / "uni", tmp_path / "out", "--to", "deepspeed")
+    assert_one_line_error(code, err, "model.norm.weight", words=("not a number of steps",))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_nan_step_in_an_engine_file_is_refused_before_anything_is_written(sources, tmp_path, capsys):
+    """accelerate's optimizer.bin with a NaN step (as a damaged save leaves it): the universal writer crashed on it
+    (an unexpected ValueError: JSON has no NaN)."""
+    registry.writer("accelerate").write(_with_adam(registry.read(str(sources["llama"]))[1]), str(tmp_path / "acc"),
+                                        registry.Options(extra={"world_size": 1}))
+    for manifest in (tmp_path / "acc").rglob("manifest.json"):
+        manifest.unlink()  # as accelerate's own save_state leaves it
+    state = torch.load(tmp_path / "acc" / "optimizer.bin", weights_only=False)
+    state["state"][3]["step"] = torch.tensor(float("nan"))
+    torch.save(state, tmp_path / "acc" / "optimizer.bin")
+    code, _, err = run_cli(capsys, "convert", tmp_path / "acc", tmp_path / "out", "--to", "universal", "--config", sources["llama"])
+    assert_one_line_error(code, err, "nan", words=("not a number of steps",))
+    assert not (tmp_path / "out").exists()

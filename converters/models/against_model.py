@@ -15,6 +15,7 @@ anything (``check``, in :mod:`converters.registry`).
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -92,15 +93,24 @@ def _moments(cls: str) -> frozenset[str]:
     return frozenset(k for k, v in opt.state[p].items() if torch.is_tensor(v) and v.shape == p.shape)
 
 
-def _optimizer_problems(ckpt: LogicalCheckpoint) -> list[str]:
+def _optimizer_problems(ckpt: LogicalCheckpoint, flat: str | None = None) -> list[str]:
     """Every moment (a state key torch keeps in its parameter's shape) is its parameter's shape and floating, and a
     parameter with state has every moment the checkpoint keeps (DeepSpeed and Megatron lay them out flat beside
-    the parameter; a missing one would be zeros, a scalar one broadcast)."""
+    the parameter; a missing one would be zeros, a scalar one broadcast). For such a target (``flat``: its name)
+    every state tensor but a scalar is a moment: a factored optimizer's state has no place there."""
     opt = ckpt.optimizer
     if opt is None or not opt.tensors:
         return []
     moments = sorted(_moments(opt.cls) & set(opt.tensors))
-    out = []
+    out: list[str] = []
+    for key in sorted(set(opt.tensors) - set(moments)) if flat else ():
+        wrong = next(((n, t) for n, t in opt.tensors[key].items() if t.spec.shape and n in ckpt.model
+                      and tuple(t.spec.shape) != tuple(ckpt.model[n].spec.shape)), None)
+        if wrong is not None:
+            n, t = wrong
+            out.append(f"{flat} lays each parameter's optimizer state out as the parameter; {opt.cls}'s {key} of {n} is "
+                       f"{list(t.spec.shape)}, the parameter {list(ckpt.model[n].spec.shape)} (a factored optimizer's "
+                       "state); convert to universal, accelerate, dcp or hf-trainer, which keep torch's state as it is")
     for key in moments:
         for name, t in opt.tensors[key].items():
             param = ckpt.model.get(name)
@@ -118,7 +128,27 @@ def _optimizer_problems(ckpt: LogicalCheckpoint) -> list[str]:
     return out
 
 
-def problems(ckpt: LogicalCheckpoint, optimizer: bool = True) -> list[str]:
+def _step_problem(what: str, value: Any) -> str | None:
+    """A count of steps is a whole number from 0 to 2**53 (a JSON number that stays exact); NaN, a negative or a
+    fractional one is no step a run took (the manifest would refuse it after the output was written)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return f"{what} is {value!r}, not a number of steps"
+    if not math.isfinite(v) or v < 0 or v != int(v) or v > 2 ** 53:
+        return f"{what} is {value!r}, not a number of steps a run took"
+    return None
+
+
+def _step_problems(ckpt: LogicalCheckpoint, optimizer: bool) -> list[str]:
+    found = [_step_problem("the checkpoint's step", ckpt.step)] if ckpt.step is not None else []
+    if optimizer and ckpt.optimizer is not None:
+        steps = ckpt.optimizer.scalars.get("step", {})
+        found += [next((p for n, s in steps.items() for p in [_step_problem(f"optimizer step of {n}", (s or {}).get("value"))] if p), None)]
+    return [p for p in found if p]
+
+
+def problems(ckpt: LogicalCheckpoint, optimizer: bool = True, flat: str | None = None) -> list[str]:
     """What makes ``ckpt`` unfit to write, one line each: its experts' problems in the experts' own words (which
     expert of which layer) where it has any, else every tensor that is not the model's and (``optimizer``: for a
     target that keeps optimizer state) every optimizer moment that is not its parameter's."""
@@ -132,12 +162,12 @@ def problems(ckpt: LogicalCheckpoint, optimizer: bool = True) -> list[str]:
             found.append(f"{d.name} is {d.dtype}{_in(d.name, d.origin)}, but {d.model} has a floating-point tensor there")
         else:
             found.append(f"{d.name} is {list(d.shape)}{_in(d.name, d.origin)}, but {d.model} has {list(d.wanted)}")
-    return found + (_optimizer_problems(ckpt) if optimizer else [])
+    return found + _step_problems(ckpt, optimizer) + (_optimizer_problems(ckpt, flat) if optimizer else [])
 
 
-def check(ckpt: LogicalCheckpoint, destination: str, optimizer: bool = True) -> None:
+def check(ckpt: LogicalCheckpoint, destination: str, optimizer: bool = True, flat: str | None = None) -> None:
     """Refuse to write ``destination`` from a checkpoint with any of ``problems``, naming the first."""
-    found = problems(ckpt, optimizer)
+    found = problems(ckpt, optimizer, flat)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ConversionError(f"{destination}: not written: {found[0]}{more}")

@@ -1,0 +1,82 @@
+"""Engine-native checkpoints damaged where the files' own sizes could not tell (a helper's adversarial pass, engine
+sources with their manifests removed, as the engine's own save leaves them): each converted with exit 0 into a
+model whose tensors were shifted or mixed from two saves. Now one line naming the rank file.
+
+DeepSpeed: a rank's ZeRO-3 sub-group or ZeRO-1/2 partition longer than its parameters need (only rank 0's was
+checked: the rest shifted the next group's pieces), a rank of another step, a sub-group in two param groups, a rank
+in another dtype. Megatron: a rank file of another iteration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from converters import registry
+from converters.cli import main
+
+from .architectures import build
+from .test_adversarial import assert_one_line_error, run_cli
+from .test_against_model import _with_adam
+
+
+@pytest.fixture(scope="module")
+def natives(tmp_path_factory):
+    """A llama with Adam state in DeepSpeed ZeRO-3 and ZeRO-1 (2 ranks) and Megatron legacy (TP 2), manifests removed."""
+    root = tmp_path_factory.mktemp("natives")
+    build("llama").save_pretrained(root / "hf")
+    ckpt = _with_adam(registry.read(str(root / "hf"))[1])
+    for name, target, extra in (("zero3", "deepspeed", {"world_size": 2, "zero_stage": 3}),
+                                ("zero1", "deepspeed", {"world_size": 2, "zero_stage": 1}), ("tp2", "megatron", {"tp": 2})):
+        registry.writer(target).write(ckpt, str(root / name), registry.Options(extra=extra))
+        for manifest in (root / name).rglob("manifest.json"):
+            manifest.unlink()
+    return root
+
+
+def _edited(natives, tmp_path, name: str, rel: str, edit):
+    import shutil
+
+    shutil.copytree(natives / name, tmp_path / name)
+    path = tmp_path / name / rel
+    state = torch.load(path, weights_only=False)  # our own file
+    edit(state)
+    torch.save(state, path)
+    return tmp_path / name, path
+
+
+ZERO3 = "global_step0/zero_pp_rank_1_mp_rank_00_%s_states.pt"
+
+
+def _flat3(edit):
+    return lambda s: s["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, edit(s["optimizer_state_dict"]["fp32_flat_groups"][0]))
+
+
+CASES = {  # (checkpoint, rank file, edit, words of the line)
+    "zero3 rank longer": ("zero3", ZERO3 % "optim", _flat3(lambda t: torch.cat([t, torch.zeros(100)])), ("sub-group 0", "need")),
+    "zero3 rank in bf16": ("zero3", ZERO3 % "optim", _flat3(lambda t: t.bfloat16()), ("bfloat16", "rank 0's")),
+    "zero3 rank of another step": ("zero3", ZERO3 % "model", lambda s: s.update(global_steps=100, global_samples=800), ("different saves",)),
+    "zero3 sub-group in two param groups": ("zero3", "global_step0/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                            lambda s: s["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"].append(
+                                                dict(s["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0])),
+                                            ("both list sub-group 0",)),
+    "zero1 rank longer": ("zero1", "global_step0/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          lambda s: s["optimizer_state_dict"]["single_partition_of_fp32_groups"].__setitem__(
+                              0, torch.cat([s["optimizer_state_dict"]["single_partition_of_fp32_groups"][0], torch.zeros(8)])),
+                          ("partitions", "not equal")),
+    "megatron rank of another iteration": ("tp2", "iter_0000000/mp_rank_01/model_optim_rng.pt", lambda s: s.update(iteration=500),
+                                           ("different saves",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_damaged_rank_is_refused_naming_its_file(natives, tmp_path, capsys, case):
+    name, rel, edit, words = CASES[case]
+    src, path = _edited(natives, tmp_path, name, rel, edit)
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "universal", "--config", natives / "hf")
+    assert_one_line_error(code, err, str(path), words=words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_untouched_natives_convert(natives, tmp_path):
+    for name in ("zero3", "zero1", "tp2"):
+        assert main(["convert", str(natives / name), str(tmp_path / name), "--to", "universal", "--config", str(natives / "hf")]) == 0
