@@ -911,6 +911,11 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
     missing = [r.megatron for r in all_rules if r.megatron not in placed]
     if missing:
         raise CorruptCheckpointError(files.iteration_dir, f"no rank holds {missing[0]} ({len(missing)} tensors missing)")
+    for (t, p), rm in sorted(ranks.items()):  # every TP rank of a stage holds its pieces of what its TP rank 0 holds
+        gone = [n for n in (*ranks[(0, p)].names, *ranks[(0, p)].buffers) if n not in rm.tensors]
+        if gone:
+            raise CorruptCheckpointError(files.paths.get((t, p), files.iteration_dir), f"lacks {gone[0]}, which TP rank 0 of its "
+                                         f"pipeline stage holds ({len(gone)} tensor(s) missing)")
 
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
     model_dtype = dtype_name_of(next(iter(ranks[(0, 0)].tensors.values())))

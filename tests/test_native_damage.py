@@ -4,7 +4,7 @@ model whose tensors were shifted or mixed from two saves. Now one line naming th
 
 DeepSpeed: a rank's ZeRO-3 sub-group or ZeRO-1/2 partition longer than its parameters need (only rank 0's was
 checked: the rest shifted the next group's pieces), a rank of another step, a sub-group in two param groups, a rank
-in another dtype. Megatron: a rank file of another iteration."""
+in another dtype. Megatron: a rank file of another iteration, one lacking a tensor (an unexpected KeyError)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ from .test_against_model import _with_adam
 
 @pytest.fixture(scope="module")
 def natives(tmp_path_factory):
-    """A llama with Adam state in DeepSpeed ZeRO-3 and ZeRO-1 (2 ranks) and Megatron legacy (TP 2), manifests removed."""
+    """A llama with Adam state in DeepSpeed ZeRO-3 and ZeRO-1 (2 ranks) and Megatron legacy (TP 2), and its weights
+    alone in Megatron legacy (TP 2), manifests removed."""
     root = tmp_path_factory.mktemp("natives")
     build("llama").save_pretrained(root / "hf")
     ckpt = _with_adam(registry.read(str(root / "hf"))[1])
-    for name, target, extra in (("zero3", "deepspeed", {"world_size": 2, "zero_stage": 3}),
-                                ("zero1", "deepspeed", {"world_size": 2, "zero_stage": 1}), ("tp2", "megatron", {"tp": 2})):
-        registry.writer(target).write(ckpt, str(root / name), registry.Options(extra=extra))
+    plain = registry.read(str(root / "hf"))[1]  # weights only, as a conversion script's output
+    for name, target, extra, source in (("zero3", "deepspeed", {"world_size": 2, "zero_stage": 3}, ckpt),
+                                        ("zero1", "deepspeed", {"world_size": 2, "zero_stage": 1}, ckpt), ("tp2", "megatron", {"tp": 2}, ckpt),
+                                        ("tp2-weights", "megatron", {"tp": 2}, plain)):
+        registry.writer(target).write(source, str(root / name), registry.Options(extra=extra))
         for manifest in (root / name).rglob("manifest.json"):
             manifest.unlink()
     return root
@@ -65,6 +68,8 @@ CASES = {  # (checkpoint, rank file, edit, words of the line)
                           ("partitions", "not equal")),
     "megatron rank of another iteration": ("tp2", "iter_0000000/mp_rank_01/model_optim_rng.pt", lambda s: s.update(iteration=500),
                                            ("different saves",)),
+    "megatron rank lacking a tensor": ("tp2-weights", "iter_0000000/mp_rank_01/model_optim_rng.pt",  # was an unexpected KeyError
+                                       lambda s: s["model"].pop("decoder.layers.1.mlp.linear_fc2.weight"), ("lacks", "TP rank 0")),
 }
 
 
@@ -78,5 +83,5 @@ def test_a_damaged_rank_is_refused_naming_its_file(natives, tmp_path, capsys, ca
 
 
 def test_the_untouched_natives_convert(natives, tmp_path):
-    for name in ("zero3", "zero1", "tp2"):
+    for name in ("zero3", "zero1", "tp2", "tp2-weights"):
         assert main(["convert", str(natives / name), str(tmp_path / name), "--to", "universal", "--config", str(natives / "hf")]) == 0
