@@ -25,18 +25,18 @@ import re
 import sys
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Callable
 
 
 from interop.errors import ConversionError, CorruptCheckpointError, MissingFileError
-from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredName, LogicalCheckpoint, OptimizerState
 from interop.manifest import Manifest
 from interop.rng import numpy_state_dict, numpy_state_tuple, python_state_dict, python_state_tuple
 from interop.sharding import ShardingMetadata, Strategy
 from interop.topology import Topology
 from interop.safetensors_io import read_hf_safetensors
 from interop.structure import Is, Keys, ListOf, Maybe, TupleOf, check
-from interop.universal import model_entries, scalar_value, split_optimizer_state, write_sharded
+from interop.universal import model_entries, saved_scalar, split_optimizer_state, write_sharded
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, optimizer_from_tree, optimizer_tree, unflatten_lists, write_dcp
 from .detection import (ACCELERATE_KEY, BIN_MODEL, MODEL_DCP, RANDOM_STATES, SAFE_MODEL,  # noqa: F401
@@ -47,6 +47,7 @@ from .models.facts import meta_model, tied_groups
 from .hf import config_near
 from .param_order import GROUP_RULES, EngineOrder, engine_order, positional_fits, with_initial_optimizer
 from .pickle_safety import load_torch_file, numpy_allowlist, save_torch
+from . import optimizer_class
 from .torch_zip import TENSOR, TORCH_OPTIMIZER, materialize, state_shapes
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,12 @@ def _optimizer_from_dcp(directory: str) -> OptimizerState:
 
 
 def _param_names(path: str, manifest: Manifest | None, config, model: dict, groups: list[dict], per_id: dict,
-                 own: str | None) -> list[list[str]]:
+                 own: str | None, moments: Callable[[], frozenset[str]]) -> list[list[str]]:
     """Which parameter each integer id of a torch optimizer file is. Our trainers record it; otherwise it is the
     model's parameters in module order, split as the code that built the optimizer splits them: ``own``, the
     engine's own rule (transformers' Trainer for its optimizer.pt), where it fits, else the one rule of
-    :data:`GROUP_RULES` that fits the file's group sizes and state shapes."""
+    :data:`GROUP_RULES` that fits the file's group sizes and the shapes of its ``moments()`` (the state its
+    optimizer keeps in the parameter's shape)."""
     recorded = ((manifest.optimizer or {}) if manifest else {}).get("param_names")
     if recorded:
         return recorded
@@ -133,7 +135,8 @@ def _param_names(path: str, manifest: Manifest | None, config, model: dict, grou
             "their names; pass the model's config with --config CONFIG.json (or the model's directory)"
         )
 
-    held = [[list(state_shapes(per_id.get(i, {})).values()) for i in g["params"]] for g in groups]
+    moment_keys = moments()
+    held = [[[s for k, s in state_shapes(per_id.get(i, {})).items() if k in moment_keys] for i in g["params"]] for g in groups]
     rules = (own, *(r for r in GROUP_RULES if r != own)) if own else tuple(GROUP_RULES)
     shapes = {n: tuple(t.spec.shape) for n, t in model.items()}
     fits = positional_fits(meta, shapes, held, rules)
@@ -175,19 +178,16 @@ def optimizer_from_torch_file(path: str, manifest, config, model, trust_pickle: 
     by parameter name: the manifest's ``param_names``, or the model's parameters split as the engine (``own``,
     a rule of :data:`GROUP_RULES`) or its users split them."""
     groups, per_id = _torch_optimizer_parts(path, load_accelerate_file(path, trust_pickle))
-    names = _param_names(path, manifest, config, model, groups, per_id, own)
+    cls = DeferredName(lambda: optimizer_class.class_of(groups))
+    names = _param_names(path, manifest, config, model, groups, per_id, own, lambda: optimizer_class.moments(optimizer_class.class_of(groups), groups))
     if [len(g["params"]) for g in groups] != [len(n) for n in names]:
         raise CorruptCheckpointError(path, f"param groups of {[len(g['params']) for g in groups]} parameters, names for {[len(n) for n in names]}")
     by_id = {i: n for g, ns in zip(groups, names) for i, n in zip(g["params"], ns)}
     unknown = sorted(set(per_id) - set(by_id))
     if unknown:
         raise CorruptCheckpointError(path, f"optimizer state for parameter ids no param group holds: {unknown[:5]}")
-    for i, entries in per_id.items():
-        name = by_id[i]
-        if name in model and any(s != model[name].spec.shape for s in state_shapes(entries).values()):
-            raise CorruptCheckpointError(path, f"optimizer state of {name!r} does not have its shape {list(model[name].spec.shape)}")
     named_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ns} for g, ns in zip(groups, names)]
-    return OptimizerState("AdamW", named_groups, *split_optimizer_state({by_id[i]: e for i, e in per_id.items()}, path))
+    return OptimizerState(cls, named_groups, *split_optimizer_state({by_id[i]: e for i, e in per_id.items()}, path))
 
 
 def scale_scheduler(state: dict[str, Any], from_factor: int, to_factor: int, where: str = SCHEDULER_BIN) -> dict[str, Any]:
@@ -332,7 +332,7 @@ def torch_optimizer_state(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[s
     per_id: dict[int, dict[str, Any]] = {}
     for key, per in (opt.scalars.items() if opt else []):
         for name, entry in per.items():
-            per_id.setdefault(ids[name], {})[key] = scalar_value(entry)
+            per_id.setdefault(ids[name], {})[key] = saved_scalar(entry)
     for key, per in (opt.tensors.items() if opt else []):
         for name, t in per.items():
             per_id.setdefault(ids[name], {})[key] = t

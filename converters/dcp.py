@@ -32,12 +32,12 @@ from interop.background import on_staging_thread
 from interop.hashed_writes import Beside, tensor_bytes
 from interop.dtypes import is_dtype_name
 from interop.errors import CorruptCheckpointError, MissingFileError, UnsafePickleError
-from interop.logical import LogicalCheckpoint, OptimizerState
+from interop.logical import DeferredName, LogicalCheckpoint, OptimizerState
 from interop.paths import inside
 from interop.tensors import LazyTensor, TensorSpec
-from interop.universal import scalar_value, split_optimizer_state
+from interop.universal import saved_scalar, split_optimizer_state
 
-from . import torch_zip
+from . import optimizer_class, torch_zip
 from .param_order import EngineOrder
 from .detection import DCP_METADATA, is_dcp_dir  # noqa: F401
 from .pickle_safety import TORCH_LOAD_LOCK, expanded
@@ -743,7 +743,7 @@ def optimizer_from_tree(tree: dict[str, Any], where: str) -> OptimizerState:
     unknown = [name for name in state if name not in members]
     if unknown:
         raise CorruptCheckpointError(where, f"optimizer state for {unknown[0]!r}, which no param group holds")
-    return OptimizerState("AdamW", groups, *split_optimizer_state(state, where))
+    return OptimizerState(DeferredName(lambda: optimizer_class.class_of(groups)), groups, *split_optimizer_state(state, where))
 
 
 def drop_tied_aliases(model: dict[str, LazyTensor], tied: list[list[str]]) -> dict[str, LazyTensor]:
@@ -765,7 +765,7 @@ def optimizer_tree(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any
         entry: dict[str, Any] = {}
         for key, per in (opt.scalars.items() if opt else []):
             if name in per:
-                entry[key] = scalar_value(per[name])
+                entry[key] = saved_scalar(per[name])
         for key, per in (opt.tensors.items() if opt else []):
             if name in per:
                 entry[key] = per[name]

@@ -16,7 +16,7 @@ from interop.errors import CorruptCheckpointError
 from interop.logical import LogicalCheckpoint, OptimizerState
 from interop.manifest import Manifest
 from interop.sharding import ShardingMetadata, Strategy
-from interop.universal import scalar_value, split_optimizer_state
+from interop.universal import saved_scalar, split_optimizer_state
 from interop.verify import open_checkpoint
 
 from .dcp import DCPReader, drop_tied_aliases, model_tree, write_dcp
@@ -120,7 +120,7 @@ def flat_optimizer(ckpt: LogicalCheckpoint, order: EngineOrder) -> dict[str, Any
                     out[f"{STATE}{name}.{key}"] = per[name]
             for key, per in (opt.scalars.items() if opt else []):
                 if name in per:
-                    out[f"{STATE}{name}.{key}"] = scalar_value(per[name])
+                    out[f"{STATE}{name}.{key}"] = saved_scalar(per[name])
             for key, value in hyper.items():
                 out[f"{GROUPS}{name}.{key}"] = value
     return out

@@ -40,6 +40,15 @@ class DeferredScalars:
         return {key: {name: read() for name, read in per.items()} for key, per in self.readers.items()}
 
 
+class DeferredName:
+    """An optimizer's class name told when something first asks for ``OptimizerState.cls``: telling it from a
+    torch state dict's param groups builds torch's optimizers, which a conversion whose target keeps no optimizer
+    state (--to hf) never imports."""
+
+    def __init__(self, tell: Callable[[], str]):
+        self.tell = tell
+
+
 class _BuiltOnce:
     """A value built on first use; kept only once built, so a failed build fails again where it is next used."""
 
@@ -102,7 +111,7 @@ class DeferredMapping(_BuiltOnce, Mapping):
 
 @dataclass
 class OptimizerState:
-    cls: str  # "AdamW"
+    cls: str  # "AdamW"; given as DeferredName, told on first access of the attribute
     param_groups: list[dict[str, Any]]  # hyper-parameters, with "params": [canonical names]
     tensors: dict[str, dict[str, LazyTensor]] = field(default_factory=dict)  # state key -> name -> tensor
     # key -> name -> {value, dtype}; given as DeferredScalars, read on first access of the attribute
@@ -113,12 +122,21 @@ class OptimizerState:
         if name == "scalars" and isinstance(value, DeferredScalars):
             value = value.read()
             object.__setattr__(self, "scalars", value)
+        elif name == "cls" and isinstance(value, DeferredName):
+            value = value.tell()
+            object.__setattr__(self, "cls", value)
         return value
 
     def __repr__(self) -> str:
         """What it holds, reading nothing: a repr in a log or a debugger must not read (and check) the scalars."""
         names = {k: len(per) for k, per in (*self.tensors.items(), *self._scalars_by_key().items())}
-        return f"OptimizerState({self.cls}, {len(self.param_groups)} param groups, parameters per state key: {names})"
+        cls = object.__getattribute__(self, "cls")
+        return f"OptimizerState({'(not yet told)' if isinstance(cls, DeferredName) else cls}, {len(self.param_groups)} param groups, parameters per state key: {names})"
+
+    @property
+    def cls_as_read(self) -> "str | DeferredName":
+        """The class as its reader gave it, for a copy to carry: a name not yet told stays untold."""
+        return object.__getattribute__(self, "cls")
 
     @property
     def state_keys(self) -> list[str]:
@@ -146,7 +164,7 @@ class OptimizerState:
         raw = object.__getattribute__(self, "scalars")
         scalars = {k: {n: v for n, v in per.items() if n not in names} for k, per in self._scalars_by_key().items()}
         return OptimizerState(
-            self.cls, [{**g, "params": [n for n in g.get("params", []) if n not in names]} for g in self.param_groups],
+            self.cls_as_read, [{**g, "params": [n for n in g.get("params", []) if n not in names]} for g in self.param_groups],
             {k: {n: t for n, t in per.items() if n not in names} for k, per in self.tensors.items()},
             DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
         )
@@ -163,7 +181,7 @@ class OptimizerState:
             for n, t in per.items():
                 tensors[k].update(zip(parts[n], split(n, t)) if n in parts else [(n, t)])
         return OptimizerState(
-            self.cls, [{**g, "params": [p for n in g.get("params", []) for p in parts.get(n, [n])]} for g in self.param_groups],
+            self.cls_as_read, [{**g, "params": [p for n in g.get("params", []) for p in parts.get(n, [n])]} for g in self.param_groups],
             tensors, DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
         )
 
@@ -208,14 +226,14 @@ class OptimizerState:
                 if held(n, f"state {k!r}", per):
                     tensors[k][n] = join(n, [per[p] for p in ps])
         groups = [{**g, "params": [first.get(p, p) for p in g.get("params", []) if p not in rest]} for g in self.param_groups]
-        return OptimizerState(self.cls, groups, tensors, DeferredScalars(scalars) if deferred else scalars)
+        return OptimizerState(self.cls_as_read, groups, tensors, DeferredScalars(scalars) if deferred else scalars)
 
     def renamed(self, name: Callable[[str], str]) -> "OptimizerState":
         """This state with every parameter name ``n`` read as ``name(n)``; scalars not read yet stay so."""
         raw = object.__getattribute__(self, "scalars")
         scalars = {k: {name(n): v for n, v in per.items()} for k, per in self._scalars_by_key().items()}
         return OptimizerState(
-            self.cls, [{**g, "params": [name(n) for n in g.get("params", [])]} for g in self.param_groups],
+            self.cls_as_read, [{**g, "params": [name(n) for n in g.get("params", [])]} for g in self.param_groups],
             {k: {name(n): t for n, t in per.items()} for k, per in self.tensors.items()},
             DeferredScalars(scalars) if isinstance(raw, DeferredScalars) else scalars,
         )

@@ -435,6 +435,15 @@ def scalar_value(entry: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype_from_name(dtype))
 
 
+def saved_scalar(entry: dict[str, Any]) -> "torch.Tensor | int | float | bool":
+    """A 0-dim optimizer state value as its optimizer held it: a Python number where the entry says it was one
+    (``"number": true``), else a 0-dim tensor (torch's AdamW's step)."""
+    if entry.get("number") is True:
+        value, dtype = checked_scalar(entry)
+        return bool(value) if dtype == "bool" else float(value) if is_floating(dtype) else int(value)
+    return scalar_value(entry)
+
+
 def scalar_entry(t: "torch.Tensor") -> dict[str, Any]:
     """A one-element tensor as the manifest records it. Also takes a tensor that knows its ``dtype_name`` and
     ``item()`` without torch (a torch_zip.StoredTensor)."""
@@ -458,8 +467,8 @@ def split_optimizer_state(
                 tensors.setdefault(key, {})[name] = value
             elif isinstance(value, LazyTensor):  # read when asked for, from its bytes where it can be (no torch)
                 readers.setdefault(key, {})[name] = lambda v=value: {"value": v.item(), "dtype": v.spec.dtype_name}
-            elif isinstance(value, (int, float)):
-                entry = scalar_entry(torch.tensor(value))
+            elif isinstance(value, (int, float)):  # a number the optimizer keeps as one (transformers' Adafactor's step)
+                entry = {**scalar_entry(torch.tensor(value)), "number": True}
                 readers.setdefault(key, {})[name] = lambda e=entry: e
             else:
                 raise ConversionError(f"{where}: optimizer state {key!r} of {name!r} is a {type(value).__name__}")

@@ -14,16 +14,14 @@ anything (``check``, in :mod:`converters.registry`).
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from interop.errors import ConversionError
-from interop.lazy_import import torch
 from interop.logical import LogicalCheckpoint
 
+from .. import optimizer_class
 from . import experts
 from .facts import stored_model, tied_groups
 
@@ -75,24 +73,6 @@ def _in(name: str, origin: str) -> str:
     return f" ({origin})" if origin and origin != "memory" else ""
 
 
-@lru_cache(maxsize=8)
-def _moments(cls: str) -> frozenset[str]:
-    """The state keys torch's optimizer ``cls`` (AdamW where torch has no such class: the engines' fused Adams)
-    keeps in its parameter's shape, asked by one step on a small parameter (with ``amsgrad`` where it takes it, so
-    that its extra moment is known too): AdamW's exp_avg, exp_avg_sq, max_exp_avg_sq; Adafactor's row and column
-    variances are not, and are not judged."""
-    found = getattr(torch.optim, cls, None)
-    opt_cls = found if isinstance(found, type) and issubclass(found, torch.optim.Optimizer) else torch.optim.AdamW
-    p = torch.nn.Parameter(torch.ones(2, 3))
-    p.grad = torch.ones_like(p)
-    try:
-        opt = opt_cls([p], **({"amsgrad": True} if "amsgrad" in inspect.signature(opt_cls).parameters else {}))
-        opt.step()
-    except Exception:  # noqa: BLE001 - an optimizer that needs more to step (a closure, sparse gradients): none known
-        return frozenset()
-    return frozenset(k for k, v in opt.state[p].items() if torch.is_tensor(v) and v.shape == p.shape)
-
-
 def _optimizer_problems(ckpt: LogicalCheckpoint, flat: str | None = None) -> list[str]:
     """Every moment (a state key torch keeps in its parameter's shape) is its parameter's shape and floating, and a
     parameter with state has every moment the checkpoint keeps (DeepSpeed and Megatron lay them out flat beside
@@ -101,7 +81,7 @@ def _optimizer_problems(ckpt: LogicalCheckpoint, flat: str | None = None) -> lis
     opt = ckpt.optimizer
     if opt is None or not opt.tensors:
         return []
-    moments = sorted(_moments(opt.cls) & set(opt.tensors))
+    moments = sorted(optimizer_class.moments(opt.cls, opt.param_groups) & set(opt.tensors))
     out: list[str] = []
     for key in sorted(set(opt.tensors) - set(moments)) if flat else ():
         wrong = next(((n, t) for n, t in opt.tensors[key].items() if t.spec.shape and n in ckpt.model

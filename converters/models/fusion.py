@@ -203,7 +203,7 @@ def fuse(ckpt: LogicalCheckpoint, plans: list[Fused], meta: Any, shapes: dict[st
             frozen.append(f.target)
     opt = ckpt.optimizer
     if opt is not None:
-        opt = OptimizerState(opt.cls, _groups(opt.param_groups, plans, member), _fused_state(opt.tensors, plans, member, meta, shapes),
+        opt = OptimizerState(opt.cls_as_read, _groups(opt.param_groups, plans, member), _fused_state(opt.tensors, plans, member, meta, shapes),
                              _fused_scalars(opt.scalars, plans, member))
     return replace(ckpt, model=model, optimizer=opt, frozen=frozen)
 
@@ -482,7 +482,7 @@ def split(ckpt: LogicalCheckpoint, splits: list[Split], meta: Any) -> LogicalChe
     opt = ckpt.optimizer
     if opt is not None:
         opt = OptimizerState(
-            opt.cls, [{**g, "params": [p for n in g.get("params", []) for p in names.get(n, [n])]} for g in opt.param_groups],
+            opt.cls_as_read, [{**g, "params": [p for n in g.get("params", []) for p in names.get(n, [n])]} for g in opt.param_groups],
             {k: pieces(per) for k, per in opt.tensors.items()},
             {k: {p: v for n, v in per.items() for p in names.get(n, [n])} for k, per in opt.scalars.items()},
         )

@@ -1,0 +1,159 @@
+"""Which optimizer a torch optimizer state dict is from, and which of its state is the parameter's shape, asked of
+the optimizers themselves.
+
+A state dict names no class (torch saves ``state`` and ``param_groups`` only), but every optimizer puts its own
+hyperparameters in each group: SGD's momentum and nesterov, Adam's betas and amsgrad, transformers' Adafactor's
+clip_threshold and relative_step. Building each optimizer we know on a small parameter tells its keys, and which
+of them the class fixes (AdamW's decoupled_weight_decay, which it does not take as an argument), with no hand list
+of optimizers to go stale. A checkpoint's word for its class (a manifest's) is only ever looked up among these
+classes, never imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable
+
+from interop.lazy_import import torch
+
+log = logging.getLogger(__name__)
+
+# what a torch state dict from an optimizer no known class matches is called: the engines' fused Adams
+# (DeepSpeed's FusedAdam and CPUAdam, apex's and Transformer Engine's) keep Adam's moments under torch's names
+DEFAULT = "AdamW"
+
+
+@lru_cache(maxsize=1)
+def _torch_classes() -> dict[str, type]:
+    return {n: c for n, c in vars(torch.optim).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+
+
+@lru_cache(maxsize=1)
+def _transformers_classes() -> dict[str, type]:
+    try:
+        from transformers import optimization
+    except ImportError:  # transformers is optional to the converters that read torch files
+        return {}
+    return {f"transformers.{n}": c for n, c in vars(optimization).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c.__module__ == optimization.__name__}
+
+
+def known(name: str | None = None) -> dict[str, type]:
+    """The optimizer classes a state dict is matched against, by the name a checkpoint records: torch.optim's by
+    their own name, transformers' (its Trainer's ``optim="adafactor"``) as ``transformers.<name>``. transformers
+    (seconds to import) is asked only for a name of its own (``name``) or where torch's classes fit nothing."""
+    if name is not None and not name.startswith("transformers."):
+        return _torch_classes()
+    return _torch_classes() | _transformers_classes()
+
+
+def _held(groups: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The hyperparameters of a state dict's param groups (a later group's value where they differ)."""
+    held: dict[str, Any] = {}
+    for g in groups:
+        held.update({k: v for k, v in g.items() if k != "params"})
+    return held
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What one optimizer class puts in a param group: every key, and those the class fixes (with their value)."""
+
+    keys: frozenset[str]
+    fixed: tuple[tuple[str, Any], ...]
+
+
+def _built(cls: type, param: "torch.nn.Parameter", **kwargs: Any):
+    """``cls`` on ``param`` with its defaults, or with a learning rate where it needs one given; None where it
+    cannot be built on a plain matrix (it needs more: sparse gradients, a closure)."""
+    for extra in ({}, {"lr": 1e-3}):
+        try:
+            return cls([param], **kwargs, **extra)
+        except Exception:  # noqa: BLE001 - an optimizer that cannot be built this way is not matched by its groups
+            continue
+    return None
+
+
+@lru_cache(maxsize=None)
+def _shape(name: str) -> _Shape | None:
+    cls = known(name)[name]
+    opt = _built(cls, torch.nn.Parameter(torch.ones(2, 3)))
+    if opt is None:
+        return None
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    takes = set(inspect.signature(cls).parameters)
+    return _Shape(frozenset(group), tuple(sorted((k, v) for k, v in group.items() if k not in takes and isinstance(v, (bool, int, float, str)))))
+
+
+def class_of(groups: Iterable[dict[str, Any]], default: str = DEFAULT) -> str:
+    """The optimizer whose param groups these are: the known class whose every key the groups hold, none of its
+    fixed values contradicted, and that lacks no key the groups hold that another known optimizer puts there (an
+    older torch's Adam, without decoupled_weight_decay, holds every key of Adamax, but also Adam's amsgrad); of a
+    class and its subclass that both fit (Adam, AdamW with decoupled weight decay), the subclass. Keys no known
+    optimizer puts in a group (a scheduler's ``initial_lr``, a user's group name, Megatron's lr_mult) do not count.
+    ``default`` where no class fits or several do: an engine's own optimizer (DeepSpeed's FusedAdam has no
+    ``maximize``), or a checkpoint of an older torch that lacks a key its class has now."""
+    held = _held(groups)
+    for classes in (_torch_classes(), known("transformers.")):
+        found = _fitting(held, classes)
+        if found is not None:
+            return found or default
+    return default
+
+
+def _same(held: Any, fixed: Any) -> bool:
+    """A checkpoint's value is the one a class fixes (a tensor or a list a file holds there is not)."""
+    return isinstance(held, (bool, int, float, str)) and type(held) is type(fixed) and held == fixed
+
+
+def _fitting(held: dict[str, Any], classes: dict[str, type]) -> str | None:
+    """The one of ``classes`` that ``held`` fits; "" where several fit, None where none does."""
+    shapes = {n: s for n in classes if (s := _shape(n)) is not None}
+    hyper = set(held) & {k for s in shapes.values() for k in s.keys}
+    fits = [classes[n] for n, s in shapes.items() if s.keys == hyper and all(_same(held[k], v) for k, v in s.fixed)]
+    if not fits:
+        return None
+    most = [c for c in fits if not any(o is not c and issubclass(o, c) for o in fits)]
+    if len(most) != 1:
+        log.debug("param groups fit %d optimizer classes", len(most))
+        return ""
+    return next(n for n, c in classes.items() if c is most[0])
+
+
+def moments(name: str, groups: Iterable[dict[str, Any]] = ()) -> frozenset[str]:
+    """The state keys optimizer ``name`` (:data:`DEFAULT` where no known class has that name) keeps in its
+    parameter's shape, asked by one step on a small parameter with the hyperparameters of ``groups`` (a checkpoint's:
+    SGD keeps a momentum_buffer only with momentum, Adam a max_exp_avg_sq only with amsgrad): AdamW's exp_avg,
+    exp_avg_sq; Adafactor's row and column variances are not."""
+    name = name if name in known(name) else DEFAULT
+    takes = inspect.signature(known(name)[name]).parameters
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in _held(groups).items()
+             if k in takes and k not in _PLACEMENT and isinstance(v, (bool, int, float, str, list, tuple))}
+    try:
+        return _moments(name, tuple(sorted(given.items())))
+    except TypeError:  # a value that cannot be hashed (a list of lists): the class's defaults
+        return _moments(name, ())
+
+
+# where and how a step runs, not what it keeps: a checkpoint's values (fused, a CUDA tensor's capturable) may not
+# build on this machine
+_PLACEMENT = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+@lru_cache(maxsize=64)
+def _moments(name: str, given: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+    cls = known(name)[name]
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    param.grad = torch.ones_like(param)
+    opt = _built(cls, param, **dict(given)) or _built(cls, param)
+    if opt is None:
+        return frozenset()
+    try:
+        opt.step()
+    except Exception:  # noqa: BLE001 - an optimizer that needs more to step (a closure, sparse gradients): none known
+        return frozenset()
+    return frozenset(k for k, v in opt.state[param].items() if torch.is_tensor(v) and v.shape == param.shape)
