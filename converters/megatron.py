@@ -35,13 +35,13 @@ from interop.errors import ConversionError, CorruptCheckpointError, MissingFileE
 from interop.logical import DeferredList, DeferredMapping, DeferredScalars, LogicalCheckpoint, OptimizerState
 from interop.sharding import ShardingMetadata, Strategy
 from interop.structure import Absent, Is, Keys, ListOf, MapOf, Maybe, OneOf, check
-from interop.tensors import LazyTensor, Piece, TensorSpec, concat, release_mapped_pages, sub_pieces, zeros
+from interop.tensors import LazyTensor, Piece, TensorSpec, concat, raw_bytes, release_mapped_pages, sub_pieces, zeros
 from interop.universal import same_values, scalar_entry, scalar_value
 
 from .detection import MEGATRON_FILE, RANK_DIR, is_iteration_dir as _is_iteration_dir, is_megatron_legacy  # noqa: F401
 from .megatron_arch import MTP_KEYS, SHAPE_KEYS, MegatronArch, padded_vocab, rope_scaling_notes
 from .megatron_map import (
-    COLS, EXPERTS, GATED, LAYER_PREFIX, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
+    COLS, EXPERTS, GATED, LAYER_PREFIX, REPLICATED, ROWS, VOCAB, Rule, cat, check_pieces, extra_state_key, layer_of, local_name, merge, parameters, rules,
     MTP_PREFIX, chunk_rules, expert_index, linear_shape, mtp_copies, stacked_experts, tied_output_rule,
 )
 from .megatron_pipeline import PipelineSplit, recorded_flags
@@ -916,6 +916,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         if gone:
             raise CorruptCheckpointError(files.paths.get((t, p), files.iteration_dir), f"lacks {gone[0]}, which TP rank 0 of its "
                                          f"pipeline stage holds ({len(gone)} tensor(s) missing)")
+    drift = _replicated_drift(files, ranks, all_rules)
 
     has_master = all(o[2] for o in optim.values()) and any(o[2] for o in optim.values())
     model_dtype = dtype_name_of(next(iter(ranks[(0, 0)].tensors.values())))
@@ -972,7 +973,7 @@ def read_megatron(path: str, trust_pickle: bool = False, verify_digests: bool = 
         source["master_dtype"] = "float32"
     config = hf_config(arch, args_d)
     model.update({copy: model[main] for copy, main in mtp_copies(arch).items()})  # as a hub checkpoint keeps them
-    notes = norm_eps_notes(arch, config)
+    notes = norm_eps_notes(arch, config) + drift
     if not args_d.get("vocab_size"):
         notes.append(f"args record no unpadded vocab_size; the padded {padded} rows are kept")
     return restacked(LogicalCheckpoint(
@@ -1026,6 +1027,60 @@ def _check_vocab(files: LegacyFiles, ranks: dict[tuple[int, int], _RankModel], p
                     f"{name} has {rm.tensors[name].shape[0]} rows per rank x TP {files.tp} = "
                     f"{rm.tensors[name].shape[0] * files.tp}, but args.padded_vocab_size is {padded} (mismatched vocabulary padding)",
                 )
+
+
+def _stored_bytes(value: Any) -> memoryview:
+    """A rank file's tensor's bytes in C order, read from the file (not its mapping: SIGBUS if cut short) without
+    torch where it is a contiguous stand-in."""
+    if isinstance(value, StoredTensor) and value.is_contiguous():
+        from interop.output_files import read_pieces
+
+        out = bytearray(value.numel() * value.element_size())
+        read_pieces([value.piece()], memoryview(out))
+        return memoryview(out)
+    return raw_bytes(as_torch(value))
+
+
+def _replicated_drift(files: LegacyFiles, ranks: dict[tuple[int, int], _RankModel], all_rules: list[Rule]) -> list[str]:
+    """Every tensor-parallel rank of a stage holds its own copy of a replicated parameter (a norm, a row-parallel
+    linear's bias), and a conversion takes TP rank 0's, as Megatron's own checkpoint tools do. A copy of another
+    dtype or shape is a rank file of another model: refused. Copies whose values differ are said in a note (a rank
+    file of another run, a damaged one, or the slow drift real runs show under sequence parallelism, which
+    DeepSpeed's ds_to_universal averages for the parameters it is told drift): never taken in silence. Read as
+    bytes (norms: small), no torch."""
+    import numpy as np
+
+    if files.tp == 1:
+        return []
+    differing: list[tuple[str, str, int, int]] = []  # (name, rank file, elements differing, elements)
+    for rule in all_rules:
+        if rule.split != REPLICATED or rule.buffer:
+            continue
+        for p in sorted({p for (t, p), rm in ranks.items() if t == 0 and rule.megatron in rm.tensors}):
+            first = ranks[(0, p)].tensors[rule.megatron]
+            kind, size = (dtype_name_of(first), tuple(first.shape)), first.element_size()
+            words = np.frombuffer(_stored_bytes(first), dtype=f"<u{size}") if size in (1, 2, 4, 8) else None
+            for t in range(1, files.tp):
+                other = ranks[(t, p)].tensors[rule.megatron]
+                if (dtype_name_of(other), tuple(other.shape)) != kind:
+                    raise CorruptCheckpointError(
+                        files.paths[(t, p)], f"its copy of {rule.megatron} is {dtype_name_of(other)}{list(other.shape)}, TP rank 0's "
+                        f"{kind[0]}{list(kind[1])} ({files.paths[(0, p)]}): a rank file of another model")
+                theirs = _stored_bytes(other)
+                if words is None:
+                    apart = int(bytes(theirs) != bytes(_stored_bytes(first)))
+                else:
+                    apart = int(np.count_nonzero(np.frombuffer(theirs, dtype=words.dtype) != words))
+                if apart:
+                    differing.append((rule.megatron, files.paths[(t, p)], apart, first.numel()))
+    if not differing:
+        return []
+    name, path, apart, count = max(differing, key=lambda d: d[2] / max(d[3], 1))
+    note = (f"{len(differing)} replicated tensor(s) differ between tensor-parallel ranks, TP rank 0's copies kept (as Megatron's own "
+            f"tools keep them); the most: {apart} of {count} elements of {name} in {path}: a rank file of another run or a damaged "
+            "one, or the drift of a run whose replicated gradients were not all-reduced")
+    log.warning("%s", note)
+    return [note]
 
 
 def _logical_optimizer(all_rules, optim, placed, lazy_for, files: LegacyFiles) -> OptimizerState | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable
@@ -105,6 +106,17 @@ def class_of(groups: Iterable[dict[str, Any]], default: str = DEFAULT) -> str:
     return default
 
 
+def claimed(claim: str, groups: Iterable[dict[str, Any]]) -> str:
+    """The class a checkpoint's manifest names, held to its param groups: where the groups tell another known class
+    (a manifest's word is the checkpoint's, trusted no more than its groups), or the name is no known class's, the
+    groups' answer."""
+    told = class_of(groups, default="")
+    if told and told != claim:
+        log.debug("the manifest says optimizer %r, its param groups are %s's", claim, told)
+        return told
+    return claim if claim == DEFAULT or claim in known(claim) else told or DEFAULT
+
+
 def _same(held: Any, fixed: Any) -> bool:
     """A checkpoint's value is the one a class fixes (a tensor or a list a file holds there is not)."""
     return isinstance(held, (bool, int, float, str)) and type(held) is type(fixed) and held == fixed
@@ -124,36 +136,80 @@ def _fitting(held: dict[str, Any], classes: dict[str, type]) -> str | None:
     return next(n for n, c in classes.items() if c is most[0])
 
 
-def moments(name: str, groups: Iterable[dict[str, Any]] = ()) -> frozenset[str]:
-    """The state keys optimizer ``name`` (:data:`DEFAULT` where no known class has that name) keeps in its
-    parameter's shape, asked by one step on a small parameter with the hyperparameters of ``groups`` (a checkpoint's:
-    SGD keeps a momentum_buffer only with momentum, Adam a max_exp_avg_sq only with amsgrad): AdamW's exp_avg,
-    exp_avg_sq; Adafactor's row and column variances are not."""
-    name = name if name in known(name) else DEFAULT
-    takes = inspect.signature(known(name)[name]).parameters
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in _held(groups).items()
-             if k in takes and k not in _PLACEMENT and isinstance(v, (bool, int, float, str, list, tuple))}
-    try:
-        return _moments(name, tuple(sorted(given.items())))
-    except TypeError:  # a value that cannot be hashed (a list of lists): the class's defaults
-        return _moments(name, ())
-
-
+# --- the shapes of its state ---------------------------------------------------------------------------------
 # where and how a step runs, not what it keeps: a checkpoint's values (fused, a CUDA tensor's capturable) may not
 # build on this machine
 _PLACEMENT = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# a probe parameter's dimensions: distinct primes, so that each dimension of a state tensor tells which of the
+# parameter's it is (or which product of them: a flattened state), and what is left is the optimizer's own constant
+_PROBE = (11, 13, 17, 19, 23)
+
+Template = tuple[tuple[tuple[int, ...], int], ...]  # per state dimension: the parameter's dimensions it multiplies, a constant
 
 
-@lru_cache(maxsize=64)
-def _moments(name: str, given: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+def _given(cls: type, group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A param group's hyperparameters that ``cls`` takes, as a key for the cache (lists as tuples); where a value
+    cannot be one, none."""
+    takes = inspect.signature(cls).parameters
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()
+             if k in takes and k != "params" and k not in _PLACEMENT and isinstance(v, (bool, int, float, str, list, tuple))}
+    try:
+        hash(tuple(given.items()))
+    except TypeError:  # a list of lists
+        return ()
+    return tuple(sorted(given.items()))
+
+
+def state_shapes(name: str, group: dict[str, Any], shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+    """The shape of each state tensor optimizer ``name`` (:data:`DEFAULT` where no known class has that name) keeps
+    for a parameter of ``shape`` in ``group`` (its hyperparameters: SGD keeps a momentum_buffer only with momentum,
+    Adam a max_exp_avg_sq only with amsgrad), the 0-dim ones (a step) as ``()``: AdamW's exp_avg is the parameter's
+    shape, transformers' Adafactor's exp_avg_sq_row its rows. Asked by one step on a parameter of the same number
+    of dimensions, each prime-sized, every dimension of its state traced back to the parameter's; with the class's
+    defaults where the group's values do not step (a damaged file's). None where the class does not step on a
+    plain parameter (it needs a closure, sparse gradients) or the parameter has more than five dimensions."""
+    name = name if name in known(name) else DEFAULT
+    if len(shape) > len(_PROBE):
+        return None
     cls = known(name)[name]
-    param = torch.nn.Parameter(torch.ones(2, 3))
+    layout = _layout(name, _given(cls, group), len(shape))
+    if layout is None:
+        layout = _layout(name, (), len(shape))
+    if layout is None:
+        return None
+    return {k: tuple(math.prod(shape[i] for i in dims) * const for dims, const in template) for k, template in layout.items()}
+
+
+@lru_cache(maxsize=256)
+def _layout(name: str, given: tuple[tuple[str, Any], ...], rank: int) -> dict[str, Template] | None:
+    probe = _PROBE[:rank]
+    param = torch.nn.Parameter(torch.ones(probe))
     param.grad = torch.ones_like(param)
-    opt = _built(cls, param, **dict(given)) or _built(cls, param)
+    opt = _built(known(name)[name], param, **dict(given))
     if opt is None:
-        return frozenset()
+        return None
     try:
         opt.step()
-    except Exception:  # noqa: BLE001 - an optimizer that needs more to step (a closure, sparse gradients): none known
-        return frozenset()
-    return frozenset(k for k, v in opt.state[param].items() if torch.is_tensor(v) and v.shape == param.shape)
+    except Exception:  # noqa: BLE001 - values it cannot step with (a damaged file's), or it needs a closure
+        return None
+    return {k: tuple(_traced(n, probe) for n in v.shape) for k, v in opt.state[param].items() if torch.is_tensor(v)}
+
+
+def _traced(n: int, probe: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    dims = []
+    for i, p in enumerate(probe):
+        if n % p == 0:
+            dims.append(i)
+            n //= p
+    return tuple(dims), n
+
+
+def moments(name: str, groups: Iterable[dict[str, Any]] = ()) -> frozenset[str]:
+    """The state keys optimizer ``name`` keeps in its parameter's shape (a matrix's) under any of ``groups``'
+    hyperparameters or its own defaults: what a target laying state out as the parameter (DeepSpeed, Megatron) can
+    hold, and what tells which parameter a state entry is."""
+    out: set[str] = set()
+    for group in (*groups, {}):
+        found = state_shapes(name, group, _PROBE[:2]) or {}
+        out.update(k for k, s in found.items() if s == _PROBE[:2])
+    return frozenset(out)

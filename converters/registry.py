@@ -17,7 +17,7 @@ from interop.paths import refuse_escaping_links
 from interop.verify import enclosing_checkpoint, open_checkpoint
 from interop.universal import DEFAULT_MAX_SHARD_SIZE, read_universal, write_universal
 
-from . import detection
+from . import detection, optimizer_class
 from .megatron_pipeline import PIPELINE_FLAGS, flag_text
 
 # The converter modules, imported when first used: a conversion imports its source's reader and its target's writer,
@@ -175,6 +175,8 @@ def _model_checked(write, fmt: Format):
         return None
 
     def wrapped(ckpt: LogicalCheckpoint, dst: str, o: Options) -> None:
+        if "optimizer" in fmt.keeps and ckpt.optimizer is not None:  # a manifest's word for the class, held to the groups
+            ckpt.optimizer.cls = optimizer_class.claimed(ckpt.optimizer.cls, ckpt.optimizer.param_groups)
         against_model.check(ckpt, dst, optimizer="optimizer" in fmt.keeps, flat=fmt.name if fmt.flat_state else None)
         deepspeed_moe.check(ckpt, dst)  # a model of DeepSpeed's own MoE layers (no transformers model to ask)
         write(ckpt, dst, o)

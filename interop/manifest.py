@@ -193,6 +193,8 @@ def _validate(data: dict[str, Any], path: str) -> None:
     elif model.get("config") is not None and not isinstance(model.get("config"), dict):
         fail("model.config must be a path or an object")
     optimizer = mapping("optimizer", data.get("optimizer"))
+    if not isinstance(optimizer.get("class", ""), str):
+        fail(f"optimizer.class is {optimizer['class']!r}, not the name of an optimizer class")
     if optimizer.get("groups") is not None:
         check_relative(optimizer["groups"], path)
     if not isinstance(data.get("notes", []), list) or not strs(data.get("notes", [])):

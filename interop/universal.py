@@ -342,10 +342,10 @@ def read_universal(directory: str, verify_digests: bool = True) -> LogicalCheckp
         path = inside(directory, STATE_JSON)
         state = read_json(path, "optimizer state")
         try:
-            keys, cls, scalars = list(state["state_keys"]), str(state["class"]), dict(state["scalars"])
+            keys, cls, scalars = list(state["state_keys"]), state["class"], dict(state["scalars"])
             groups = codec.decode(state["param_groups"], _no_tensor)
-            if not all(isinstance(k, str) for k in keys) or not isinstance(groups, list):
-                raise TypeError("state_keys must be names and param_groups a list")
+            if not all(isinstance(k, str) for k in keys) or not isinstance(groups, list) or not isinstance(cls, str):
+                raise TypeError("state_keys must be names, param_groups a list and class a name")
             for per in scalars.values():
                 for entry in per.values():
                     checked_scalar(entry)

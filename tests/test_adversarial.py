@@ -1193,6 +1193,9 @@ MANIFEST_BREAKS = {
     "deeply-nested": lambda path: path.write_text("[" * 100000),
     "files-is-a-list": lambda path: path.write_text(json.dumps({**json.loads(path.read_text()), "files": [1, 2]})),
     "tensors-is-a-string": lambda path: path.write_text(json.dumps({**json.loads(path.read_text()), "tensors": "x"})),
+    # (an unexpected AttributeError in a reader that asked the name what it starts with)
+    "optimizer-class-is-a-list": lambda path: path.write_text(json.dumps(
+        {**(m := json.loads(path.read_text())), "optimizer": {**m["optimizer"], "class": ["AdamW"]}})),
 }
 
 

@@ -299,3 +299,21 @@ def test_a_nan_step_in_an_engine_file_is_refused_before_anything_is_written(sour
     code, _, err = run_cli(capsys, "convert", tmp_path / "acc", tmp_path / "out", "--to", "universal", "--config", sources["llama"])
     assert_one_line_error(code, err, "nan", words=("not a number of steps",))
     assert not (tmp_path / "out").exists()
+
+
+def test_each_parameters_state_is_judged_by_its_own_groups_hyperparameters(sources):
+    """RMSprop with momentum in one group only (a review's case, refused before: the last group's momentum was
+    asked of every parameter): the other group's parameters keep no momentum_buffer, and are not refused for it;
+    a parameter of the momentum group without one is."""
+    from converters.models.against_model import problems
+
+    ckpt = registry.read(str(sources["llama"]))[1]
+    names = list(ckpt.model)
+    plain, moving = names[: len(names) // 2], names[len(names) // 2:]
+    shaped = lambda v, ns: {n: LazyTensor.of(torch.full(ckpt.model[n].spec.shape, v)) for n in ns}  # noqa: E731
+    groups = [{"params": plain, "lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False},
+              {"params": moving, "lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.9, "centered": False}]
+    ckpt.optimizer = OptimizerState("RMSprop", groups, {"square_avg": shaped(1.0, names), "momentum_buffer": shaped(0.1, moving)}, {})
+    assert problems(ckpt) == []
+    ckpt.optimizer.tensors["momentum_buffer"].pop(moving[0])
+    assert problems(ckpt) == [f"optimizer state of {moving[0]}: square_avg but no momentum_buffer"]

@@ -267,11 +267,17 @@ def test_a_trainer_checkpoint_of_another_optimizer_converts_and_trainer_resumes_
         assert not (tmp_path / "ds").exists()
 
 
-@pytest.mark.parametrize(("optim", "key"), [("adamw_torch", "exp_avg"), ("sgd", "momentum_buffer")])
-def test_a_trainer_checkpoints_moment_of_another_shape_is_refused_naming_the_file(tmp_path, capsys, optim, key):
-    """optimizer.pt (no manifest) with one parameter's moment cut short: every target that keeps optimizer state
-    refuses it in one line naming the file (which state is a moment is the optimizer's own answer: SGD's momentum,
-    not only Adam's), and the model alone still converts."""
+@pytest.mark.parametrize(("optim", "key", "hyper", "kept"), [
+    ("adamw_torch", "exp_avg", {}, "the parameter is"), ("sgd", "momentum_buffer", {}, "the parameter is"),
+    ("adafactor", "exp_avg_sq_row", {}, "transformers.Adafactor keeps [131] for a parameter of"),
+    # values the probe step refuses (a review's case: the check was skipped and the cut moment written)
+    ("adamw_torch", "exp_avg", {"betas": (0.9, 0.999, 0.0)}, "the parameter is"),
+])
+def test_a_trainer_checkpoints_state_of_another_shape_is_refused_naming_the_file(tmp_path, capsys, optim, key, hyper, kept):
+    """optimizer.pt (no manifest) with one parameter's state cut short: every target that keeps optimizer state
+    refuses it in one line naming the file (which shape each state key has is the optimizer's own answer, asked
+    with the group's hyperparameters: SGD's momentum, Adafactor's row variance, not only Adam's moments), and the
+    model alone still converts. Before, Adafactor's cut row went through and Trainer's resume crashed on it."""
     import shutil
 
     from .test_adversarial import assert_one_line_error, run_cli
@@ -281,12 +287,15 @@ def test_a_trainer_checkpoints_moment_of_another_shape_is_refused_naming_the_fil
     trainer_on(cls.from_pretrained(hf), tmp_path / "run", optim=optim, **kwargs).train()
     ckpt = shutil.copytree(tmp_path / "run" / "checkpoint-1", tmp_path / "bare")
     state = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    state["state"][0][key] = state["state"][0][key][:3]
+    cut = state["state"][0][key][:3]
+    state["state"][0][key] = cut
+    for group in state["param_groups"]:
+        group.update(hyper)
     torch.save(state, ckpt / "optimizer.pt")
     capsys.readouterr()  # Trainer's progress bars
-    for target in ("universal", "accelerate", "deepspeed"):
+    for target in ("universal", "accelerate") + (("deepspeed",) if optim != "adafactor" else ()):
         code, _, err = run_cli(capsys, "convert", ckpt, tmp_path / target, "--to", target)
-        assert_one_line_error(code, err, f"optimizer state {key} of model.embed_tokens.weight is float32[3, 36] ({ckpt / 'optimizer.pt'}[model.embed_tokens.weight.{key}])",
-                              words=("not written",))
+        assert_one_line_error(code, err, f"optimizer state {key} of model.embed_tokens.weight is float32{list(cut.shape)} "
+                              f"({ckpt / 'optimizer.pt'}[model.embed_tokens.weight.{key}]), but {kept} float32[131, 36]", words=("not written",))
         assert not (tmp_path / target).exists()
     assert run_cli(capsys, "convert", ckpt, tmp_path / "hf", "--to", "hf")[0] == 0

@@ -4,12 +4,14 @@ model whose tensors were shifted or mixed from two saves. Now one line naming th
 
 DeepSpeed: a rank's ZeRO-3 sub-group or ZeRO-1/2 partition longer than its parameters need (only rank 0's was
 checked: the rest shifted the next group's pieces), a rank of another step, a sub-group in two param groups, a rank
-in another dtype. Megatron: a rank file of another iteration, one lacking a tensor (an unexpected KeyError)."""
+in another dtype. Megatron: a rank file of another iteration, one lacking a tensor (an unexpected KeyError), one whose
+copy of a replicated parameter (a norm) is of another dtype; one whose copy holds other values is said in a note."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from converters import registry
 from converters.cli import main
@@ -70,6 +72,11 @@ CASES = {  # (checkpoint, rank file, edit, words of the line)
                                            ("different saves",)),
     "megatron rank lacking a tensor": ("tp2-weights", "iter_0000000/mp_rank_01/model_optim_rng.pt",  # was an unexpected KeyError
                                        lambda s: s["model"].pop("decoder.layers.1.mlp.linear_fc2.weight"), ("lacks", "TP rank 0")),
+    "megatron replicated norm of another dtype on a TP rank": (
+        "tp2", "iter_0000000/mp_rank_01/model_optim_rng.pt",
+        lambda s: s["model"].__setitem__("decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+                                         s["model"]["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"].double()),
+        ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "a rank file of another model")),
 }
 
 
@@ -85,3 +92,17 @@ def test_a_damaged_rank_is_refused_naming_its_file(natives, tmp_path, capsys, ca
 def test_the_untouched_natives_convert(natives, tmp_path):
     for name in ("zero3", "zero1", "tp2", "tp2-weights"):
         assert main(["convert", str(natives / name), str(tmp_path / name), "--to", "universal", "--config", str(natives / "hf")]) == 0
+
+
+def test_a_replicated_norm_differing_between_tp_ranks_is_said_and_rank_0s_kept(natives, tmp_path, capsys):
+    """TP rank 1's copy of the final norm holds other values: TP rank 0's was taken without a word. Real runs' copies
+    drift apart slightly (Megatron-LM's issues: norms under sequence parallelism), so it converts, keeping rank 0's
+    as Megatron's own tools do, and a note says which tensor of which rank file differs and by how many elements."""
+    rel = "iter_0000000/mp_rank_01/model_optim_rng.pt"
+    src, path = _edited(natives, tmp_path, "tp2-weights", rel, lambda s: s["model"]["decoder.final_layernorm.weight"][:5].add_(0.5))
+    code, out, _ = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf", "--config", natives / "hf")
+    assert code == 0
+    assert (f"note: 1 replicated tensor(s) differ between tensor-parallel ranks, TP rank 0's copies kept (as Megatron's own tools keep "
+            f"them); the most: 5 of 36 elements of decoder.final_layernorm.weight in {path}") in out, out
+    rank0 = torch.load(natives / "tp2-weights" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"], rank0["model"]["decoder.final_layernorm.weight"])

@@ -74,37 +74,52 @@ def _in(name: str, origin: str) -> str:
 
 
 def _optimizer_problems(ckpt: LogicalCheckpoint, flat: str | None = None) -> list[str]:
-    """Every moment (a state key torch keeps in its parameter's shape) is its parameter's shape and floating, and a
-    parameter with state has every moment the checkpoint keeps (DeepSpeed and Megatron lay them out flat beside
-    the parameter; a missing one would be zeros, a scalar one broadcast). For such a target (``flat``: its name)
-    every state tensor but a scalar is a moment: a factored optimizer's state has no place there."""
+    """Every state tensor the optimizer keeps is the shape it keeps for its parameter under its param group's
+    hyperparameters (torch's own answer, :func:`optimizer_class.state_shapes`: Adam's moments the parameter's,
+    transformers' Adafactor's row variances its rows) and floating where the parameter is, and a parameter with
+    some of that state has all of it that the checkpoint keeps for any (DeepSpeed and Megatron lay moments out flat beside the parameter: a missing
+    one would be zeros, a scalar one broadcast; torch's own step crashes on a cut one). State keys the optimizer
+    does not keep are not judged (an engine's optimizer torch does not know), but for a target (``flat``: its
+    name) that lays state out as the parameter, where every state tensor must be the parameter's shape: a factored
+    optimizer's state has no place there."""
     opt = ckpt.optimizer
     if opt is None or not opt.tensors:
         return []
-    moments = sorted(optimizer_class.moments(opt.cls, opt.param_groups) & set(opt.tensors))
+    groups = {n: i for i, g in enumerate(opt.param_groups) for n in g.get("params", [])}
+    asked: dict[tuple[int, tuple[int, ...]], dict[str, tuple[int, ...]]] = {}  # (group, shape): few of each
+
+    def kept(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        i = groups.get(name, -1)
+        if (i, shape) not in asked:
+            found = optimizer_class.state_shapes(opt.cls, opt.param_groups[i] if i >= 0 else {}, shape) or {}
+            asked[(i, shape)] = {k: s for k, s in found.items() if s}  # (a step is no tensor of its parameter's)
+        return asked[(i, shape)]
+
+    held: dict[str, dict[str, Any]] = {}
+    for key, per in opt.tensors.items():
+        for name, t in per.items():
+            if name in ckpt.model:
+                held.setdefault(name, {})[key] = t
     out: list[str] = []
-    for key in sorted(set(opt.tensors) - set(moments)) if flat else ():
-        wrong = next(((n, t) for n, t in opt.tensors[key].items() if t.spec.shape and n in ckpt.model
-                      and tuple(t.spec.shape) != tuple(ckpt.model[n].spec.shape)), None)
-        if wrong is not None:
-            n, t = wrong
-            out.append(f"{flat} lays each parameter's optimizer state out as the parameter; {opt.cls}'s {key} of {n} is "
-                       f"{list(t.spec.shape)}, the parameter {list(ckpt.model[n].spec.shape)} (a factored optimizer's "
-                       "state); convert to universal, accelerate, dcp or hf-trainer, which keep torch's state as it is")
-    for key in moments:
-        for name, t in opt.tensors[key].items():
-            param = ckpt.model.get(name)
-            if param is None:
-                continue
-            if tuple(t.spec.shape) != tuple(param.spec.shape) or (param.spec.is_floating_point and not t.spec.is_floating_point):
-                out.append(f"optimizer state {key} of {name} is {t.spec.dtype_name}{list(t.spec.shape)}{_in(name, t.origin)}, "
-                           f"but the parameter is {param.spec.dtype_name}{list(param.spec.shape)}")
-    with_state = {n for k in moments for n in opt.tensors[k]}
-    for name in sorted(with_state & set(ckpt.model)):
-        lacking = [k for k in moments if name not in opt.tensors[k]]
-        if lacking:
-            held = [k for k in moments if k not in lacking]
-            out.append(f"optimizer state of {name}: {', '.join(held)} but no {', '.join(lacking)}")
+    factored: set[str] = set()  # keys already said to have no place in a flat target
+    for name, state in held.items():
+        param = ckpt.model[name]
+        shape = tuple(param.spec.shape)
+        want = kept(name, shape)
+        for key, t in sorted(state.items()):
+            got = tuple(t.spec.shape)
+            if key in want and (got != want[key] or (param.spec.is_floating_point and not t.spec.is_floating_point)):
+                but = "the parameter is" if want[key] == shape else f"{opt.cls} keeps {list(want[key])} for a parameter of"
+                out.append(f"optimizer state {key} of {name} is {t.spec.dtype_name}{list(got)}{_in(name, t.origin)}, "
+                           f"but {but} {param.spec.dtype_name}{list(shape)}")
+            elif flat and got and got != shape and key not in factored and (key not in want or want[key] != shape):
+                factored.add(key)
+                out.append(f"{flat} lays each parameter's optimizer state out as the parameter; {opt.cls}'s {key} of {name} is "
+                           f"{list(got)}, the parameter {list(shape)} (a factored optimizer's state); convert to universal, "
+                           "accelerate, dcp or hf-trainer, which keep torch's state as it is")
+        lacking = [k for k in want if k not in state and k in opt.tensors]  # (an optimizer taken for AdamW, Lion, keeps no exp_avg_sq)
+        if lacking and any(k in state for k in want):
+            out.append(f"optimizer state of {name}: {', '.join(k for k in want if k in state)} but no {', '.join(lacking)}")
     return out
 
 
