@@ -21,7 +21,7 @@ from interop.logical import OptimizerState
 from interop.tensors import LazyTensor
 from interop.universal import write_universal
 
-from .architectures import ARCHITECTURES, build
+from .architectures import ARCHITECTURES, build, spec
 from .test_adversarial import assert_one_line_error, run_cli
 
 # per architecture: a tensor grown by one element along its last dimension, a parameter taken out
@@ -317,3 +317,56 @@ def test_each_parameters_state_is_judged_by_its_own_groups_hyperparameters(sourc
     assert problems(ckpt) == []
     ckpt.optimizer.tensors["momentum_buffer"].pop(moving[0])
     assert problems(ckpt) == [f"optimizer state of {moving[0]}: square_avg but no momentum_buffer"]
+
+
+# --- a hub release's multi-token-prediction layers: transformers' MtpModel is the judge -----------------------
+@pytest.fixture(scope="module")
+def mtp_sources(tmp_path_factory):
+    """DeepSeek-V3 and GLM-4.5, each config counting one MTP layer, stored as the hub releases store it
+    (``model.layers.<num_hidden_layers>``; save_pretrained writes none)."""
+    from .architectures import with_mtp
+
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for name in ("deepseek_v3", "glm4_moe"):
+        model_type, cls, kwargs = spec(name)
+        model = getattr(transformers, cls)(transformers.AutoConfig.for_model(model_type, **{**kwargs, "num_nextn_predict_layers": 1}))
+        model.save_pretrained(root / name)
+        with_mtp(model, root / name)
+        out[name] = (root / name, model.config.num_hidden_layers)
+    return out
+
+
+MTP_EDITS = {  # (edit of the stored tensors given the MTP layer's number, what the line says)
+    "its projection grown": (lambda t, n: _grown(t, f"model.layers.{n}.eh_proj.weight"),
+                             ("model.layers.{n}.eh_proj.weight is [36, 73]", "transformers' MtpModel of the", "[36, 72]")),
+    "a norm missing": (lambda t, n: t.pop(f"model.layers.{n}.enorm.weight"), ("model.layers.{n}.enorm.weight: missing", "MtpModel")),
+    "an expert of another size": (lambda t, n: _grown(t, f"model.layers.{n}.mlp.experts.1.down_proj.weight"),
+                                  ("model.layers.{n}.mlp.experts.1.down_proj.weight is [36, 21]", "has [36, 20]")),
+    "an integer norm": (lambda t, n: t.__setitem__(f"model.layers.{n}.hnorm.weight", t[f"model.layers.{n}.hnorm.weight"].long()),
+                        ("model.layers.{n}.hnorm.weight is int64", "floating-point")),
+}
+
+
+@pytest.mark.parametrize(("arch", "target"), [("deepseek_v3", "hf"), ("deepseek_v3", "universal"), ("glm4_moe", "universal")])
+@pytest.mark.parametrize("edit", sorted(MTP_EDITS))
+def test_a_multi_token_prediction_layer_transformers_would_not_load_is_refused(mtp_sources, tmp_path, capsys, edit, arch, target):
+    """The MTP layer is no part of the model's own module, so the check against it passed every tensor there: a
+    grown projection, a missing norm, an expert of another size or an integer norm went to every target with exit 0,
+    and MtpModel.from_pretrained then refused it, initialised the norm at random or cast it. Now transformers' own
+    MTP loading, run on meta tensors of the stored shapes, is the judge (the expert named as its fellows' odd one)."""
+    src, n = mtp_sources[arch]
+    change, needles = MTP_EDITS[edit]
+    _damaged(src, tmp_path / "src", lambda t: change(t, n))
+    code, _, err = run_cli(capsys, "convert", tmp_path / "src", tmp_path / "out", "--to", target)
+    assert_one_line_error(code, err, *(s.format(n=n) for s in needles), words=("not written",))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_an_mtp_layer_transformers_loads_converts_exactly(mtp_sources, tmp_path, arch):
+    from .architectures import mtp_logits, mtp_model
+
+    src, _ = mtp_sources[arch]
+    assert main(["convert", str(src), str(tmp_path / "out"), "--to", "hf"]) == 0
+    assert torch.equal(mtp_logits(*mtp_model(tmp_path / "out")), mtp_logits(*mtp_model(src)))

@@ -23,7 +23,7 @@ from interop.logical import LogicalCheckpoint
 
 from .. import optimizer_class
 from . import experts
-from .facts import stored_model, tied_groups
+from .facts import mtp_disagreements, stored_model, tied_groups
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Disagreement:
     wanted: tuple[int, ...]
     origin: str
     dtype: str = ""  # the checkpoint's, where its kind is the problem (an integer tensor for a floating one)
+    why: str = ""  # what else is wrong (a multi-token-prediction layer's experts that do not stack)
 
 
 def disagreements(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None) -> list[Disagreement]:
@@ -62,8 +63,12 @@ def disagreements(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None)
     def held(name: str) -> bool:
         return name in ckpt.model or any(m in ckpt.model for m in tied.get(name, ()))
 
-    return out + [Disagreement(said, n, None, model.shapes.get(n, ()), "") for ways in model.required
-                  if not any(all(held(n) for n in way) for way in ways) for n in ways[0] if not held(n)]
+    out += [Disagreement(said, n, None, model.shapes.get(n, ()), "") for ways in model.required
+            if not any(all(held(n) for n in way) for way in ways) for n in ways[0] if not held(n)]
+    beyond = {n: (tuple(t.spec.shape), t.spec.dtype_name) for n, t in ckpt.model.items() if n not in model.shapes}
+    mtp = f"transformers' MtpModel of {said}"
+    return out + [Disagreement(mtp, d.name, d.shape, d.wanted, ckpt.model[d.name].origin if d.name in ckpt.model else "", d.dtype, d.why)
+                  for d in mtp_disagreements(config, beyond)]
 
 
 def _in(name: str, origin: str) -> str:
@@ -151,7 +156,9 @@ def problems(ckpt: LogicalCheckpoint, optimizer: bool = True, flat: str | None =
     if found:
         return found
     for d in disagreements(ckpt):
-        if d.shape is None:
+        if d.why:
+            found.append(f"{d.name}: {d.why}, for {d.model}")
+        elif d.shape is None:
             found.append(f"{d.name}: missing; {d.model} has it (a model loaded from the output would have it initialised at random)")
         elif d.dtype:
             found.append(f"{d.name} is {d.dtype}{_in(d.name, d.origin)}, but {d.model} has a floating-point tensor there")

@@ -48,7 +48,7 @@ def apply_config(ckpt: LogicalCheckpoint, config: dict[str, Any], where: str) ->
     except Exception as exc:  # noqa: BLE001 - transformers refuses configs it cannot build; say which
         raise ConfigMismatchError(where, f"--config describes no model transformers can build: {exc}") from None
     model_type = config.get("model_type")
-    found = [d for d in disagreements(ckpt, config) if not d.dtype]  # (a tensor's kind is the writers' to judge)
+    found = [d for d in disagreements(ckpt, config) if not d.dtype and not d.why]  # (a tensor's kind, experts that do not stack: the writers')
     more = f" (and {len(found) - 1} more tensor(s))" if len(found) > 1 else ""
     if found and found[0].shape is None:
         raise ConfigMismatchError(where, f"lacks tensor {found[0].name!r} {list(found[0].wanted)} of the --config model "

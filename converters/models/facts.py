@@ -12,6 +12,8 @@ and fuse) are kept on disk per transformers version and config (see ``_Answers``
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -22,6 +24,7 @@ from typing import Any, Callable
 
 from interop.lazy_import import torch
 
+from interop.dtypes import dtype_from_name
 from interop.errors import ConversionError
 from interop.logical import LogicalCheckpoint
 
@@ -83,8 +86,6 @@ def check_counts(layers: int, where: str, experts: int = 0, mtp: int = 0) -> Non
 
 
 def _build(config: dict[str, Any], device: str | None = "meta") -> torch.nn.Module:
-    import contextlib
-
     import transformers
 
     model_type = config.get("model_type")
@@ -688,3 +689,105 @@ def _split_by_values(key: str, name: str, spec: Any) -> fusion.Split:
     reversed_ = [c.reverse_transform() for c in _live_converters(key)]
     reverse = reversed_[_splitting(name, reversed_)]
     return fusion.plan_split(name, reverse, spec, _renamers(key)[1], _facts(key)[1])
+
+
+# --- multi-token-prediction layers, held against transformers' MtpModel ------------------------------------
+_IN_LAYER = re.compile(r"^(?:(.+)\.)?layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class MtpDisagreement:
+    """A stored MTP tensor transformers' MtpModel would not load as it is: ``shape`` None where it is missing, ``why``
+    where its pieces do not make the module's tensor (experts of different sizes)."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    wanted: tuple[int, ...]
+    why: str = ""
+    dtype: str = ""  # an integer tensor's, where MtpModel has floating ones only
+
+
+def _odd_pieces(fused: str, held: dict[str, tuple[tuple[int, ...], str]]) -> list[MtpDisagreement]:
+    """The stored pieces of module tensor ``fused`` (stored name ``...experts.down_proj``: ``...experts.<e>.down_proj.*``)
+    whose shape is not that of most of them."""
+    head, _, tail = fused.rpartition(".")
+    pieces = {n: shape for n, (shape, _) in held.items() if re.fullmatch(rf"{re.escape(head)}\.\d+\.{re.escape(tail)}(\..+)?", n)}
+    shapes = [s for s in pieces.values()]
+    common = max(set(shapes), key=shapes.count) if shapes else None
+    return [MtpDisagreement(n, s, common, why="") for n, s in sorted(pieces.items()) if s != common]
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def mtp_disagreements(config: dict[str, Any] | None, held: dict[str, tuple[tuple[int, ...], str]]) -> list[MtpDisagreement]:
+    """How the stored multi-token-prediction layers in ``held`` (stored name -> (shape, dtype name); a hub release's
+    ``model.layers.<num_hidden_layers + k>``) are not what transformers' MtpModel of ``config``'s model loads: its own
+    loading (``convert_and_load_state_dict_in_model``, the MTP renamings and the model's expert fusing) run on meta
+    tensors of their shapes, as ``MtpModel.from_pretrained`` runs it. A layer the source holds none of is not
+    required (save_pretrained writes none). Empty where the config counts no MTP layers, or transformers has no
+    MtpModel for the model."""
+    if not held:
+        return []
+    model = meta_model(config)
+    text = model.config.get_text_config() if model is not None else None
+    first, count = getattr(text, "num_hidden_layers", 0), getattr(text, "num_mtp_layers", 0) or 0
+    mine = {n: s for n, s in held.items() if (m := _IN_LAYER.match(n)) and first <= int(m[2]) < first + count}
+    if not mine:
+        return []
+    try:
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_layers import MtpModel
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        with torch.device("meta"):
+            mtp = MtpModel(model, count)
+        # its embedding and head are the shared meta model's own modules: its loading must not touch them
+        mtp.embed_tokens, mtp.shared_head = copy.deepcopy(mtp.embed_tokens), copy.deepcopy(mtp.shared_head)
+        wanted = {k: tuple(t.shape) for k, t in mtp.state_dict().items()}
+        state = {n: torch.empty(shape, dtype=dtype_from_name(dtype), device="meta") for n, (shape, dtype) in mine.items()}
+        with _no_progress_bars():  # (a check's loading of nothing: no "Loading weights" bar)
+            info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=state, load_config=LoadStateDictConfig(
+                weight_mapping=mtp.get_weight_conversions(model), device_map={"": "meta"}))
+        mtp._adjust_missing_and_unexpected_keys(info)
+    except Exception as exc:  # noqa: BLE001 - a model transformers builds no MtpModel for: its MTP layers are kept as stored
+        log.debug("no MtpModel of %s: %s", model.config.model_type, exc)
+        return []
+    base = next(m[1] for n in mine if (m := _IN_LAYER.match(n)))
+    held_layers = {int(_IN_LAYER.match(n)[2]) - first for n in mine}
+
+    def stored(module_key: str) -> tuple[str, int]:
+        """A module key of MtpModel (``layers.<k>.[mtp_block.]<rest>``) under the stored layer's name."""
+        found = re.match(r"^layers\.(\d+)\.(?:mtp_block\.)?(.+)$", module_key)
+        if found is None:
+            return module_key, -1
+        return f"{base + '.' if base else ''}layers.{first + int(found[1])}.{found[2]}", int(found[1])
+
+    out = []
+    for key, got, want in sorted(info.mismatched_keys):
+        out.append(MtpDisagreement(stored(key)[0], tuple(got), tuple(want)))
+    for key, error in sorted(info.conversion_errors.items()):
+        odd = _odd_pieces(stored(key)[0], mine)
+        if odd:  # the expert whose size is not its fellows'
+            out += odd
+            continue
+        cause = next((line for line in reversed(error.splitlines()) if re.match(r"^\w+(Error|Exception): ", line)), error.strip().splitlines()[-1])
+        out.append(MtpDisagreement(stored(key)[0], None, wanted.get(key, ()), f"its stored pieces do not make it ({cause.strip()})"))
+    if all(t.is_floating_point() for t in mtp.state_dict().values()):  # (its loading casts an integer tensor without a word)
+        out += [MtpDisagreement(n, shape, shape, dtype=dtype) for n, (shape, dtype) in sorted(mine.items())
+                if not dtype_from_name(dtype).is_floating_point]
+    for key in sorted(info.missing_keys):
+        name, k = stored(key)
+        if k in held_layers and key not in info.conversion_errors:
+            out.append(MtpDisagreement(name, None, wanted.get(key, ())))
+    return out
