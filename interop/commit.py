@@ -105,7 +105,29 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:
-    atomic_write_text(os.path.join(directory, MANIFEST), manifest.to_json())
+    """The manifest, as its own reader takes it or not at all: a manifest the reader would refuse (a value no run
+    has that slipped past a writer's checks) would publish a checkpoint nothing can read, so it stops the save
+    before it commits, and the previous checkpoint stays the last one."""
+    import json
+
+    from .errors import CheckpointError
+
+    path = os.path.join(directory, MANIFEST)
+    text = manifest.to_json()
+    try:
+        Manifest.from_dict(json.loads(text), path)
+    except CheckpointError as exc:
+        raise OutputWriteError(_published_as(directory), f"not written: its manifest would be refused by its own reader: "
+                               f"{exc.problem.removeprefix('malformed manifest: ')}") from None
+    atomic_write_text(path, text)
+
+
+def _published_as(directory: str) -> str:
+    """The directory a staging directory becomes when published (a conversion's ``.<name>.<pid>.staging`` beside
+    it, a trainer's ``<name>.staging``): what a user asked for, where an error names it."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    found = re.fullmatch(r"\.(.+)\.\d+" + re.escape(STAGING_SUFFIX), name)
+    return os.path.join(parent, found[1] if found else name.removesuffix(STAGING_SUFFIX))
 
 
 def publish(staging: str, final: str) -> None:

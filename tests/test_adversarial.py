@@ -142,16 +142,17 @@ def flip(path, pos: int, mask: int) -> bytes:
 
 
 def edit_manifest(ckpt, *changes) -> None:
-    """Read the manifest, let each ``change(manifest)`` mutate it, write it back the way the library writes one
-    (so its self-digest, where the format has one, stays valid). One round trip for all changes: a manifest
-    holding a path outside the checkpoint cannot be read back to edit it further."""
-    from interop.commit import write_manifest
-    from interop.manifest import read_manifest
+    """Read the manifest, let each ``change(manifest)`` mutate it, write it back as the library's JSON (so its
+    self-digest, where the format has one, stays valid), as a hostile hand would: not through ``write_manifest``,
+    which refuses a manifest its reader would refuse. One round trip for all changes: a manifest holding a path
+    outside the checkpoint cannot be read back to edit it further."""
+    from interop.commit import atomic_write_text
+    from interop.manifest import MANIFEST, read_manifest
 
     manifest = read_manifest(str(ckpt))
     for change in changes:
         change(manifest)
-    write_manifest(str(ckpt), manifest)
+    atomic_write_text(os.path.join(str(ckpt), MANIFEST), manifest.to_json())
 
 
 def edit_manifest_json(ckpt, change) -> None:

@@ -9,6 +9,7 @@ are stored one tensor each (Mixtral), and one whose experts are stored stacked (
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -370,3 +371,17 @@ def test_an_mtp_layer_transformers_loads_converts_exactly(mtp_sources, tmp_path,
     src, _ = mtp_sources[arch]
     assert main(["convert", str(src), str(tmp_path / "out"), "--to", "hf"]) == 0
     assert torch.equal(mtp_logits(*mtp_model(tmp_path / "out")), mtp_logits(*mtp_model(src)))
+
+
+def test_a_manifest_its_reader_would_refuse_is_never_published(sources, tmp_path):
+    """Below every writer's own checks (write_universal called directly, a checkpoint step of -1): the manifest is
+    validated as its reader validates it before it is written, so the save stops before it commits and nothing is
+    published (before, the output was published, then refused by every reader of it)."""
+    from interop.errors import OutputWriteError
+
+    ckpt = registry.read(str(sources["llama"]))[1]
+    ckpt.step = -1
+    with pytest.raises(OutputWriteError, match=re.escape(f"{tmp_path / 'out' / 'uni'}: not written: its manifest would be refused by its "
+                                                          "own reader: step is -1, not a non-negative integer")):
+        write_universal(ckpt, str(tmp_path / "out" / "uni"))
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
