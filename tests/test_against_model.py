@@ -341,11 +341,23 @@ def mtp_sources(tmp_path_factory):
 MTP_EDITS = {  # (edit of the stored tensors given the MTP layer's number, what the line says)
     "its projection grown": (lambda t, n: _grown(t, f"model.layers.{n}.eh_proj.weight"),
                              ("model.layers.{n}.eh_proj.weight is [36, 73]", "transformers' MtpModel of the", "[36, 72]")),
-    "a norm missing": (lambda t, n: t.pop(f"model.layers.{n}.enorm.weight"), ("model.layers.{n}.enorm.weight: missing", "MtpModel")),
+    "a norm missing": (lambda t, n: t.pop(f"model.layers.{n}.enorm.weight"),
+                       ("model.layers.{n} (transformers' MtpModel's layers.0.enorm.weight): missing", "MtpModel")),
     "an expert of another size": (lambda t, n: _grown(t, f"model.layers.{n}.mlp.experts.1.down_proj.weight"),
                                   ("model.layers.{n}.mlp.experts.1.down_proj.weight is [36, 21]", "has [36, 20]")),
     "an integer norm": (lambda t, n: t.__setitem__(f"model.layers.{n}.hnorm.weight", t[f"model.layers.{n}.hnorm.weight"].long()),
                         ("model.layers.{n}.hnorm.weight is int64", "floating-point")),
+    # a review's cases: a copy of the embedding (MtpModel uses the model's own, so its loading ignored the copy),
+    # a norm transformers renames (named as stored), most experts wrong (the odd ones are those not the module's)
+    "its embedding copy grown": (lambda t, n: _grown(t, f"model.layers.{n}.embed_tokens.weight"),
+                                 ("model.layers.{n}.embed_tokens.weight is [131, 37]", "has [131, 36]")),
+    "its head's norm missing": (lambda t, n: t.pop(f"model.layers.{n}.shared_head.norm.weight"),
+                                ("model.layers.{n} (transformers' MtpModel's layers.0.post_norm.weight): missing",)),
+    "its head's norm grown": (lambda t, n: _grown(t, f"model.layers.{n}.shared_head.norm.weight"), ("model.layers.{n}.shared_head.norm.weight is [37]",)),
+    "three experts of four grown": (lambda t, n: [_grown(t, f"model.layers.{n}.mlp.experts.{e}.down_proj.weight") for e in range(3)],
+                                    ("model.layers.{n}.mlp.experts.0.down_proj.weight is [36, 21]", "has [36, 20]", "(and 2 more)")),
+    "an expert's gate grown": (lambda t, n: _grown(t, f"model.layers.{n}.mlp.experts.1.gate_proj.weight"),
+                               ("model.layers.{n}.mlp.experts.1.gate_proj.weight is [20, 37]", "has [20, 36]")),
 }
 
 

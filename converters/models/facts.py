@@ -707,16 +707,6 @@ class MtpDisagreement:
     dtype: str = ""  # an integer tensor's, where MtpModel has floating ones only
 
 
-def _odd_pieces(fused: str, held: dict[str, tuple[tuple[int, ...], str]]) -> list[MtpDisagreement]:
-    """The stored pieces of module tensor ``fused`` (stored name ``...experts.down_proj``: ``...experts.<e>.down_proj.*``)
-    whose shape is not that of most of them."""
-    head, _, tail = fused.rpartition(".")
-    pieces = {n: shape for n, (shape, _) in held.items() if re.fullmatch(rf"{re.escape(head)}\.\d+\.{re.escape(tail)}(\..+)?", n)}
-    shapes = [s for s in pieces.values()]
-    common = max(set(shapes), key=shapes.count) if shapes else None
-    return [MtpDisagreement(n, s, common, why="") for n, s in sorted(pieces.items()) if s != common]
-
-
 @contextlib.contextmanager
 def _no_progress_bars():
     from transformers.utils import logging as hf_logging
@@ -736,58 +726,95 @@ def mtp_disagreements(config: dict[str, Any] | None, held: dict[str, tuple[tuple
     loading (``convert_and_load_state_dict_in_model``, the MTP renamings and the model's expert fusing) run on meta
     tensors of their shapes, as ``MtpModel.from_pretrained`` runs it. A layer the source holds none of is not
     required (save_pretrained writes none). Empty where the config counts no MTP layers, or transformers has no
-    MtpModel for the model."""
+    MtpModel for the model (said in a warning)."""
     if not held:
         return []
     model = meta_model(config)
     text = model.config.get_text_config() if model is not None else None
-    first, count = getattr(text, "num_hidden_layers", 0), getattr(text, "num_mtp_layers", 0) or 0
+    first, count = getattr(text, "num_hidden_layers", 0), getattr(text, "num_mtp_layers", 0)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (first, count)):
+        log.warning("multi-token-prediction layers not checked: the config counts %r of them", count)
+        return []
     mine = {n: s for n, s in held.items() if (m := _IN_LAYER.match(n)) and first <= int(m[2]) < first + count}
     if not mine:
         return []
+    built = max(int(_IN_LAYER.match(n)[2]) for n in mine) - first + 1  # the layers it holds, not all the config counts
     try:
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model, rename_source_key
         from transformers.modeling_layers import MtpModel
         from transformers.modeling_utils import LoadStateDictConfig
 
         with torch.device("meta"):
-            mtp = MtpModel(model, count)
+            mtp = MtpModel(model, built)
         # its embedding and head are the shared meta model's own modules: its loading must not touch them
         mtp.embed_tokens, mtp.shared_head = copy.deepcopy(mtp.embed_tokens), copy.deepcopy(mtp.shared_head)
         wanted = {k: tuple(t.shape) for k, t in mtp.state_dict().items()}
+        conversions = mtp.get_weight_conversions(model)
         state = {n: torch.empty(shape, dtype=dtype_from_name(dtype), device="meta") for n, (shape, dtype) in mine.items()}
         with _no_progress_bars():  # (a check's loading of nothing: no "Loading weights" bar)
             info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=state, load_config=LoadStateDictConfig(
-                weight_mapping=mtp.get_weight_conversions(model), device_map={"": "meta"}))
-        mtp._adjust_missing_and_unexpected_keys(info)
-    except Exception as exc:  # noqa: BLE001 - a model transformers builds no MtpModel for: its MTP layers are kept as stored
-        log.debug("no MtpModel of %s: %s", model.config.model_type, exc)
+                weight_mapping=conversions, device_map={"": "meta"}))
+        renamings = [t for t in conversions if isinstance(t, WeightRenaming)]
+        fusing = [t for t in conversions if isinstance(t, WeightConverter)]
+        into = {n: rename_source_key(n, renamings, fusing, None, dict.fromkeys(wanted, True))[0] for n in mine}
+    except Exception as exc:  # noqa: BLE001 - a model (or config) transformers builds no MtpModel for: kept as stored
+        log.warning("multi-token-prediction layers not checked: transformers builds no MtpModel of this %s (%s)",
+                    model.config.model_type, _first(exc))
         return []
-    base = next(m[1] for n in mine if (m := _IN_LAYER.match(n)))
-    held_layers = {int(_IN_LAYER.match(n)[2]) - first for n in mine}
-
-    def stored(module_key: str) -> tuple[str, int]:
-        """A module key of MtpModel (``layers.<k>.[mtp_block.]<rest>``) under the stored layer's name."""
-        found = re.match(r"^layers\.(\d+)\.(?:mtp_block\.)?(.+)$", module_key)
-        if found is None:
-            return module_key, -1
-        return f"{base + '.' if base else ''}layers.{first + int(found[1])}.{found[2]}", int(found[1])
-
+    stored: dict[str, list[str]] = {}  # MtpModel's key -> the stored tensors it is loaded from
+    for n, key in into.items():
+        stored.setdefault(key, []).append(n)
     out = []
     for key, got, want in sorted(info.mismatched_keys):
-        out.append(MtpDisagreement(stored(key)[0], tuple(got), tuple(want)))
+        name = stored[key][0] if len(stored.get(key, ())) == 1 else f"{key} (transformers' MtpModel's name)"
+        out.append(MtpDisagreement(name, tuple(got), tuple(want)))
     for key, error in sorted(info.conversion_errors.items()):
-        odd = _odd_pieces(stored(key)[0], mine)
+        odd = _odd_pieces({n: mine[n][0] for n in stored.get(key, ())}, wanted.get(key, ())[1:])
         if odd:  # the expert whose size is not its fellows'
             out += odd
             continue
         cause = next((line for line in reversed(error.splitlines()) if re.match(r"^\w+(Error|Exception): ", line)), error.strip().splitlines()[-1])
-        out.append(MtpDisagreement(stored(key)[0], None, wanted.get(key, ()), f"its stored pieces do not make it ({cause.strip()})"))
+        out.append(MtpDisagreement(f"{key} (transformers' MtpModel's name)", None, wanted.get(key, ()),
+                                   f"its stored pieces do not make it ({cause.strip()})"))
+    # the copies of the embedding and head a hub layer stores (unexpected keys transformers ignores: MtpModel uses
+    # the model's own, its attribute of that name): held to theirs, for a loader that reads the copies
+    for key in sorted(info.unexpected_keys):
+        for pattern in getattr(mtp, "_keys_to_ignore_on_load_unexpected", None) or ():
+            own = f"{pattern.split('.')[0]}.weight"
+            if re.search(pattern, key) and own in wanted and len(stored.get(key, ())) == 1 and mine[stored[key][0]][0] != wanted[own]:
+                out.append(MtpDisagreement(stored[key][0], mine[stored[key][0]][0], wanted[own]))
+                break
     if all(t.is_floating_point() for t in mtp.state_dict().values()):  # (its loading casts an integer tensor without a word)
         out += [MtpDisagreement(n, shape, shape, dtype=dtype) for n, (shape, dtype) in sorted(mine.items())
                 if not dtype_from_name(dtype).is_floating_point]
+    held_layers = {int(_IN_LAYER.match(n)[2]) - first for n in mine}
+    base = next(m[1] for n in mine if (m := _IN_LAYER.match(n)))
     for key in sorted(info.missing_keys):
-        name, k = stored(key)
-        if k in held_layers and key not in info.conversion_errors:
-            out.append(MtpDisagreement(name, None, wanted.get(key, ())))
+        layer = re.match(r"^layers\.(\d+)\.", key)
+        if layer is not None and int(layer[1]) in held_layers and key not in info.conversion_errors:
+            # named as MtpModel names it: several stored names load into one key (DeepSeek's shared_head.norm,
+            # another release's norm), and which the source would have used it does not say
+            out.append(MtpDisagreement(f"{base + '.' if base else ''}layers.{first + int(layer[1])} (transformers' MtpModel's {key})",
+                                       None, wanted.get(key, ())))
+    return out
+
+
+def _odd_pieces(pieces: dict[str, tuple[int, ...]], piece_shape: tuple[int, ...]) -> list[MtpDisagreement]:
+    """Of the stored pieces of one module tensor (its experts' down_proj; gate_proj and up_proj of a fused
+    gate_up_proj, each kind apart), those not of their kind's shape: the module's piece shape (``piece_shape``, a
+    stack's) where some are of it, else the shape most of them have; none where no shape is most's."""
+    kinds: dict[str, dict[str, tuple[int, ...]]] = {}
+    for n, shape in pieces.items():
+        kinds.setdefault(re.sub(r"\.\d+\.", ".*.", n), {})[n] = shape
+    out = []
+    for members in kinds.values():
+        shapes = list(members.values())
+        counts = sorted(((shapes.count(s), s) for s in set(shapes)), reverse=True)
+        if piece_shape in shapes:
+            common = piece_shape
+        elif len(counts) == 1 or counts[0][0] > counts[1][0]:
+            common = counts[0][1]
+        else:
+            return []
+        out += [MtpDisagreement(n, s, common) for n, s in sorted(members.items()) if s != common]
     return out
