@@ -62,10 +62,12 @@ def _held(groups: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Shape:
-    """What one optimizer class puts in a param group: every key, and those the class fixes (with their value)."""
+    """What one optimizer class puts in a param group: every key, and those the class fixes (with their value); and
+    the known classes it derives from (AdamW: Adam)."""
 
     keys: frozenset[str]
     fixed: tuple[tuple[str, Any], ...]
+    parents: frozenset[str] = frozenset()
 
 
 def _built(cls: type, param: "torch.nn.Parameter", **kwargs: Any):
@@ -81,13 +83,40 @@ def _built(cls: type, param: "torch.nn.Parameter", **kwargs: Any):
 
 @lru_cache(maxsize=None)
 def _shape(name: str) -> _Shape | None:
-    cls = known(name)[name]
+    classes = known(name)
+    cls = classes[name]
     opt = _built(cls, torch.nn.Parameter(torch.ones(2, 3)))
     if opt is None:
         return None
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     takes = set(inspect.signature(cls).parameters)
-    return _Shape(frozenset(group), tuple(sorted((k, v) for k, v in group.items() if k not in takes and isinstance(v, (bool, int, float, str)))))
+    return _Shape(frozenset(group), tuple(sorted((k, v) for k, v in group.items() if k not in takes and isinstance(v, (bool, int, float, str)))),
+                  frozenset(n for n, c in classes.items() if c is not cls and issubclass(cls, c)))
+
+
+def _transformers_shapes() -> dict[str, _Shape]:
+    """transformers' optimizers' group shapes, kept on disk beside the model answers: asking imports transformers
+    (a second), which a conversion of DeepSpeed's FusedAdam state (no torch class fits its groups) would pay each
+    time only to learn that none of transformers' fits either."""
+    from .models.kept import kept
+
+    def ask() -> dict[str, _Shape]:
+        return {n: s for n in _transformers_classes() if (s := _shape(n)) is not None}
+
+    def to_json(shapes: dict[str, _Shape]) -> dict[str, Any]:
+        return {"classes": {n: {"keys": sorted(s.keys), "fixed": [list(f) for f in s.fixed], "parents": sorted(s.parents)}
+                            for n, s in shapes.items()}}
+
+    def from_json(raw: dict[str, Any]) -> dict[str, _Shape]:
+        out = {}
+        for n, s in raw["classes"].items():
+            if not (isinstance(n, str) and n.startswith("transformers.") and all(isinstance(k, str) for k in s["keys"] + s["parents"])
+                    and all(isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in s["fixed"])):
+                raise ValueError("optimizer groups")
+            out[n] = _Shape(frozenset(s["keys"]), tuple((k, v) for k, v in s["fixed"]), frozenset(s["parents"]))
+        return out
+
+    return kept("optimizer-groups", 1, "transformers.optimization", ask, to_json, from_json)
 
 
 def class_of(groups: Iterable[dict[str, Any]], default: str = DEFAULT) -> str:
@@ -99,8 +128,9 @@ def class_of(groups: Iterable[dict[str, Any]], default: str = DEFAULT) -> str:
     ``default`` where no class fits or several do: an engine's own optimizer (DeepSpeed's FusedAdam has no
     ``maximize``), or a checkpoint of an older torch that lacks a key its class has now."""
     held = _held(groups)
-    for classes in (_torch_classes(), known("transformers.")):
-        found = _fitting(held, classes)
+    torch_shapes = {n: s for n in _torch_classes() if (s := _shape(n)) is not None}
+    for shapes in (lambda: torch_shapes, lambda: torch_shapes | _transformers_shapes()):  # (transformers' only if asked)
+        found = _fitting(held, shapes())
         if found is not None:
             return found or default
     return default
@@ -122,18 +152,17 @@ def _same(held: Any, fixed: Any) -> bool:
     return isinstance(held, (bool, int, float, str)) and type(held) is type(fixed) and held == fixed
 
 
-def _fitting(held: dict[str, Any], classes: dict[str, type]) -> str | None:
-    """The one of ``classes`` that ``held`` fits; "" where several fit, None where none does."""
-    shapes = {n: s for n in classes if (s := _shape(n)) is not None}
+def _fitting(held: dict[str, Any], shapes: dict[str, _Shape]) -> str | None:
+    """The one class of ``shapes`` that ``held`` fits; "" where several fit, None where none does."""
     hyper = set(held) & {k for s in shapes.values() for k in s.keys}
-    fits = [classes[n] for n, s in shapes.items() if s.keys == hyper and all(_same(held[k], v) for k, v in s.fixed)]
+    fits = {n for n, s in shapes.items() if s.keys == hyper and all(_same(held[k], v) for k, v in s.fixed)}
     if not fits:
         return None
-    most = [c for c in fits if not any(o is not c and issubclass(o, c) for o in fits)]
+    most = [n for n in fits if not any(n in shapes[o].parents for o in fits)]  # (a subclass over its base)
     if len(most) != 1:
         log.debug("param groups fit %d optimizer classes", len(most))
         return ""
-    return next(n for n, c in classes.items() if c is most[0])
+    return most[0]
 
 
 # --- the shapes of its state ---------------------------------------------------------------------------------
