@@ -23,7 +23,7 @@ from interop.logical import LogicalCheckpoint
 
 from .. import optimizer_class
 from . import experts
-from .facts import mtp_disagreements, stored_model, tied_groups
+from .facts import mtp_disagreements, past_layers, stored_model, tied_groups
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ def disagreements(ckpt: LogicalCheckpoint, config: dict[str, Any] | None = None)
 
     out += [Disagreement(said, n, None, model.shapes.get(n, ()), "") for ways in model.required
             if not any(all(held(n) for n in way) for way in ways) for n in ways[0] if not held(n)]
-    beyond = {n: (tuple(t.spec.shape), t.spec.dtype_name) for n, t in ckpt.model.items() if n not in model.shapes}
+    # (only tensors in layers past the module's own: anything else a checkpoint holds beyond the model, a buffer of
+    # a user's, must not cost building the model)
+    beyond = {n: (tuple(ckpt.model[n].spec.shape), ckpt.model[n].spec.dtype_name) for n in past_layers(ckpt, config)}
     mtp = f"transformers' MtpModel of {said}"
     return out + [Disagreement(mtp, d.name, d.shape, d.wanted, ckpt.model[d.name].origin if d.name in ckpt.model else "", d.dtype, d.why)
                   for d in mtp_disagreements(config, beyond)]
