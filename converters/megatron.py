@@ -995,10 +995,7 @@ def _nonzero(value: Any) -> bool:
     size = itemsize(value.dtype_name)
     if size not in (1, 2, 4, 8) or not value.is_contiguous():
         return bool(as_torch(value).any())
-    from interop.output_files import read_pieces
-
-    words = np.empty(value.numel(), dtype=f"<u{size}")
-    read_pieces([value.piece()], memoryview(words).cast("B"))  # from the file, not its mapping (SIGBUS if cut short)
+    words = np.frombuffer(_stored_bytes(value), dtype=f"<u{size}")
     if is_floating(value.dtype_name):
         words = words & np.array((1 << (8 * size - 1)) - 1, dtype=words.dtype)  # every bit but the sign
     return bool(words.any())
@@ -1058,8 +1055,8 @@ def _replicated_drift(files: LegacyFiles, ranks: dict[tuple[int, int], _RankMode
             continue
         for p in sorted({p for (t, p), rm in ranks.items() if t == 0 and rule.megatron in rm.tensors}):
             first = ranks[(0, p)].tensors[rule.megatron]
-            kind, size = (dtype_name_of(first), tuple(first.shape)), first.element_size()
-            words = np.frombuffer(_stored_bytes(first), dtype=f"<u{size}") if size in (1, 2, 4, 8) else None
+            kind, size, mine = (dtype_name_of(first), tuple(first.shape)), first.element_size(), bytes(_stored_bytes(first))
+            words = np.frombuffer(mine, dtype=f"<u{size}") if size in (1, 2, 4, 8) else None
             for t in range(1, files.tp):
                 other = ranks[(t, p)].tensors[rule.megatron]
                 if (dtype_name_of(other), tuple(other.shape)) != kind:
@@ -1068,7 +1065,7 @@ def _replicated_drift(files: LegacyFiles, ranks: dict[tuple[int, int], _RankMode
                         f"{kind[0]}{list(kind[1])} ({files.paths[(0, p)]}): a rank file of another model")
                 theirs = _stored_bytes(other)
                 if words is None:
-                    apart = int(bytes(theirs) != bytes(_stored_bytes(first)))
+                    apart = int(bytes(theirs) != mine)
                 else:
                     apart = int(np.count_nonzero(np.frombuffer(theirs, dtype=words.dtype) != words))
                 if apart:

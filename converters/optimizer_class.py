@@ -129,11 +129,10 @@ def class_of(groups: Iterable[dict[str, Any]], default: str = DEFAULT) -> str:
     ``maximize``), or a checkpoint of an older torch that lacks a key its class has now."""
     held = _held(groups)
     torch_shapes = {n: s for n in _torch_classes() if (s := _shape(n)) is not None}
-    for shapes in (lambda: torch_shapes, lambda: torch_shapes | _transformers_shapes()):  # (transformers' only if asked)
-        found = _fitting(held, shapes())
-        if found is not None:
-            return found or default
-    return default
+    found = _fitting(held, torch_shapes)
+    if found is None:  # transformers' asked only where none of torch's fits
+        found = _fitting(held, torch_shapes | _transformers_shapes())
+    return found or default
 
 
 def claimed(claim: str, groups: Iterable[dict[str, Any]]) -> str:
@@ -235,8 +234,7 @@ def _traced(n: int, probe: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
 
 def moments(name: str, groups: Iterable[dict[str, Any]] = ()) -> frozenset[str]:
     """The state keys optimizer ``name`` keeps in its parameter's shape (a matrix's) under any of ``groups``'
-    hyperparameters or its own defaults: what a target laying state out as the parameter (DeepSpeed, Megatron) can
-    hold, and what tells which parameter a state entry is."""
+    hyperparameters or its own defaults: what tells which parameter a state entry saved by position is."""
     out: set[str] = set()
     for group in (*groups, {}):
         found = state_shapes(name, group, _PROBE[:2]) or {}

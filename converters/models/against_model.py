@@ -84,8 +84,9 @@ def _optimizer_problems(ckpt: LogicalCheckpoint, flat: str | None = None) -> lis
     """Every state tensor the optimizer keeps is the shape it keeps for its parameter under its param group's
     hyperparameters (torch's own answer, :func:`optimizer_class.state_shapes`: Adam's moments the parameter's,
     transformers' Adafactor's row variances its rows) and floating where the parameter is, and a parameter with
-    some of that state has all of it that the checkpoint keeps for any (DeepSpeed and Megatron lay moments out flat beside the parameter: a missing
-    one would be zeros, a scalar one broadcast; torch's own step crashes on a cut one). State keys the optimizer
+    some of that state has all of it that the checkpoint keeps for any (DeepSpeed and Megatron lay moments out
+    flat beside the parameter: a missing one would be zeros, a scalar one broadcast; torch's own step crashes on a
+    cut one). State keys the optimizer
     does not keep are not judged (an engine's optimizer torch does not know), but for a target (``flat``: its
     name) that lays state out as the parameter, where every state tensor must be the parameter's shape: a factored
     optimizer's state has no place there."""
