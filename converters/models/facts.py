@@ -692,9 +692,6 @@ def _split_by_values(key: str, name: str, spec: Any) -> fusion.Split:
 
 
 # --- multi-token-prediction layers, held against transformers' MtpModel ------------------------------------
-_IN_LAYER = re.compile(r"^(?:(.+)\.)?layers\.(\d+)\.(.+)$")
-
-
 @dataclass(frozen=True)
 class MtpDisagreement:
     """A stored MTP tensor transformers' MtpModel would not load as it is: ``shape`` None where it is missing, ``why``
@@ -735,10 +732,10 @@ def mtp_disagreements(config: dict[str, Any] | None, held: dict[str, tuple[tuple
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (first, count)):
         log.warning("multi-token-prediction layers not checked: the config counts %r of them", count)
         return []
-    mine = {n: s for n, s in held.items() if (m := _IN_LAYER.match(n)) and first <= int(m[2]) < first + count}
+    mine = {n: s for n, s in held.items() if (m := _LAYER.match(n)) and first <= int(m[2]) < first + count}
     if not mine:
         return []
-    built = max(int(_IN_LAYER.match(n)[2]) for n in mine) - first + 1  # the layers it holds, not all the config counts
+    built = max(int(_LAYER.match(n)[2]) for n in mine) - first + 1  # the layers it holds, not all the config counts
     try:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model, rename_source_key
         from transformers.modeling_layers import MtpModel
@@ -787,14 +784,14 @@ def mtp_disagreements(config: dict[str, Any] | None, held: dict[str, tuple[tuple
     if all(t.is_floating_point() for t in mtp.state_dict().values()):  # (its loading casts an integer tensor without a word)
         out += [MtpDisagreement(n, shape, shape, dtype=dtype) for n, (shape, dtype) in sorted(mine.items())
                 if not dtype_from_name(dtype).is_floating_point]
-    held_layers = {int(_IN_LAYER.match(n)[2]) - first for n in mine}
-    base = next(m[1] for n in mine if (m := _IN_LAYER.match(n)))
+    held_layers = {int(_LAYER.match(n)[2]) - first for n in mine}
+    layers = _LAYER.match(next(iter(mine)))[1]  # the stored layer list's prefix: model.layers.
     for key in sorted(info.missing_keys):
         layer = re.match(r"^layers\.(\d+)\.", key)
         if layer is not None and int(layer[1]) in held_layers and key not in info.conversion_errors:
             # named as MtpModel names it: several stored names load into one key (DeepSeek's shared_head.norm,
             # another release's norm), and which the source would have used it does not say
-            out.append(MtpDisagreement(f"{base + '.' if base else ''}layers.{first + int(layer[1])} (transformers' MtpModel's {key})",
+            out.append(MtpDisagreement(f"{layers}{first + int(layer[1])} (transformers' MtpModel's {key})",
                                        None, wanted.get(key, ())))
     return out
 
